@@ -1,0 +1,36 @@
+"""remat: per-op-call activation checkpointing for PyTorch, as a composable transform."""
+
+from . import policies as policies
+from ._api import Checkpointed as Checkpointed
+from ._api import checkpoint as checkpoint
+from ._api import report as report
+from ._api import trace as trace
+from ._cache import CacheInfo as CacheInfo
+from ._calls import Call as Call
+from ._calls import Decision as Decision
+from ._calls import TensorMeta as TensorMeta
+from ._calls import Trace as Trace
+from ._errors import TraceError as TraceError
+from .report import Report as Report
+
+SAVE = Decision.SAVE
+RECOMPUTE = Decision.RECOMPUTE
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RECOMPUTE",
+    "SAVE",
+    "CacheInfo",
+    "Call",
+    "Checkpointed",
+    "Decision",
+    "Report",
+    "TensorMeta",
+    "Trace",
+    "TraceError",
+    "checkpoint",
+    "policies",
+    "report",
+    "trace",
+]

@@ -1,0 +1,226 @@
+"""The public entry points: `checkpoint`, `trace` and `report`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+
+import optree
+import torch
+
+from ._cache import CacheInfo, LRUCache, ambient_key, tensor_key
+from ._calls import TensorMeta, Trace
+from ._capture import ModuleRoots, find_module_roots
+from ._decide import decide
+from ._partition import partition
+from ._pytree import FlatArgs, flatten_args
+from ._trace import JointGraph, trace_joint
+from ._vjp import Executable, run
+from .report import Report, ReportRow
+
+__all__ = ["Checkpointed", "checkpoint", "report", "trace"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+DEFAULT_CACHE_SIZE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    joint: JointGraph
+    executable: Executable
+    lifted_keys: tuple[tuple[Any, ...], ...]
+
+
+class Checkpointed(Generic[P, T]):
+    """A function wrapped by `remat.checkpoint`; call it like the original.
+
+    It traces the wrapped function once per signature (cached), and exposes
+    `cache_info()` and `cache_clear()` like `functools.lru_cache`.
+    """
+
+    def __init__(self, fn: Callable[P, T], policy: Any, cache_size: int):
+        self.__wrapped__ = fn
+        self.policy = policy
+        self._cache: LRUCache[_Entry] = LRUCache(cache_size)
+        self._roots: ModuleRoots | None = None
+        self._bound: weakref.WeakKeyDictionary[Any, Checkpointed[Any, Any]] = weakref.WeakKeyDictionary()
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> T:
+        if not torch.is_grad_enabled():
+            return self.__wrapped__(*args, **kwargs)
+        flat = flatten_args("remat.checkpoint", args, kwargs)
+        entry, lifted = self._lookup(flat)
+        outputs = run(entry.executable, [*flat.tensors, *lifted])
+        return optree.tree_unflatten(entry.joint.output_spec, list(outputs))  # type: ignore[no-any-return]
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        # Decorating a method: bind it, with one cache per instance.
+        if instance is None:
+            return self
+        bound = self._bound.get(instance)
+        if bound is None:
+            bound = Checkpointed(self.__wrapped__.__get__(instance, owner), self.policy, self._cache.maxsize)  # type: ignore[attr-defined]
+            self._bound[instance] = bound
+        return bound
+
+    def __repr__(self) -> str:
+        name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__name__)
+        return f"remat.checkpoint({name}, policy={self.policy!r})"
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses, traces and size of the trace cache."""
+        return self._cache.info()
+
+    def cache_clear(self) -> None:
+        """Forget every trace (and the modules found in the wrapped function)."""
+        self._cache.clear()
+        self._roots = None
+
+    @property
+    def roots(self) -> ModuleRoots:
+        if self._roots is None:
+            self._roots = find_module_roots(self.__wrapped__)
+        return self._roots
+
+    def _lookup(self, flat: FlatArgs) -> tuple[_Entry, list[torch.Tensor]]:
+        roots = self.roots
+        key = (flat.static_key(), tuple(map(tensor_key, flat.tensors)), ambient_key(roots.modules))
+        entry = self._cache.get(key)
+        if entry is not None:
+            lifted = [slot.fetch() for slot in entry.joint.lifted]
+            if tuple(map(tensor_key, lifted)) == entry.lifted_keys:
+                return entry, lifted
+        joint = trace_joint(self.__wrapped__, flat, roots)
+        executable = _executable(joint, self.policy)
+        lifted = [slot.fetch() for slot in joint.lifted]
+        entry = _Entry(joint, executable, tuple(map(tensor_key, lifted)))
+        self._cache.put(key, entry)
+        return entry, lifted
+
+
+def _executable(joint: JointGraph, policy: Any) -> Executable:
+    programs = partition(joint, decide(policy, joint.trace))
+    return Executable(
+        programs=programs,
+        n_outputs=len(joint.outputs),
+        differentiable_outputs=joint.differentiable_outputs,
+        grad_of=joint.grad_of,
+        n_primals=len(joint.primals),
+        output_metas=tuple(TensorMeta.of(o.meta["val"]) for o in joint.outputs),
+    )
+
+
+@overload
+def checkpoint(fn: Callable[P, T], /, *, policy: Any = None, cache_size: int = ...) -> Checkpointed[P, T]: ...
+@overload
+def checkpoint(
+    fn: None = None, /, *, policy: Any = None, cache_size: int = ...
+) -> Callable[[Callable[P, T]], Checkpointed[P, T]]: ...
+def checkpoint(
+    fn: Callable[P, T] | None = None, /, *, policy: Any = None, cache_size: int = DEFAULT_CACHE_SIZE
+) -> Any:
+    """Wrap `fn` so that its backward keeps only what `policy` saves.
+
+    `fn` is traced (once per input signature) into a list of op calls; the
+    policy answers SAVE or RECOMPUTE for each. The returned function computes
+    the same outputs and gradients as `fn`, but between forward and backward it
+    keeps only the outputs of saved calls that backward reads; discarded calls
+    that backward needs are replayed in backward, each just before first use.
+
+    Args:
+        fn: a function of tensors (and pytrees of them, and static values), or
+            an `nn.Module`. Tensors it closes over, such as module parameters,
+            receive gradients as usual.
+        policy: `None` (recompute everything), a callable
+            `policy(call) -> remat.Decision | bool`, or a planner with
+            `plan(trace)`; see `remat.policies`.
+        cache_size: how many signatures to keep traced (least recently used
+            are dropped).
+
+    Returns:
+        A function with the same signature as `fn`. Usable as a decorator,
+        bare or with options.
+
+    >>> import torch, remat
+    >>> f = remat.checkpoint(lambda x: x.sin().sin().sum())
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> f(x).backward()
+    >>> torch.allclose(x.grad, torch.cos(torch.sin(x)) * torch.cos(x))
+    True
+    """
+    if fn is None:
+        return functools.partial(checkpoint, policy=policy, cache_size=cache_size)
+    if not callable(fn):
+        raise TypeError(
+            f"remat.checkpoint: expected a function or nn.Module to wrap, but got {fn!r} of type "
+            f"{type(fn).__qualname__}. Use `remat.checkpoint(fn, policy=...)` or `@remat.checkpoint(policy=...)`."
+        )
+    return Checkpointed(fn, policy, cache_size)
+
+
+def _joint_of(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], api: str) -> tuple[JointGraph, Any]:
+    flat = flatten_args(api, args, kwargs)
+    if isinstance(fn, Checkpointed):
+        entry, _ = fn._lookup(flat)
+        return entry.joint, fn.policy
+    if not callable(fn):
+        raise TypeError(f"{api}: expected a function or nn.Module, but got {fn!r} of type {type(fn).__qualname__}.")
+    return trace_joint(fn, flat, find_module_roots(fn)), None
+
+
+def trace(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Trace:
+    """Trace `fn` at these arguments and return its forward op calls.
+
+    Args:
+        fn: a function or `nn.Module` (or a `remat.checkpoint` of one).
+        *args: example arguments; only their shapes, dtypes and devices matter.
+        **kwargs: example keyword arguments.
+
+    Returns:
+        The `remat.Trace`: one `remat.Call` per op call a policy decides about.
+
+    >>> import torch, remat
+    >>> trace = remat.trace(lambda a, b: (a @ b).relu(), torch.ones(2, 3), torch.ones(3, 4))
+    >>> [(call.index, call.name) for call in trace]
+    [(0, 'aten.mm.default'), (1, 'aten.relu.default')]
+    """
+    joint, _ = _joint_of(fn, args, kwargs, "remat.trace")
+    return joint.trace
+
+
+def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: Any) -> Report:
+    """Report what `remat.checkpoint(fn, policy=policy)` keeps and replays at these arguments.
+
+    Args:
+        fn: a function or `nn.Module`, or a `remat.checkpoint` of one (whose
+            policy is used when `policy` is None).
+        *args: example arguments.
+        policy: the policy to report on; None means the checkpointed
+            function's own policy, or recompute everything.
+        **kwargs: example keyword arguments.
+
+    Returns:
+        A `remat.Report`; `print(report)` shows a table.
+
+    >>> import torch, remat
+    >>> w = torch.randn(8, 8, requires_grad=True)
+    >>> r = remat.report(lambda x: (x @ w).tanh().sum(), torch.randn(4, 8), policy=remat.policies.save_everything)
+    >>> r.saved_bytes  # the tanh output (4 x 8 floats); the input and w cost nothing
+    128
+    """
+    joint, own_policy = _joint_of(fn, args, kwargs, "remat.report")
+    programs = partition(joint, decide(policy if policy is not None else own_policy, joint.trace))
+    saved, replayed = set(programs.saved_calls), set(programs.replayed_calls)
+    rows = tuple(
+        ReportRow(call, programs.decisions[call.index], call.index in saved, call.index in replayed)
+        for call in joint.trace
+    )
+    return Report(programs.saved_bytes, programs.recompute_flops, programs.replayed_calls, rows, joint.trace)
+
+

@@ -1,0 +1,77 @@
+"""Cache keys and the bounded cache of traced signatures."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import torch
+
+__all__ = ["CacheInfo", "LRUCache", "ambient_key", "tensor_key"]
+
+V = TypeVar("V")
+
+
+class CacheInfo(NamedTuple):
+    """Statistics of a checkpointed function's trace cache.
+
+    `hits` and `misses` count calls; `traces` counts traces (a miss, or a hit
+    whose closed-over tensors changed shape, dtype, device or requires_grad).
+    """
+
+    hits: int
+    misses: int
+    traces: int
+    size: int
+    maxsize: int
+
+
+def tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Everything about a tensor but its values that can change a trace."""
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad, tensor.layout)
+
+
+def ambient_key(modules: Sequence[torch.nn.Module]) -> tuple[Any, ...]:
+    """State outside the arguments that changes a trace: autocast and `training` flags."""
+    return (
+        tuple(
+            (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+        ),
+        torch.is_autocast_cache_enabled(),
+        tuple(module.training for module in modules),
+    )
+
+
+class LRUCache(Generic[V]):
+    """A dict bounded to `maxsize` entries that drops the least recently used."""
+
+    def __init__(self, maxsize: int):
+        if not isinstance(maxsize, int) or maxsize < 1:
+            raise ValueError(f"remat.checkpoint: `cache_size` must be a positive integer, but got {maxsize!r}.")
+        self.maxsize = maxsize
+        self._entries: collections.OrderedDict[Any, V] = collections.OrderedDict()
+        self.hits = self.misses = self.traces = 0
+
+    def get(self, key: Any) -> V | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: Any, entry: V) -> None:
+        self.traces += 1
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.maxsize:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.hits = self.misses = self.traces = 0
+
+    def info(self) -> CacheInfo:
+        return CacheInfo(self.hits, self.misses, self.traces, len(self._entries), self.maxsize)

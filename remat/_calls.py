@@ -1,0 +1,171 @@
+"""The data a policy sees: `Decision`, `TensorMeta`, `Call` and `Trace`."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Call", "Decision", "TensorMeta", "Trace"]
+
+
+class Decision(enum.Enum):
+    """What to do with the outputs of one forward call.
+
+    `SAVE` keeps the outputs that backward (or a replay) reads; `RECOMPUTE`
+    keeps nothing and replays the call in backward if something backward needs
+    depends on it.
+
+    >>> import remat
+    >>> remat.Decision.SAVE is remat.SAVE
+    True
+    """
+
+    SAVE = "save"
+    RECOMPUTE = "recompute"
+
+    def __repr__(self) -> str:
+        return f"remat.{self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype, device and size of one tensor seen while tracing.
+
+    >>> import torch, remat
+    >>> remat.TensorMeta.of(torch.zeros(2, 3))
+    TensorMeta(shape=(2, 3), dtype=torch.float32, device=device(type='cpu'), nbytes=24)
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        """Describe `tensor` (real or fake)."""
+        shape = tuple(int(size) for size in tensor.shape)
+        return cls(shape, tensor.dtype, tensor.device, tensor.numel() * tensor.element_size())
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}[{','.join(map(str, self.shape))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One forward op call of a trace: what a policy decides about.
+
+    Fields:
+        index: position in the trace's list of calls (0-based).
+        op: the `torch._ops.OpOverload` called, e.g. `torch.ops.aten.mm.default`.
+        occurrence: how many earlier calls in the trace had the same `op`.
+        inputs: the arguments, with tensors as `TensorMeta` and other values as
+            themselves.
+        outputs: `TensorMeta` of each tensor the call returns.
+        tags: names given to its outputs with `remat.tag`.
+        module: qualified path of the `nn.Module` whose forward issued the
+            call (`""` for the root module), or `None`.
+        scope: the custom `autograd.Function` or custom op the call belongs
+            to, or `None`.
+        flops: estimated forward FLOPs.
+        nbytes: bytes of its tensor outputs.
+        is_random: whether it draws from a random number generator.
+        source: `file:line` of the user code that issued it, when known.
+    """
+
+    index: int
+    op: Any
+    occurrence: int
+    inputs: tuple[Any, ...]
+    outputs: tuple[TensorMeta, ...]
+    tags: frozenset[str] = frozenset()
+    module: str | None = None
+    scope: str | None = None
+    flops: int = 0
+    nbytes: int = 0
+    is_random: bool = False
+    source: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The op's short name, e.g. `aten.mm.default`."""
+        return op_name(self.op)
+
+    def __str__(self) -> str:
+        outputs = ", ".join(map(str, self.outputs))
+        return f"#{self.index} {self.name} -> {outputs}"
+
+
+def op_name(op: Any) -> str:
+    """Return `aten.mm.default` for `torch.ops.aten.mm.default`."""
+    if isinstance(op, torch._ops.OpOverload):
+        return str(op)
+    return getattr(op, "__name__", str(op))
+
+
+class Trace(Sequence[Call]):
+    """The ordered forward calls of one traced function.
+
+    Views, `getitem`s of multi-output calls and in-place copies back into inputs
+    are not listed: they cost nothing to keep and follow the call that produced
+    their base. `str(trace)` is a table, one row per call.
+
+    >>> import torch, remat
+    >>> trace = remat.trace(lambda x: x.sin().cos(), torch.ones(3))
+    >>> [call.name for call in trace]
+    ['aten.sin.default', 'aten.cos.default']
+    """
+
+    def __init__(self, calls: Sequence[Call]):
+        self._calls = tuple(calls)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._calls[index]
+
+    def __iter__(self) -> Iterator[Call]:
+        return iter(self._calls)
+
+    def __repr__(self) -> str:
+        return f"remat.Trace({len(self)} calls)"
+
+    def __str__(self) -> str:
+        header = ("#", "op", "outputs", "bytes", "FLOPs", "module", "source")
+        rows = [
+            (
+                str(call.index),
+                call.name + (" (random)" if call.is_random else ""),
+                ", ".join(map(str, call.outputs)),
+                format_bytes(call.nbytes),
+                f"{call.flops:,}",
+                call.module if call.module is not None else "",
+                call.source or "",
+            )
+            for call in self._calls
+        ]
+        return format_table(header, rows)
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Render rows as a plain-text table with aligned columns."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def format_bytes(nbytes: int) -> str:
+    """`1.5 MiB` for 1572864."""
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

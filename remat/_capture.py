@@ -1,0 +1,202 @@
+"""What tracing captures beyond `fn`'s arguments.
+
+Three things, all gathered by one `TorchFunctionMode` while `fn` runs under
+the tracer:
+
+* closed-over tensors (module parameters and buffers, global tensors), which
+  must become inputs of the traced graph so that they receive gradients;
+* the `nn.Module` path that issued each op call (via global module hooks);
+* the `file:line` of the user code that issued it.
+
+See NOTE [lifting closed-over tensors].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as torch_pytree
+
+__all__ = ["CallSite", "ModuleRoots", "StateSlot", "capture_mode", "find_module_roots"]
+
+# NOTE [lifting closed-over tensors]
+# make_fx turns real tensors that `fn` closes over into `get_attr` constants,
+# which receive no gradient. So tracing runs twice: a cheap forward on fake
+# tensors first records every real tensor that reaches a torch function (in
+# order of first use), then the joint trace runs `fn` again with each of those
+# replaced, at the torch-function level, by a graph input of the same
+# metadata. A lifted tensor that belongs to an `nn.Module` reachable from `fn`
+# is remembered by its slot (owner module and attribute name) and fetched anew
+# on every call, so a parameter that was swapped since the trace (FSDP's
+# unsharded copies, `load_state_dict(assign=True)`) is what the call uses.
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_REMAT_DIR = os.path.dirname(__file__) + os.sep
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSlot:
+    """Where a closed-over tensor lives, so that each call can fetch it anew."""
+
+    owner: nn.Module | None
+    attribute: str
+    tensor: torch.Tensor | None  # only for tensors that no module owns
+
+    def fetch(self) -> torch.Tensor:
+        if self.owner is None:
+            assert self.tensor is not None
+            return self.tensor
+        slots = self.owner._parameters if self.attribute in self.owner._parameters else self.owner._buffers
+        tensor = slots[self.attribute]
+        if tensor is None:
+            raise RuntimeError(
+                f"remat.checkpoint: `{type(self.owner).__name__}.{self.attribute}` was a tensor when the function "
+                "was traced and is None now. Call `.cache_clear()` on the checkpointed function after changing "
+                "the structure of a module."
+            )
+        return tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRoots:
+    """The `nn.Module`s reachable from `fn`, with the qualified path of every submodule."""
+
+    paths: dict[int, str]  # id(module) -> qualified path
+    slots: dict[int, StateSlot]  # id(tensor) -> slot of a parameter or buffer
+    modules: tuple[nn.Module, ...]
+
+    def slot_of(self, tensor: torch.Tensor) -> StateSlot:
+        return self.slots.get(id(tensor)) or StateSlot(None, "", tensor)
+
+
+def find_module_roots(fn: Callable[..., Any]) -> ModuleRoots:
+    """Find the modules `fn` can reach: itself, its `self`, closure cells and globals it names."""
+    roots: list[tuple[str, nn.Module]] = []
+    if isinstance(fn, nn.Module):
+        roots.append(("", fn))
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        roots.append(("", owner))
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, nn.Module):
+                roots.append((name, value))
+        module_globals = getattr(fn, "__globals__", {})
+        for name in code.co_names:
+            value = module_globals.get(name)
+            if isinstance(value, nn.Module):
+                roots.append((name, value))
+
+    paths: dict[int, str] = {}
+    slots: dict[int, StateSlot] = {}
+    modules: list[nn.Module] = []
+    for prefix, root in roots:
+        for name, module in root.named_modules(remove_duplicate=False):
+            if id(module) in paths:
+                continue
+            paths[id(module)] = ".".join(part for part in (prefix, name) if part)
+            modules.append(module)
+            for table in (module._parameters, module._buffers):
+                for attribute, tensor in table.items():
+                    if tensor is not None:
+                        slots.setdefault(id(tensor), StateSlot(module, attribute, None))
+    return ModuleRoots(paths, slots, tuple(modules))
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSite:
+    """Where an op call came from: module path and source line."""
+
+    module: str | None
+    source: str | None
+
+
+class _CaptureMode(TorchFunctionMode):
+    def __init__(self, roots: ModuleRoots, substitutes: dict[int, torch.Tensor] | None):
+        super().__init__()
+        self.roots = roots
+        self.substitutes = substitutes
+        self.closed_over: dict[int, torch.Tensor] = {}
+        self.module_stack: list[nn.Module] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if self.substitutes is None:
+            self._record_closed_over((args, kwargs))
+            return func(*args, **kwargs)
+        if self.substitutes:
+            args, kwargs = torch_pytree.tree_map_only(torch.Tensor, self._substitute, (args, kwargs))
+        proxy_mode = get_proxy_mode()
+        if proxy_mode is None:
+            return func(*args, **kwargs)
+        graph = proxy_mode.tracer.graph
+        nodes_before = len(graph.nodes)
+        result = func(*args, **kwargs)
+        new_nodes = len(graph.nodes) - nodes_before
+        if new_nodes > 0:
+            site = CallSite(self._module_path(), _user_source())
+            for node, _ in zip(reversed(graph.nodes), range(new_nodes)):
+                node.meta.setdefault("remat_site", site)
+        return result
+
+    def _record_closed_over(self, tree: Any) -> None:
+        for leaf in torch_pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, FakeTensor):
+                self.closed_over.setdefault(id(leaf), leaf)
+
+    def _substitute(self, tensor: torch.Tensor) -> torch.Tensor:
+        assert self.substitutes is not None
+        return self.substitutes.get(id(tensor), tensor)
+
+    def _module_path(self) -> str | None:
+        if not self.module_stack:
+            return None
+        return self.roots.paths.get(id(self.module_stack[-1]))
+
+
+def _user_source() -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_TORCH_DIR, _REMAT_DIR)) and not filename.startswith("<frozen"):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+@contextmanager
+def capture_mode(roots: ModuleRoots, substitutes: dict[int, torch.Tensor] | None) -> Iterator[_CaptureMode]:
+    """Run `fn` under a mode that records closed-over tensors (`substitutes=None`)
+    or replaces them and labels every new graph node with its `CallSite`."""
+    mode = _CaptureMode(roots, substitutes)
+
+    def enter(module: nn.Module, args: Any) -> None:
+        mode.module_stack.append(module)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if mode.module_stack and mode.module_stack[-1] is module:
+            mode.module_stack.pop()
+
+    pre_hook = nn.modules.module.register_module_forward_pre_hook(enter)
+    post_hook = nn.modules.module.register_module_forward_hook(leave, always_call=True)
+    try:
+        with mode:
+            yield mode
+    finally:
+        pre_hook.remove()
+        post_hook.remove()

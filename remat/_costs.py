@@ -1,0 +1,40 @@
+"""Cost estimates of one op call: FLOPs and bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["estimate_flops", "output_nbytes"]
+
+
+def estimate_flops(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """Estimate the forward FLOPs of `op(*args, **kwargs) -> out`.
+
+    Matmul-like ops use torch's own FLOP formulas (`torch.utils.flop_counter`);
+    any other op is counted as one FLOP per output element, which is the right
+    order of magnitude for pointwise ops and reductions.
+    """
+    count_flops = flop_registry.get(getattr(op, "overloadpacket", None))
+    if count_flops is not None:
+        try:
+            return int(count_flops(*args, **kwargs, out_val=out))
+        except Exception:  # a formula that does not accept these arguments
+            pass
+    return sum(t.numel() for t in tensors_in(out))
+
+
+def output_nbytes(out: Any) -> int:
+    """Bytes of the tensors in `out`."""
+    return sum(t.numel() * t.element_size() for t in tensors_in(out))
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of a value that may be a tensor, a tuple/list of them, or neither."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    return []

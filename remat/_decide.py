@@ -1,0 +1,41 @@
+"""Decide: a policy and a trace -> one `Decision` per call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._calls import Decision, Trace
+
+__all__ = ["decide"]
+
+
+def decide(policy: Any, trace: Trace) -> tuple[Decision, ...]:
+    """Ask `policy` (None, a per-call callable, or a planner) for every call of `trace`."""
+    if policy is None:
+        return (Decision.RECOMPUTE,) * len(trace)
+    plan = getattr(policy, "plan", None)
+    if callable(plan):
+        decisions = list(plan(trace))
+        if len(decisions) != len(trace):
+            raise ValueError(
+                f"remat.checkpoint: the planner {policy!r} returned {len(decisions)} decisions for a trace of "
+                f"{len(trace)} calls; `plan(trace)` must return exactly one decision per call."
+            )
+        return tuple(_as_decision(policy, call, d) for call, d in zip(trace, decisions))
+    if callable(policy):
+        return tuple(_as_decision(policy, call, policy(call)) for call in trace)
+    raise TypeError(
+        f"remat.checkpoint: `policy` must be None, a callable `policy(call) -> remat.Decision | bool`, or a "
+        f"planner with a `plan(trace)` method, but got {policy!r} of type {type(policy).__qualname__}."
+    )
+
+
+def _as_decision(policy: Any, call: Any, value: Any) -> Decision:
+    if isinstance(value, Decision):
+        return value
+    if isinstance(value, bool):
+        return Decision.SAVE if value else Decision.RECOMPUTE
+    raise TypeError(
+        f"remat.checkpoint: the policy {policy!r} returned {value!r} (of type {type(value).__qualname__}) for call "
+        f"{call}; a policy must return remat.SAVE, remat.RECOMPUTE, True (save) or False (recompute)."
+    )

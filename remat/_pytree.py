@@ -1,0 +1,91 @@
+"""Arguments and outputs as optree pytrees: tensor leaves are dynamic, the rest static."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import optree
+import torch
+
+__all__ = ["NAMESPACE", "FlatArgs", "flatten_args", "flatten_outputs"]
+
+NAMESPACE = "remat"
+"""optree namespace remat flattens with: register custom containers here or globally."""
+
+_STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None), type(...), enum.Enum, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatArgs:
+    """`(args, kwargs)` split into tensor leaves and a static remainder."""
+
+    spec: optree.PyTreeSpec
+    tensors: tuple[torch.Tensor, ...]
+    tensor_positions: tuple[int, ...]
+    statics: tuple[Any, ...]  # the leaf at every non-tensor position, in order
+
+    def rebuild(self, tensors: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """`(args, kwargs)` with the tensor leaves replaced by `tensors`."""
+        leaves: list[Any] = []
+        tensor_iter, static_iter = iter(tensors), iter(self.statics)
+        positions = set(self.tensor_positions)
+        for position in range(len(self.tensor_positions) + len(self.statics)):
+            leaves.append(next(tensor_iter) if position in positions else next(static_iter))
+        args, kwargs = optree.tree_unflatten(self.spec, leaves)
+        return tuple(args), dict(kwargs)
+
+    def static_key(self) -> tuple[Any, ...]:
+        """Everything but the tensors' values that tracing depends on."""
+        return (self.spec, self.tensor_positions, tuple((type(s), s) for s in self.statics))
+
+
+def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FlatArgs:
+    """Flatten `(args, kwargs)`, checking that every non-tensor leaf is a static value."""
+    paths, leaves, spec = optree.tree_flatten_with_path((args, kwargs), none_is_leaf=False, namespace=NAMESPACE)
+    tensors, positions, statics = [], [], []
+    for position, (path, leaf) in enumerate(zip(paths, leaves)):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            positions.append(position)
+        elif _is_static(leaf):
+            statics.append(leaf)
+        else:
+            raise TypeError(
+                f"{api}: the argument at {_describe_path(path)} is a {type(leaf).__qualname__}, which is neither a "
+                "tensor nor a static value (bool, int, float, str, enum, dtype, device, or a tuple of them). "
+                "Pass tensors as tensors and configuration as static values; a custom container must be "
+                f"registered as a pytree node with optree (namespace={NAMESPACE!r} or global)."
+            )
+    return FlatArgs(spec, tuple(tensors), tuple(positions), tuple(statics))
+
+
+def _is_static(value: Any) -> bool:
+    if isinstance(value, tuple):  # e.g. a torch.Size, or a tuple registered as a leaf
+        return all(_is_static(v) for v in value)
+    return isinstance(value, _STATIC_TYPES)
+
+
+def flatten_outputs(out: Any) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
+    """Flatten `fn`'s output, which must be a pytree of tensors (`None` allowed)."""
+    paths, leaves, spec = optree.tree_flatten_with_path(out, none_is_leaf=False, namespace=NAMESPACE)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"remat.checkpoint: the function returned a {type(leaf).__qualname__} at "
+                f"{_describe_path(path, root='output')}, but a checkpointed function must return a tensor or a "
+                "pytree (tuples, lists, dicts, namedtuples, registered dataclasses) of tensors and None. Return "
+                "non-tensor values from a function outside the checkpoint."
+            )
+    return leaves, spec
+
+
+def _describe_path(path: tuple[Any, ...], root: str | None = None) -> str:
+    if root is None:  # argument paths start with 0 (positional) or 1 (keyword)
+        kind, *rest = path
+        if kind == 0:
+            root, path = f"args[{rest[0]}]", tuple(rest[1:])
+        else:
+            root, path = f"kwargs[{rest[0]!r}]", tuple(rest[1:])
+    return root + "".join(f"[{entry!r}]" for entry in path)

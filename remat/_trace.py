@@ -1,0 +1,336 @@
+"""Tracing: `fn` and example inputs -> a joint forward+backward graph and its `Trace`.
+
+The joint graph is recorded by `make_fx` on fake tensors, functionalized the
+way AOTAutograd does it (`FunctionalTensorMode`), so that mutations of inputs
+become explicit `copy_` nodes at the end and every other node is pure. The
+forward part of it is then described, call by call, as a `remat.Trace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from ._calls import Call, TensorMeta, Trace
+from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode
+from ._costs import estimate_flops, output_nbytes
+from ._errors import TraceError, user_line
+from ._pytree import FlatArgs, flatten_outputs
+
+__all__ = ["JointGraph", "trace_joint"]
+
+aten = torch.ops.aten
+
+# Ops whose output is a view of (or a fresh alias of) their first argument:
+# keeping one costs nothing beyond its base, so they are not offered to a
+# policy and follow their base. See NOTE [free ops follow their base].
+_ALIASING_OPS = frozenset({aten._unsafe_view.default, aten.reshape.default, aten.alias.default})
+
+
+@dataclasses.dataclass(frozen=True)
+class JointGraph:
+    """The traced joint graph of one signature, with its forward part identified.
+
+    Placeholders are the primals (the tensor leaves of the arguments, then the
+    lifted closed-over tensors) followed by one tangent per differentiable
+    output. The output node returns the forward outputs, then one gradient per
+    primal that requires grad and has one (`grad_of` says which).
+    """
+
+    graph: fx.Graph
+    constants: dict[str, Any]  # get_attr targets the graph reads
+    primals: tuple[fx.Node, ...]
+    tangents: tuple[fx.Node, ...]
+    outputs: tuple[fx.Node, ...]  # one per tensor leaf of fn's output
+    output_spec: optree.PyTreeSpec
+    differentiable_outputs: tuple[int, ...]  # indices into outputs that receive a tangent
+    grads: tuple[fx.Node, ...]
+    grad_of: tuple[int, ...]  # primal index of each entry in grads
+    forward_nodes: frozenset[fx.Node]
+    mutations: tuple[fx.Node, ...]  # copy_ of new values back into primals
+    call_nodes: tuple[fx.Node, ...]  # the node of each Call, in trace order
+    trace: Trace
+    lifted: tuple[StateSlot, ...]
+    reached_modules: tuple[torch.nn.Module, ...]
+
+
+def trace_joint(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots) -> JointGraph:
+    """Trace `fn` at the signature of `flat_args` into a `JointGraph`."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with _explain_tracing_errors(fn):
+        discovery = _discover(fn, flat_args, roots, fake_mode)
+        return _trace(fn, flat_args, roots, fake_mode, discovery)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Discovery:
+    closed_over: tuple[torch.Tensor, ...]
+    output_spec: optree.PyTreeSpec
+    output_fakes: tuple[torch.Tensor, ...]
+    reached_modules: tuple[torch.nn.Module, ...]
+
+
+def _fake_like(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+    return fake_mode.from_tensor(tensor.detach())
+
+
+def _discover(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, fake_mode: FakeTensorMode) -> _Discovery:
+    """Run `fn` once on fake tensors to find closed-over tensors and the output structure."""
+    fakes = []
+    for tensor in flat_args.tensors:
+        fake = _fake_like(fake_mode, tensor)
+        fakes.append(fake.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() or tensor.is_complex() else fake)
+    reached: dict[int, torch.nn.Module] = {}
+
+    def note_module(module: torch.nn.Module, args: Any) -> None:
+        reached.setdefault(id(module), module)
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(note_module)
+    try:
+        with fake_mode, torch.enable_grad(), capture_mode(roots, substitutes=None) as mode:
+            args, kwargs = flat_args.rebuild(fakes)
+            out = fn(*args, **kwargs)
+    finally:
+        hook.remove()
+    outputs, output_spec = flatten_outputs(out)
+    return _Discovery(tuple(mode.closed_over.values()), output_spec, tuple(outputs), tuple(reached.values()))
+
+
+def _trace(
+    fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, fake_mode: FakeTensorMode, discovery: _Discovery
+) -> JointGraph:
+    real_primals = [*flat_args.tensors, *discovery.closed_over]
+    n_args = len(flat_args.tensors)
+    wants_grad = [t.requires_grad and (t.is_floating_point() or t.is_complex()) for t in real_primals]
+    differentiable = tuple(i for i, o in enumerate(discovery.output_fakes) if o.requires_grad)
+    fake_primals = [_fake_like(fake_mode, t) for t in real_primals]
+    with fake_mode:
+        fake_tangents = [torch.empty_like(discovery.output_fakes[i]) for i in differentiable]
+
+    boundary: list[fx.Node] = []
+    grad_of: list[int] = []
+
+    def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
+        with FunctionalTensorMode():
+            functional = [FunctionalTensor.to_functional(p) for p in primals]
+            inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, wants_grad)]
+            substitutes = {id(real): inputs[n_args + i] for i, real in enumerate(discovery.closed_over)}
+            with torch.enable_grad():
+                with capture_mode(roots, substitutes):
+                    args, kwargs = flat_args.rebuild(inputs[:n_args])
+                    outputs, _ = flatten_outputs(fn(*args, **kwargs))
+                proxy_mode = get_proxy_mode()
+                assert proxy_mode is not None
+                boundary.append(next(iter(reversed(proxy_mode.tracer.graph.nodes))))
+                wrt = [i for i, grad in enumerate(wants_grad) if grad]
+                diff_outputs = [outputs[i] for i in differentiable]
+                grads: Sequence[torch.Tensor | None] = (
+                    torch.autograd.grad(
+                        diff_outputs,
+                        [inputs[i] for i in wrt],
+                        [FunctionalTensor.to_functional(t) for t in tangents],
+                        allow_unused=True,
+                    )
+                    if diff_outputs and wrt
+                    else [None] * len(wrt)
+                )
+            for primal, value in zip(primals, functional):
+                torch._sync(value)
+                if torch._functionalize_has_data_mutation(value.elem):  # type: ignore[attr-defined]
+                    primal.copy_(torch._from_functional_tensor(value.elem))
+            grad_of.extend(i for i, g in zip(wrt, grads) if g is not None)
+            return (
+                [torch._from_functional_tensor(_sync(o).elem) for o in outputs],
+                [torch._from_functional_tensor(_sync(g).elem) for g in grads if g is not None],
+            )
+
+    gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
+    graph = gm.graph
+    _use_reshape_for_view(graph)
+    graph.eliminate_dead_code()
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    primals = tuple(placeholders[: len(real_primals)])
+    tangents = tuple(placeholders[len(real_primals) :])
+    output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    returned = list(output_node.args[0])
+    outputs = tuple(returned[: len(discovery.output_fakes)])
+    grads = tuple(returned[len(discovery.output_fakes) :])
+    constants = {n.target: getattr(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
+    _check_no_unlifted_parameters(constants)
+
+    mutations = tuple(
+        n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in primals
+    )
+    forward_nodes = _forward_nodes(graph, boundary[0], tangents, [*outputs, *mutations])
+    call_nodes = tuple(n for n in graph.nodes if n in forward_nodes and is_call(n) and n not in mutations)
+    lifted = tuple(roots.slot_of(t) for t in discovery.closed_over)
+    return JointGraph(
+        graph=graph,
+        constants=constants,
+        primals=primals,
+        tangents=tangents,
+        outputs=outputs,
+        output_spec=discovery.output_spec,
+        differentiable_outputs=differentiable,
+        grads=grads,
+        grad_of=tuple(grad_of),
+        forward_nodes=forward_nodes,
+        mutations=mutations,
+        call_nodes=call_nodes,
+        trace=Trace([_describe(i, node, call_nodes[:i]) for i, node in enumerate(call_nodes)]),
+        lifted=lifted,
+        reached_modules=discovery.reached_modules,
+    )
+
+
+def _sync(t: torch.Tensor) -> torch.Tensor:
+    torch._sync(t)
+    return t
+
+
+# NOTE [views are traced as reshapes]
+# `aten.view` is chosen by the tracer from the fake tensors' strides; at run
+# time the same graph can meet tensors with other strides (an incoming
+# gradient that is an expanded scalar, a batched tensor under vmap), where
+# `view` fails. `reshape` is a view whenever `view` would succeed, and copies
+# otherwise, so it is always safe.
+def _use_reshape_for_view(graph: fx.Graph) -> None:
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is aten.view.default:
+            node.target = aten.reshape.default
+
+
+def _check_no_unlifted_parameters(constants: dict[str, Any]) -> None:
+    for name, value in constants.items():
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise TraceError(
+                f"remat.checkpoint: a tensor that requires grad ({tuple(value.shape)}, {value.dtype}) reached the "
+                f"traced graph as the constant `{name}` without passing through a torch function, so it would "
+                "receive no gradient. Pass it to the function as an argument."
+            )
+
+
+def _forward_nodes(graph: fx.Graph, boundary: fx.Node, tangents: Sequence[fx.Node], roots: Sequence[Any]) -> frozenset[fx.Node]:
+    """Nodes of the forward program: everything `fn` itself ran (up to `boundary`)
+    plus the tangent-free ancestors of the outputs and mutations (views regenerated
+    by functionalization after the backward was traced)."""
+    depends_on_tangent: set[fx.Node] = set(tangents)
+    for node in graph.nodes:
+        if any(arg in depends_on_tangent for arg in node.all_input_nodes):
+            depends_on_tangent.add(node)
+    forward: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op in ("call_function", "get_attr"):
+            forward.add(node)
+        if node is boundary:
+            break
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in forward or node.op == "placeholder":
+            continue
+        assert node not in depends_on_tangent
+        forward.add(node)
+        stack.extend(node.all_input_nodes)
+    return frozenset(n for n in forward if n.graph is graph and n.op != "placeholder" and _alive(n))
+
+
+def _alive(node: fx.Node) -> bool:
+    return node.graph is not None and node in node.graph.nodes  # type: ignore[operator]
+
+
+# NOTE [free ops follow their base]
+# A view (or alias, or getitem of a multi-output call) shares memory with its
+# base, so keeping it costs nothing more than keeping the base, and replaying it
+# costs nothing. Such nodes are not calls of the Trace; a policy decides about
+# the call that produced their base.
+def is_free(node: fx.Node) -> bool:
+    """Whether `node` only names (part of) the memory of another node."""
+    if node.op == "get_attr":
+        return True
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem or target in _ALIASING_OPS:
+        return True
+    return bool(getattr(target, "is_view", False))
+
+
+def is_call(node: fx.Node) -> bool:
+    """Whether `node` is an op call a policy decides about."""
+    return node.op == "call_function" and not is_free(node)
+
+
+def _describe(index: int, node: fx.Node, earlier: Sequence[fx.Node]) -> Call:
+    def meta(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            val = value.meta.get("val")
+            return TensorMeta.of(val) if isinstance(val, torch.Tensor) else val
+        return value
+
+    args = fx.node.map_aggregate(node.args, meta)
+    kwargs = fx.node.map_aggregate(node.kwargs, meta)
+    out = node.meta.get("val")
+    fake_args = fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
+    fake_kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
+    site: CallSite = node.meta.get("remat_site", CallSite(None, None))
+    outputs = out if isinstance(out, (tuple, list)) else (out,)
+    return Call(
+        index=index,
+        op=node.target,
+        occurrence=sum(1 for other in earlier if other.target is node.target),
+        inputs=(*args, *kwargs.values()),
+        outputs=tuple(TensorMeta.of(o) for o in outputs if isinstance(o, torch.Tensor)),
+        module=site.module,
+        source=site.source,
+        flops=estimate_flops(node.target, tuple(fake_args), dict(fake_kwargs), out),
+        nbytes=output_nbytes(out),
+        is_random=torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()),
+    )
+
+
+class _explain_tracing_errors:
+    """Turn low-level tracing failures into errors that say what to change in `fn`."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
+        if error is None or isinstance(error, TraceError):
+            return False
+        where = user_line(tb)
+        at = f" at {where}" if where else ""
+        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        if isinstance(error, (DataDependentOutputException, GuardOnDataDependentSymNode)):
+            raise TraceError(
+                f"remat.checkpoint could not trace `{name}`: it reads the value of a tensor in Python{at} "
+                "(`.item()`, `bool(tensor)`, `if tensor...:` or a Python number made from a tensor). Tracing runs "
+                "on tensors without values, so Python control flow must depend only on shapes and non-tensor "
+                "arguments. Use `torch.where` instead of branching on a tensor, or pass the value as a "
+                "non-tensor argument (it becomes part of the cache key)."
+            ) from error
+        if isinstance(error, DynamicOutputShapeException):
+            raise TraceError(
+                f"remat.checkpoint could not trace `{name}`: an op{at} returns a tensor whose shape depends on the "
+                "values of its inputs (such as `nonzero`, `masked_select` or boolean-mask indexing). Use a "
+                "fixed-shape alternative such as `torch.where`."
+            ) from error
+        return False

@@ -1,0 +1,64 @@
+"""`remat.Report`: what a policy keeps and replays, call by call."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._calls import Call, Decision, Trace, format_bytes, format_table
+
+__all__ = ["Report", "ReportRow"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportRow:
+    """One call of a report: its decision and what that decision costs."""
+
+    call: Call
+    decision: Decision  # as applied (random calls are always saved for now)
+    saved: bool  # whether some output of the call is kept for backward
+    replayed: bool  # whether backward runs the call again
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What `remat.checkpoint` keeps between forward and backward under one policy.
+
+    Attributes:
+        saved_bytes: activation bytes kept from forward to backward (distinct
+            storages; inputs and closed-over tensors excluded, since keeping a
+            reference to them costs nothing).
+        recompute_flops: estimated FLOPs of the calls replayed in backward.
+        replayed_calls: indices of the calls replayed in backward.
+        rows: one `ReportRow` per call of the trace.
+        trace: the traced calls.
+
+    `str(report)` is a table in the spirit of JAX's `print_saved_residuals`.
+    """
+
+    saved_bytes: int
+    recompute_flops: int
+    replayed_calls: tuple[int, ...]
+    rows: tuple[ReportRow, ...]
+    trace: Trace
+
+    def __str__(self) -> str:
+        header = ("#", "op", "decision", "kept", "replayed", "outputs", "bytes", "module", "source")
+        body = [
+            (
+                str(row.call.index),
+                row.call.name,
+                row.decision.name,
+                "yes" if row.saved else "",
+                "yes" if row.replayed else "",
+                ", ".join(map(str, row.call.outputs)),
+                format_bytes(row.call.nbytes),
+                row.call.module if row.call.module is not None else "",
+                row.call.source or "",
+            )
+            for row in self.rows
+        ]
+        summary = (
+            f"kept: {format_bytes(self.saved_bytes)} from {sum(r.saved for r in self.rows)} calls; "
+            f"replayed in backward: {len(self.replayed_calls)} calls, {self.recompute_flops:,} FLOPs"
+        )
+        return f"{format_table(header, body)}\n{summary}"
