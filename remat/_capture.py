@@ -127,17 +127,26 @@ class CallSite:
 
 
 class _CaptureMode(TorchFunctionMode):
-    def __init__(self, roots: ModuleRoots, substitutes: dict[int, torch.Tensor] | None):
+    def __init__(
+        self,
+        roots: ModuleRoots,
+        substitutes: dict[int, torch.Tensor] | None,
+        fakeify: Callable[[torch.Tensor], torch.Tensor] | None,
+    ):
         super().__init__()
         self.roots = roots
         self.substitutes = substitutes
+        self.fakeify = fakeify
         self.closed_over: dict[int, torch.Tensor] = {}
+        self.fakes: dict[int, torch.Tensor] = {}
         self.module_stack: list[nn.Module] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if self.substitutes is None:
-            self._record_closed_over((args, kwargs))
+            # Discovery: record real tensors and run on fake copies of them, so
+            # that nothing real is read or written (buffers updated in place).
+            args, kwargs = torch_pytree.tree_map_only(torch.Tensor, self._record_closed_over, (args, kwargs))
             return func(*args, **kwargs)
         if self.substitutes:
             args, kwargs = torch_pytree.tree_map_only(torch.Tensor, self._substitute, (args, kwargs))
@@ -154,10 +163,14 @@ class _CaptureMode(TorchFunctionMode):
                 node.meta.setdefault("remat_site", site)
         return result
 
-    def _record_closed_over(self, tree: Any) -> None:
-        for leaf in torch_pytree.tree_leaves(tree):
-            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, FakeTensor):
-                self.closed_over.setdefault(id(leaf), leaf)
+    def _record_closed_over(self, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, FakeTensor):
+            return tensor
+        assert self.fakeify is not None
+        if id(tensor) not in self.fakes:
+            self.closed_over[id(tensor)] = tensor
+            self.fakes[id(tensor)] = self.fakeify(tensor)
+        return self.fakes[id(tensor)]
 
     def _substitute(self, tensor: torch.Tensor) -> torch.Tensor:
         assert self.substitutes is not None
@@ -180,10 +193,15 @@ def _user_source() -> str | None:
 
 
 @contextmanager
-def capture_mode(roots: ModuleRoots, substitutes: dict[int, torch.Tensor] | None) -> Iterator[_CaptureMode]:
-    """Run `fn` under a mode that records closed-over tensors (`substitutes=None`)
-    or replaces them and labels every new graph node with its `CallSite`."""
-    mode = _CaptureMode(roots, substitutes)
+def capture_mode(
+    roots: ModuleRoots,
+    substitutes: dict[int, torch.Tensor] | None,
+    fakeify: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Iterator[_CaptureMode]:
+    """Run `fn` under a mode that records closed-over tensors, running on fake
+    copies made by `fakeify` (when `substitutes` is None), or that replaces them
+    by `substitutes` and labels every new graph node with its `CallSite`."""
+    mode = _CaptureMode(roots, substitutes, fakeify)
 
     def enter(module: nn.Module, args: Any) -> None:
         mode.module_stack.append(module)

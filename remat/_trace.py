@@ -96,12 +96,15 @@ def _discover(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, f
         fakes.append(fake.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() or tensor.is_complex() else fake)
     reached: dict[int, torch.nn.Module] = {}
 
+    def fakeify(tensor: torch.Tensor) -> torch.Tensor:
+        return _fake_like(fake_mode, tensor).requires_grad_(tensor.requires_grad)
+
     def note_module(module: torch.nn.Module, args: Any) -> None:
         reached.setdefault(id(module), module)
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(note_module)
     try:
-        with fake_mode, torch.enable_grad(), capture_mode(roots, substitutes=None) as mode:
+        with fake_mode, torch.enable_grad(), capture_mode(roots, None, fakeify) as mode:
             args, kwargs = flat_args.rebuild(fakes)
             out = fn(*args, **kwargs)
     finally:
