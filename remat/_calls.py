@@ -145,7 +145,7 @@ class Trace(Sequence[Call]):
                 ", ".join(map(str, call.outputs)),
                 format_bytes(call.nbytes),
                 f"{call.flops:,}",
-                call.module if call.module is not None else "",
+                _module_label(call.module),
                 call.source or "",
             )
             for call in self._calls
@@ -169,3 +169,7 @@ def format_bytes(nbytes: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def _module_label(path: str | None) -> str:
+    return "<root>" if path == "" else (path or "")

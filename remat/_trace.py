@@ -303,8 +303,23 @@ def _describe(index: int, node: fx.Node, earlier: Sequence[fx.Node]) -> Call:
         source=site.source,
         flops=estimate_flops(node.target, tuple(fake_args), dict(fake_kwargs), out),
         nbytes=output_nbytes(out),
-        is_random=torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()),
+        is_random=draws_random_numbers(node),
     )
+
+
+def draws_random_numbers(node: fx.Node) -> bool:
+    """Whether the call really draws from an RNG: attention with `dropout_p=0` does not."""
+    op = node.target
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    for position, argument in enumerate(op._schema.arguments):  # type: ignore[union-attr]
+        if argument.name == "dropout_p":
+            if position < len(node.args):
+                probability = node.args[position]
+            else:
+                probability = node.kwargs.get(argument.name, argument.default_value)
+            return probability != 0
+    return True
 
 
 class _explain_tracing_errors:

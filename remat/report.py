@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._calls import Call, Decision, Trace, format_bytes, format_table
+from ._calls import Call, Decision, Trace, _module_label, format_bytes, format_table
 
 __all__ = ["Report", "ReportRow"]
 
@@ -52,7 +52,7 @@ class Report:
                 "yes" if row.replayed else "",
                 ", ".join(map(str, row.call.outputs)),
                 format_bytes(row.call.nbytes),
-                row.call.module if row.call.module is not None else "",
+                _module_label(row.call.module),
                 row.call.source or "",
             )
             for row in self.rows
