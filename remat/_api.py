@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
 
 import optree
 import torch
@@ -57,7 +57,7 @@ class Checkpointed(Generic[P, T]):
         flat = flatten_args("remat.checkpoint", args, kwargs)
         entry, lifted = self._lookup(flat)
         outputs = run(entry.executable, [*flat.tensors, *lifted])
-        return optree.tree_unflatten(entry.joint.output_spec, list(outputs))  # type: ignore[no-any-return]
+        return cast(T, optree.tree_unflatten(entry.joint.output_spec, list(outputs)))
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         # Decorating a method: bind it, with one cache per instance.
@@ -122,9 +122,7 @@ def checkpoint(fn: Callable[P, T], /, *, policy: Any = None, cache_size: int = .
 def checkpoint(
     fn: None = None, /, *, policy: Any = None, cache_size: int = ...
 ) -> Callable[[Callable[P, T]], Checkpointed[P, T]]: ...
-def checkpoint(
-    fn: Callable[P, T] | None = None, /, *, policy: Any = None, cache_size: int = DEFAULT_CACHE_SIZE
-) -> Any:
+def checkpoint(fn: Callable[P, T] | None = None, /, *, policy: Any = None, cache_size: int = DEFAULT_CACHE_SIZE) -> Any:
     """Wrap `fn` so that its backward keeps only what `policy` saves.
 
     `fn` is traced (once per input signature) into a list of op calls; the
@@ -164,7 +162,9 @@ def checkpoint(
     return Checkpointed(fn, policy, cache_size)
 
 
-def _joint_of(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], api: str) -> tuple[JointGraph, Any]:
+def _joint_of(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], api: str
+) -> tuple[JointGraph, Any]:
     flat = flatten_args(api, args, kwargs)
     if isinstance(fn, Checkpointed):
         entry, _ = fn._lookup(flat)
@@ -222,5 +222,3 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
         for call in joint.trace
     )
     return Report(programs.saved_bytes, programs.recompute_flops, programs.replayed_calls, rows, joint.trace)
-
-

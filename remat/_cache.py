@@ -35,9 +35,7 @@ def tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
 def ambient_key(modules: Sequence[torch.nn.Module]) -> tuple[Any, ...]:
     """State outside the arguments that changes a trace: autocast and `training` flags."""
     return (
-        tuple(
-            (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
-        ),
+        tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")),
         torch.is_autocast_cache_enabled(),
         tuple(module.training for module in modules),
     )

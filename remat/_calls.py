@@ -156,7 +156,10 @@ class Trace(Sequence[Call]):
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Render rows as a plain-text table with aligned columns."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *rows]]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
+        for row in [header, *rows]
+    ]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
 

@@ -89,7 +89,7 @@ def find_module_roots(fn: Callable[..., Any]) -> ModuleRoots:
         roots.append(("", owner))
     code = getattr(fn, "__code__", None)
     if code is not None:
-        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False):
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
@@ -159,7 +159,7 @@ class _CaptureMode(TorchFunctionMode):
         new_nodes = len(graph.nodes) - nodes_before
         if new_nodes > 0:
             site = CallSite(self._module_path(), _user_source())
-            for node, _ in zip(reversed(graph.nodes), range(new_nodes)):
+            for node, _ in zip(reversed(graph.nodes), range(new_nodes), strict=False):
                 node.meta.setdefault("remat_site", site)
         return result
 

@@ -21,7 +21,7 @@ def decide(policy: Any, trace: Trace) -> tuple[Decision, ...]:
                 f"remat.checkpoint: the planner {policy!r} returned {len(decisions)} decisions for a trace of "
                 f"{len(trace)} calls; `plan(trace)` must return exactly one decision per call."
             )
-        return tuple(_as_decision(policy, call, d) for call, d in zip(trace, decisions))
+        return tuple(_as_decision(policy, call, d) for call, d in zip(trace, decisions, strict=False))
     if callable(policy):
         return tuple(_as_decision(policy, call, policy(call)) for call in trace)
     raise TypeError(

@@ -57,11 +57,11 @@ class Programs:
 def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
     """Split `joint` into forward and backward programs that keep what `decisions` save."""
     applied = tuple(
-        Decision.SAVE if call.is_random else decision for call, decision in zip(joint.trace, decisions)
+        Decision.SAVE if call.is_random else decision for call, decision in zip(joint.trace, decisions, strict=False)
     )  # random calls cannot be replayed identically yet: keep their outputs
     decision_of = {node: applied[i] for i, node in enumerate(joint.call_nodes)}
     primal_index = {node: i for i, node in enumerate(joint.primals)}
-    mutated = {m.args[0] for m in joint.mutations}
+    mutated: set[fx.Node] = {m.args[0] for m in joint.mutations}  # type: ignore[misc]
 
     backward_nodes = [
         n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in joint.forward_nodes
@@ -210,4 +210,3 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [v for v in value if isinstance(v, torch.Tensor)]
     return []
-

@@ -14,7 +14,21 @@ __all__ = ["NAMESPACE", "FlatArgs", "flatten_args", "flatten_outputs"]
 NAMESPACE = "remat"
 """optree namespace remat flattens with: register custom containers here or globally."""
 
-_STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None), type(...), enum.Enum, torch.dtype, torch.device, torch.layout, torch.memory_format)
+_STATIC_TYPES = (
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type(None),
+    type(...),
+    enum.Enum,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +57,12 @@ class FlatArgs:
 
 def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FlatArgs:
     """Flatten `(args, kwargs)`, checking that every non-tensor leaf is a static value."""
-    paths, leaves, spec = optree.tree_flatten_with_path((args, kwargs), none_is_leaf=False, namespace=NAMESPACE)
-    tensors, positions, statics = [], [], []
-    for position, (path, leaf) in enumerate(zip(paths, leaves)):
+    tree: Any = (args, kwargs)
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=False, namespace=NAMESPACE)
+    tensors: list[torch.Tensor] = []
+    positions: list[int] = []
+    statics: list[Any] = []
+    for position, (path, leaf) in enumerate(zip(paths, leaves, strict=False)):
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             positions.append(position)
@@ -70,7 +87,7 @@ def _is_static(value: Any) -> bool:
 def flatten_outputs(out: Any) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
     """Flatten `fn`'s output, which must be a pytree of tensors (`None` allowed)."""
     paths, leaves, spec = optree.tree_flatten_with_path(out, none_is_leaf=False, namespace=NAMESPACE)
-    for path, leaf in zip(paths, leaves):
+    for path, leaf in zip(paths, leaves, strict=False):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"remat.checkpoint: the function returned a {type(leaf).__qualname__} at "

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import optree
@@ -93,7 +94,9 @@ def _discover(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, f
     fakes = []
     for tensor in flat_args.tensors:
         fake = _fake_like(fake_mode, tensor)
-        fakes.append(fake.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() or tensor.is_complex() else fake)
+        fakes.append(
+            fake.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() or tensor.is_complex() else fake
+        )
     reached: dict[int, torch.nn.Module] = {}
 
     def fakeify(tensor: torch.Tensor) -> torch.Tensor:
@@ -130,7 +133,7 @@ def _trace(
     def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
         with FunctionalTensorMode():
             functional = [FunctionalTensor.to_functional(p) for p in primals]
-            inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, wants_grad)]
+            inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, wants_grad, strict=False)]
             substitutes = {id(real): inputs[n_args + i] for i, real in enumerate(discovery.closed_over)}
             with torch.enable_grad():
                 with capture_mode(roots, substitutes):
@@ -151,15 +154,12 @@ def _trace(
                     if diff_outputs and wrt
                     else [None] * len(wrt)
                 )
-            for primal, value in zip(primals, functional):
+            for primal, value in zip(primals, functional, strict=True):
                 torch._sync(value)
                 if torch._functionalize_has_data_mutation(value.elem):  # type: ignore[attr-defined]
-                    primal.copy_(torch._from_functional_tensor(value.elem))
-            grad_of.extend(i for i, g in zip(wrt, grads) if g is not None)
-            return (
-                [torch._from_functional_tensor(_sync(o).elem) for o in outputs],
-                [torch._from_functional_tensor(_sync(g).elem) for g in grads if g is not None],
-            )
+                    primal.copy_(_unwrap(value))
+            grad_of.extend(i for i, g in zip(wrt, grads, strict=True) if g is not None)
+            return [_unwrap(o) for o in outputs], [_unwrap(g) for g in grads if g is not None]
 
     gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
     graph = gm.graph
@@ -201,9 +201,10 @@ def _trace(
     )
 
 
-def _sync(t: torch.Tensor) -> torch.Tensor:
-    torch._sync(t)
-    return t
+def _unwrap(functional: Any) -> torch.Tensor:
+    """The traced tensor behind a `FunctionalTensor`, with pending updates applied."""
+    torch._sync(functional)
+    return torch._from_functional_tensor(functional.elem)
 
 
 # NOTE [views are traced as reshapes]
@@ -228,7 +229,9 @@ def _check_no_unlifted_parameters(constants: dict[str, Any]) -> None:
             )
 
 
-def _forward_nodes(graph: fx.Graph, boundary: fx.Node, tangents: Sequence[fx.Node], roots: Sequence[Any]) -> frozenset[fx.Node]:
+def _forward_nodes(
+    graph: fx.Graph, boundary: fx.Node, tangents: Sequence[fx.Node], roots: Sequence[Any]
+) -> frozenset[fx.Node]:
     """Nodes of the forward program: everything `fn` itself ran (up to `boundary`)
     plus the tangent-free ancestors of the outputs and mutations (views regenerated
     by functionalization after the backward was traced)."""
@@ -318,37 +321,35 @@ def draws_random_numbers(node: fx.Node) -> bool:
                 probability = node.args[position]
             else:
                 probability = node.kwargs.get(argument.name, argument.default_value)
-            return probability != 0
+            return bool(probability != 0)
     return True
 
 
-class _explain_tracing_errors:
+@contextmanager
+def _explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
     """Turn low-level tracing failures into errors that say what to change in `fn`."""
+    try:
+        yield
+    except (DataDependentOutputException, GuardOnDataDependentSymNode) as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it reads the value of a tensor in Python"
+            f"{_at(error)} (`.item()`, `bool(tensor)`, `if tensor...:` or a Python number made from a tensor). "
+            "Tracing runs on tensors without values, so Python control flow must depend only on shapes and "
+            "non-tensor arguments. Use `torch.where` instead of branching on a tensor, or pass the value as a "
+            "non-tensor argument (it becomes part of the cache key)."
+        ) from error
+    except DynamicOutputShapeException as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: an op{_at(error)} returns a tensor whose shape "
+            "depends on the values of its inputs (such as `nonzero`, `masked_select` or boolean-mask "
+            "indexing). Use a fixed-shape alternative such as `torch.where`."
+        ) from error
 
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
 
-    def __enter__(self) -> None:
-        return None
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
 
-    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
-        if error is None or isinstance(error, TraceError):
-            return False
-        where = user_line(tb)
-        at = f" at {where}" if where else ""
-        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
-        if isinstance(error, (DataDependentOutputException, GuardOnDataDependentSymNode)):
-            raise TraceError(
-                f"remat.checkpoint could not trace `{name}`: it reads the value of a tensor in Python{at} "
-                "(`.item()`, `bool(tensor)`, `if tensor...:` or a Python number made from a tensor). Tracing runs "
-                "on tensors without values, so Python control flow must depend only on shapes and non-tensor "
-                "arguments. Use `torch.where` instead of branching on a tensor, or pass the value as a "
-                "non-tensor argument (it becomes part of the cache key)."
-            ) from error
-        if isinstance(error, DynamicOutputShapeException):
-            raise TraceError(
-                f"remat.checkpoint could not trace `{name}`: an op{at} returns a tensor whose shape depends on the "
-                "values of its inputs (such as `nonzero`, `masked_select` or boolean-mask indexing). Use a "
-                "fixed-shape alternative such as `torch.where`."
-            ) from error
-        return False
+
+def _at(error: BaseException) -> str:
+    where = user_line(error.__traceback__)
+    return f" at {where}" if where else ""

@@ -79,7 +79,6 @@ class _CheckpointFunction(torch.autograd.Function):
             tangents.append(grad)
         computed = executable.programs.backward(*ctx.saved_tensors, *tangents)
         grad_inputs: list[torch.Tensor | None] = [None] * executable.n_primals
-        for primal, grad in zip(executable.grad_of, computed):
+        for primal, grad in zip(executable.grad_of, computed, strict=False):
             grad_inputs[primal] = grad
         return (None, *grad_inputs)
-

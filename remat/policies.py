@@ -15,7 +15,7 @@ save_any_of(save_ops(aten.mm), save_calls(0))
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Union
 
 import torch
@@ -33,7 +33,7 @@ __all__ = [
     "save_unless",
 ]
 
-PolicyLike = Union[Callable[[Call], Union[Decision, bool]], "Policy", None]
+PolicyLike = Union[Callable[[Call], Decision | bool], "Policy", None]
 
 
 class Policy:
@@ -224,9 +224,7 @@ class _Not(Policy):
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
         from ._decide import decide
 
-        return tuple(
-            Decision.RECOMPUTE if d is Decision.SAVE else Decision.SAVE for d in decide(self.policy, trace)
-        )
+        return tuple(Decision.RECOMPUTE if d is Decision.SAVE else Decision.SAVE for d in decide(self.policy, trace))
 
     def __repr__(self) -> str:
         return f"~{self.policy!r}"
@@ -241,5 +239,3 @@ def save_unless(policy: PolicyLike, unless: PolicyLike) -> Policy:
     save_all_of(save_everything, ~save_ops(aten.mm))
     """
     return save_all_of(policy, _Not(unless))
-
-

@@ -1,0 +1,43 @@
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s doctest`, `nox -s soak`."""
+
+import nox
+
+nox.options.sessions = ["tests", "lint"]
+nox.options.default_venv_backend = "venv"
+
+TORCH = "torch==2.13.0"  # the CPU build; an unpinned torch pulls a CUDA build
+
+
+def install(session: nox.Session, extras: str) -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (doctests included), with the fast hypothesis profile."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session
+def doctest(session: nox.Session) -> None:
+    """The `>>>` examples of every public docstring."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "-q", "remat", *session.posargs)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Property tests with the long hypothesis profile."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "-q", "tests", *session.posargs, env={"HYPOTHESIS_PROFILE": "soak"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Formatting, lint and type checks over the whole package."""
+    install(session, "dev")
+    session.run("ruff", "format", "--check", "remat", "tests", "examples", "noxfile.py")
+    session.run("ruff", "check", "remat", "tests", "examples", "noxfile.py")
+    session.run("mypy")
