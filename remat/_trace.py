@@ -72,9 +72,20 @@ class JointGraph:
 def trace_joint(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots) -> JointGraph:
     """Trace `fn` at the signature of `flat_args` into a `JointGraph`."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _explain_tracing_errors(fn):
+    with _explain_tracing_errors(fn), _without_saved_tensors_hooks():
         discovery = _discover(fn, flat_args, roots, fake_mode)
         return _trace(fn, flat_args, roots, fake_mode, discovery)
+
+
+@contextmanager
+def _without_saved_tensors_hooks() -> Iterator[None]:
+    """Keep a user's `saved_tensors_hooks` (e.g. CPU offloading) away from the fake
+    tensors that tracing's autograd saves; they apply to what the programs keep."""
+    previous = torch._C._autograd._saved_tensors_hooks_set_tracing(True)
+    try:
+        yield
+    finally:
+        torch._C._autograd._saved_tensors_hooks_set_tracing(previous)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Benchmarks of remat against eager PyTorch and other checkpointing methods."""
