@@ -30,12 +30,14 @@ aten = torch.ops.aten
 class Kept:
     """One value the backward program reads, and where the forward finds it.
 
-    `primal` is the index of an input kept by reference (no new memory);
-    otherwise the value is `activation`-th extra output of the forward program.
+    `primal` is the index of an input kept by reference (no new memory),
+    `output` the index of one of the user's outputs; otherwise the value is the
+    `activation`-th extra output of the forward program.
     """
 
     node: fx.Node
     primal: int | None = None
+    output: int | None = None
     activation: int | None = None
 
 
@@ -102,16 +104,20 @@ def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
 
     kept: list[Kept] = []
     activations: list[fx.Node] = []
+    output_index = {node: i for i, node in reversed(list(enumerate(joint.outputs)))}
     for node in kept_nodes:
         if node.op == "placeholder" and node not in mutated:
             kept.append(Kept(node, primal=primal_index[node]))
+        elif node in output_index and node.op != "placeholder":
+            kept.append(Kept(node, output=output_index[node]))
         else:  # an activation, or an input the forward overwrites (kept as a copy)
             kept.append(Kept(node, activation=len(activations)))
             activations.append(node)
 
     call_index = {node: i for i, node in enumerate(joint.call_nodes)}
     replayed_calls = tuple(sorted(call_index[n] for n in replayed if n in call_index))
-    saved_calls = tuple(sorted({call_index[_producer(n)] for n in activations if _producer(n) in call_index}))
+    produced = [k.node for k in kept if k.primal is None]
+    saved_calls = tuple(sorted({call_index[_producer(n)] for n in produced if _producer(n) in call_index}))
     return Programs(
         forward=_forward_program(joint, activations, mutated),
         backward=_backward_program(joint, kept, backward_nodes),
@@ -120,7 +126,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
         decisions=applied,
         saved_calls=saved_calls,
         replayed_calls=replayed_calls,
-        saved_bytes=_saved_bytes(activations, joint.primals),
+        saved_bytes=_saved_bytes(produced, joint.primals),
         recompute_flops=sum(joint.trace[i].flops for i in replayed_calls),
     )
 

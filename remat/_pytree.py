@@ -58,17 +58,18 @@ class FlatArgs:
 def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FlatArgs:
     """Flatten `(args, kwargs)`, checking that every non-tensor leaf is a static value."""
     tree: Any = (args, kwargs)
-    paths, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=False, namespace=NAMESPACE)
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
     tensors: list[torch.Tensor] = []
     positions: list[int] = []
     statics: list[Any] = []
-    for position, (path, leaf) in enumerate(zip(paths, leaves, strict=False)):
+    for position, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             positions.append(position)
         elif _is_static(leaf):
             statics.append(leaf)
         else:
+            path = optree.tree_paths(tree, none_is_leaf=False, namespace=NAMESPACE)[position]
             raise TypeError(
                 f"{api}: the argument at {_describe_path(path)} is a {type(leaf).__qualname__}, which is neither a "
                 "tensor nor a static value (bool, int, float, str, enum, dtype, device, or a tuple of them). "

@@ -27,7 +27,13 @@ class Executable:
 
 def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Run the forward program, keeping what backward needs; return the user's outputs."""
-    results = _CheckpointFunction.apply(executable, *primals)
+    if torch._C._are_functorch_transforms_active():
+        results = _CheckpointFunction.apply(executable, *primals)
+    else:
+        # `Function.apply` binds the arguments with `inspect.signature` on every
+        # call, a third of the overhead of a small call; `forward` takes plain
+        # positional arguments, so go straight to the C++ apply it ends in.
+        results = _apply_without_binding(executable, *primals)
     return tuple(results[: executable.n_outputs])
 
 
@@ -41,7 +47,7 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(executable: Executable, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(executable.programs.forward(*primals))
+        return tuple(executable.programs.forward.forward(*primals))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -50,7 +56,11 @@ class _CheckpointFunction(torch.autograd.Function):
         programs = executable.programs
         ctx.executable = executable
         kept = [
-            primals[k.primal] if k.primal is not None else output[executable.n_outputs + k.activation]  # type: ignore[operator]
+            primals[k.primal]
+            if k.primal is not None
+            else output[k.output]
+            if k.output is not None
+            else output[executable.n_outputs + k.activation]  # type: ignore[operator]
             for k in programs.kept
         ]
         ctx.save_for_backward(*kept)
@@ -77,8 +87,11 @@ class _CheckpointFunction(torch.autograd.Function):
                 meta = executable.output_metas[i]
                 grad = torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
             tangents.append(grad)
-        computed = executable.programs.backward(*ctx.saved_tensors, *tangents)
+        computed = executable.programs.backward.forward(*ctx.saved_tensors, *tangents)
         grad_inputs: list[torch.Tensor | None] = [None] * executable.n_primals
         for primal, grad in zip(executable.grad_of, computed, strict=False):
             grad_inputs[primal] = grad
         return (None, *grad_inputs)
+
+
+_apply_without_binding = super(torch.autograd.Function, _CheckpointFunction).apply
