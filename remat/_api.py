@@ -27,13 +27,27 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 DEFAULT_CACHE_SIZE = 64
+_VARIANTS_PER_KEY = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
+    """One traced signature, valid while its guard holds."""
+
     joint: JointGraph
     executable: Executable
-    lifted_keys: tuple[tuple[Any, ...], ...]
+    guard: tuple[Any, ...]  # see _guard
+
+    def fetch_if_valid(self) -> list[torch.Tensor] | None:
+        """The closed-over tensors to call with, or None if the trace no longer fits them."""
+        lifted = [slot.fetch() for slot in self.joint.lifted]
+        return lifted if _guard(self.joint, lifted) == self.guard else None
+
+
+def _guard(joint: JointGraph, lifted: list[torch.Tensor]) -> tuple[Any, ...]:
+    """What the cache key cannot see before tracing: the closed-over tensors' metadata,
+    and the `training` flags of modules that ran but are not reachable from `fn` itself."""
+    return (tuple(map(tensor_key, lifted)), tuple(module.training for module in joint.reached_modules))
 
 
 class Checkpointed(Generic[P, T]):
@@ -46,7 +60,7 @@ class Checkpointed(Generic[P, T]):
     def __init__(self, fn: Callable[P, T], policy: Any, cache_size: int):
         self.__wrapped__ = fn
         self.policy = policy
-        self._cache: LRUCache[_Entry] = LRUCache(cache_size)
+        self._cache: LRUCache[list[_Entry]] = LRUCache(cache_size)
         self._roots: ModuleRoots | None = None
         self._bound: weakref.WeakKeyDictionary[Any, Checkpointed[Any, Any]] = weakref.WeakKeyDictionary()
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
@@ -91,16 +105,16 @@ class Checkpointed(Generic[P, T]):
     def _lookup(self, flat: FlatArgs) -> tuple[_Entry, list[torch.Tensor]]:
         roots = self.roots
         key = (flat.static_key(), tuple(map(tensor_key, flat.tensors)), ambient_key(roots.modules))
-        entry = self._cache.get(key)
-        if entry is not None:
-            lifted = [slot.fetch() for slot in entry.joint.lifted]
-            if tuple(map(tensor_key, lifted)) == entry.lifted_keys:
+        entries = self._cache.get(key) or []
+        for entry in entries:
+            lifted = entry.fetch_if_valid()
+            if lifted is not None:
                 return entry, lifted
         joint = trace_joint(self.__wrapped__, flat, roots)
-        executable = _executable(joint, self.policy)
         lifted = [slot.fetch() for slot in joint.lifted]
-        entry = _Entry(joint, executable, tuple(map(tensor_key, lifted)))
-        self._cache.put(key, entry)
+        entry = _Entry(joint, _executable(joint, self.policy), _guard(joint, lifted))
+        # A few variants per key (say, a closed-over module in train and eval mode); the oldest goes first.
+        self._cache.put(key, [entry, *entries][:_VARIANTS_PER_KEY])
         return entry, lifted
 
 

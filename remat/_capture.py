@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -75,8 +75,23 @@ class ModuleRoots:
     slots: dict[int, StateSlot]  # id(tensor) -> slot of a parameter or buffer
     modules: tuple[nn.Module, ...]
 
-    def slot_of(self, tensor: torch.Tensor) -> StateSlot:
-        return self.slots.get(id(tensor)) or StateSlot(None, "", tensor)
+    def slot_of(self, tensor: torch.Tensor, reached: Iterable[nn.Module] = ()) -> StateSlot:
+        """The slot of `tensor` in a root's module tree, or in a module whose forward ran, or itself."""
+        slot = self.slots.get(id(tensor))
+        if slot is None:
+            slot = state_slots(reached).get(id(tensor), StateSlot(None, "", tensor))
+        return slot
+
+
+def state_slots(modules: Iterable[nn.Module]) -> dict[int, StateSlot]:
+    """The slot of every parameter and buffer the given modules own directly, by tensor id."""
+    slots: dict[int, StateSlot] = {}
+    for module in modules:
+        for table in (module._parameters, module._buffers):
+            for attribute, tensor in table.items():
+                if tensor is not None:
+                    slots.setdefault(id(tensor), StateSlot(module, attribute, None))
+    return slots
 
 
 def find_module_roots(fn: Callable[..., Any]) -> ModuleRoots:
@@ -103,19 +118,13 @@ def find_module_roots(fn: Callable[..., Any]) -> ModuleRoots:
                 roots.append((name, value))
 
     paths: dict[int, str] = {}
-    slots: dict[int, StateSlot] = {}
     modules: list[nn.Module] = []
     for prefix, root in roots:
         for name, module in root.named_modules(remove_duplicate=False):
-            if id(module) in paths:
-                continue
-            paths[id(module)] = ".".join(part for part in (prefix, name) if part)
-            modules.append(module)
-            for table in (module._parameters, module._buffers):
-                for attribute, tensor in table.items():
-                    if tensor is not None:
-                        slots.setdefault(id(tensor), StateSlot(module, attribute, None))
-    return ModuleRoots(paths, slots, tuple(modules))
+            if id(module) not in paths:
+                paths[id(module)] = ".".join(part for part in (prefix, name) if part)
+                modules.append(module)
+    return ModuleRoots(paths, state_slots(modules), tuple(modules))
 
 
 @dataclasses.dataclass(frozen=True)

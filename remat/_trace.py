@@ -192,7 +192,7 @@ def _trace(
     )
     forward_nodes = _forward_nodes(graph, boundary[0], tangents, [*outputs, *mutations])
     call_nodes = tuple(n for n in graph.nodes if n in forward_nodes and is_call(n) and n not in mutations)
-    lifted = tuple(roots.slot_of(t) for t in discovery.closed_over)
+    lifted = tuple(roots.slot_of(t, discovery.reached_modules) for t in discovery.closed_over)
     return JointGraph(
         graph=graph,
         constants=constants,
@@ -348,6 +348,14 @@ def _explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "Tracing runs on tensors without values, so Python control flow must depend only on shapes and "
             "non-tensor arguments. Use `torch.where` instead of branching on a tensor, or pass the value as a "
             "non-tensor argument (it becomes part of the cache key)."
+        ) from error
+    except RuntimeError as error:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(error):
+            raise
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it updates in place{_at(error)} an input that "
+            "requires grad. remat does not support in-place updates of differentiable inputs yet; update a copy "
+            "instead (`x = x.clone()` first, or the out-of-place op such as `x = x + y` for `x += y`)."
         ) from error
     except DynamicOutputShapeException as error:
         raise TraceError(
