@@ -155,10 +155,10 @@ class _CaptureMode(TorchFunctionMode):
         if self.substitutes is None:
             # Discovery: record real tensors and run on fake copies of them, so
             # that nothing real is read or written (buffers updated in place).
-            args, kwargs = torch_pytree.tree_map_only(torch.Tensor, self._record_closed_over, (args, kwargs))
+            args, kwargs = torch_pytree.tree_map_only(torch.Tensor, self.record_closed_over, (args, kwargs))
             return func(*args, **kwargs)
         if self.substitutes:
-            args, kwargs = torch_pytree.tree_map_only(torch.Tensor, self._substitute, (args, kwargs))
+            args, kwargs = torch_pytree.tree_map_only(torch.Tensor, self.substitute, (args, kwargs))
         proxy_mode = get_proxy_mode()
         if proxy_mode is None:
             return func(*args, **kwargs)
@@ -172,7 +172,8 @@ class _CaptureMode(TorchFunctionMode):
                 node.meta.setdefault("remat_site", site)
         return result
 
-    def _record_closed_over(self, tensor: torch.Tensor) -> torch.Tensor:
+    def record_closed_over(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Note `tensor` if it is real (closed over), and return the fake tensor standing for it."""
         if isinstance(tensor, FakeTensor):
             return tensor
         assert self.fakeify is not None
@@ -181,7 +182,8 @@ class _CaptureMode(TorchFunctionMode):
             self.fakes[id(tensor)] = self.fakeify(tensor)
         return self.fakes[id(tensor)]
 
-    def _substitute(self, tensor: torch.Tensor) -> torch.Tensor:
+    def substitute(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The graph input standing for `tensor` if it is closed over, else `tensor`."""
         assert self.substitutes is not None
         return self.substitutes.get(id(tensor), tensor)
 

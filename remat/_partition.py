@@ -151,7 +151,12 @@ def _forward_program(joint: JointGraph, activations: Sequence[fx.Node], mutated:
     for node in joint.graph.nodes:
         if node in joint.forward_nodes:
             env[node] = graph.node_copy(node, lambda n: env[n])
-    returned = [env[o] for o in joint.outputs] + [copies.get(a) or env[a] for a in activations]
+    # An input returned as is must leave the Function as a view of itself:
+    # autograd.Function refuses to save an input it also returns unchanged.
+    outputs = [
+        graph.call_function(aten.alias.default, (env[o],)) if o in joint.primals else env[o] for o in joint.outputs
+    ]
+    returned = outputs + [copies.get(a) or env[a] for a in activations]
     graph.output(tuple(returned))
     return _module(joint, graph)
 

@@ -124,6 +124,7 @@ def _discover(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, f
     finally:
         hook.remove()
     outputs, output_spec = flatten_outputs(out)
+    outputs = [mode.record_closed_over(o) for o in outputs]  # a closed-over tensor returned as is
     return _Discovery(tuple(mode.closed_over.values()), output_spec, tuple(outputs), tuple(reached.values()))
 
 
@@ -147,9 +148,10 @@ def _trace(
             inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, wants_grad, strict=False)]
             substitutes = {id(real): inputs[n_args + i] for i, real in enumerate(discovery.closed_over)}
             with torch.enable_grad():
-                with capture_mode(roots, substitutes):
+                with capture_mode(roots, substitutes) as mode:
                     args, kwargs = flat_args.rebuild(inputs[:n_args])
                     outputs, _ = flatten_outputs(fn(*args, **kwargs))
+                outputs = [mode.substitute(o) for o in outputs]
                 proxy_mode = get_proxy_mode()
                 assert proxy_mode is not None
                 boundary.append(next(iter(reversed(proxy_mode.tracer.graph.nodes))))
@@ -349,6 +351,13 @@ def _explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "non-tensor arguments. Use `torch.where` instead of branching on a tensor, or pass the value as a "
             "non-tensor argument (it becomes part of the cache key)."
         ) from error
+    except DynamicOutputShapeException as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: an op{_at(error)} returns a tensor whose shape "
+            "depends on the values of its inputs (such as `nonzero`, `masked_select` or boolean-mask "
+            "indexing). Use a fixed-shape alternative such as `torch.where`."
+        ) from error
+
     except RuntimeError as error:
         if "leaf Variable that requires grad is being used in an in-place operation" not in str(error):
             raise
@@ -356,12 +365,6 @@ def _explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             f"remat.checkpoint could not trace `{_name(fn)}`: it updates in place{_at(error)} an input that "
             "requires grad. remat does not support in-place updates of differentiable inputs yet; update a copy "
             "instead (`x = x.clone()` first, or the out-of-place op such as `x = x + y` for `x += y`)."
-        ) from error
-    except DynamicOutputShapeException as error:
-        raise TraceError(
-            f"remat.checkpoint could not trace `{_name(fn)}`: an op{_at(error)} returns a tensor whose shape "
-            "depends on the values of its inputs (such as `nonzero`, `masked_select` or boolean-mask "
-            "indexing). Use a fixed-shape alternative such as `torch.where`."
         ) from error
 
 

@@ -143,7 +143,7 @@ class _SaveCalls(Policy):
             if not -len(trace) <= index < len(trace):
                 raise IndexError(
                     f"remat.policies.save_calls: index {index} is out of range for a trace of {len(trace)} calls "
-                    f"(valid: 0 to {len(trace) - 1}). Print `remat.trace(fn, *args)` to see the calls."
+                    f"(valid: {-len(trace)} to {len(trace) - 1}). Print `remat.trace(fn, *args)` to see the calls."
                 )
         chosen = {index % len(trace) for index in self.indices}
         return tuple(Decision.SAVE if call.index in chosen else Decision.RECOMPUTE for call in trace)

@@ -1,0 +1,299 @@
+"""The wording of remat's errors: each names the API, says what was expected and what was got, and how to fix it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import remat
+from remat import policies
+
+aten = torch.ops.aten
+DTYPE = torch.float64
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=DTYPE, requires_grad=True)
+
+
+def _where(marker: str) -> str:
+    """`test_errors.py:<line>` of this file's line that ends with `# @marker`, as a regex."""
+    lines = pathlib.Path(__file__).read_text().splitlines()
+    (number,) = [i for i, text in enumerate(lines, 1) if text.rstrip().endswith(f"# @{marker}")]
+    return re.escape(f"{os.path.basename(__file__)}:{number}")
+
+
+def matmul_sin_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a @ b).sin().sum()  # three calls: mm, sin, sum
+
+
+def _matmul_args() -> tuple[torch.Tensor, torch.Tensor]:
+    return _randn(2, 3), _randn(3, 4)
+
+
+# --- what is wrapped ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("not_a_function", [3, "abc", [lambda x: x]], ids=["int", "str", "list"])
+def test_checkpoint_of_a_non_callable(not_a_function):
+    with pytest.raises(TypeError, match=r"remat\.checkpoint: expected a function or nn\.Module") as info:
+        remat.checkpoint(not_a_function)
+    assert repr(not_a_function) in str(info.value)
+    assert type(not_a_function).__qualname__ in str(info.value)
+
+
+def test_decorator_factory_with_a_non_callable():
+    with pytest.raises(TypeError, match=r"remat\.checkpoint: expected a function or nn\.Module.*got 42 of type int"):
+        remat.checkpoint(policy=policies.save_everything)(42)
+
+
+def test_trace_of_a_non_callable():
+    with pytest.raises(TypeError, match=r"remat\.trace: expected a function or nn\.Module.*got 'sin' of type str"):
+        remat.trace("sin", _randn(3))
+
+
+# --- policies -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value", ["save", None, 1, remat.Decision.SAVE.value], ids=["str", "none", "int", "enum-value"]
+)
+def test_policy_returning_a_non_decision(value):
+    def policy(call: remat.Call) -> object:
+        return value
+
+    f = remat.checkpoint(matmul_sin_sum, policy=policy)
+    with pytest.raises(TypeError) as info:
+        f(*_matmul_args())
+    message = str(info.value)
+    assert message.startswith("remat.checkpoint: the policy")
+    assert f"returned {value!r} (of type {type(value).__qualname__})" in message
+    assert "aten.mm.default" in message  # the call it was asked about (the first)
+    assert "#0" in message
+    assert "remat.SAVE, remat.RECOMPUTE, True (save) or False (recompute)" in message
+
+
+def test_policy_returning_a_non_decision_names_the_call_it_failed_on():
+    def policy(call: remat.Call) -> object:
+        return "save" if call.op is aten.sin.default else remat.RECOMPUTE
+
+    with pytest.raises(TypeError, match=r"returned 'save' \(of type str\) for call #1 aten\.sin\.default"):
+        remat.report(matmul_sin_sum, *_matmul_args(), policy=policy)
+
+
+@pytest.mark.parametrize("policy", [3, "save_nothing", 2.5], ids=["int", "str", "float"])
+def test_policy_of_a_wrong_type(policy):
+    f = remat.checkpoint(matmul_sin_sum, policy=policy)
+    with pytest.raises(TypeError, match=r"remat\.checkpoint: `policy` must be None, a callable") as info:
+        f(*_matmul_args())
+    assert f"got {policy!r} of type {type(policy).__qualname__}" in str(info.value)
+    assert "plan(trace)" in str(info.value)
+
+
+def test_planner_returning_the_wrong_number_of_decisions():
+    class ShortPlanner:
+        def plan(self, trace: remat.Trace) -> list[remat.Decision]:
+            return [remat.SAVE] * (len(trace) - 1)
+
+        def __repr__(self) -> str:
+            return "ShortPlanner()"
+
+    with pytest.raises(ValueError, match=r"the planner ShortPlanner\(\) returned 2 decisions for a trace of 3 calls"):
+        remat.checkpoint(matmul_sin_sum, policy=ShortPlanner())(*_matmul_args())
+    with pytest.raises(ValueError, match=r"exactly one decision per call"):
+        remat.report(matmul_sin_sum, *_matmul_args(), policy=ShortPlanner())
+
+
+def test_planner_returning_a_non_decision():
+    class Planner:
+        def plan(self, trace: remat.Trace) -> list[object]:
+            return ["keep"] * len(trace)
+
+    with pytest.raises(TypeError, match=r"returned 'keep' \(of type str\) for call #0 aten\.mm\.default"):
+        remat.report(matmul_sin_sum, *_matmul_args(), policy=Planner())
+
+
+@pytest.mark.parametrize("index", [3, 7, -4], ids=["one-past-end", "far", "negative"])
+def test_save_calls_index_out_of_range(index):
+    f = remat.checkpoint(matmul_sin_sum, policy=policies.save_calls(0, index))
+    expected = rf"remat\.policies\.save_calls: index {index} is out of range for a trace of 3 calls"
+    with pytest.raises(IndexError, match=expected):
+        f(*_matmul_args())
+    with pytest.raises(IndexError, match=expected):
+        remat.report(matmul_sin_sum, *_matmul_args(), policy=policies.save_calls(index))
+    with pytest.raises(IndexError, match=re.escape("remat.trace(fn, *args)")):
+        remat.report(matmul_sin_sum, *_matmul_args(), policy=policies.save_calls(index))
+
+
+@pytest.mark.parametrize("index", [1.5, "0", True], ids=["float", "str", "bool"])
+def test_save_calls_with_a_non_integer(index):
+    with pytest.raises(TypeError, match=r"remat\.policies\.save_calls: expected integer call indices, but got"):
+        policies.save_calls(index)
+
+
+@pytest.mark.parametrize(
+    ("function", "suggestion"),
+    [
+        (torch.mm, "torch.ops.aten.mm"),
+        (torch.sin, "torch.ops.aten.sin"),
+        (torch.nn.functional.relu, "torch.ops.aten.relu"),
+    ],
+    ids=["mm", "sin", "functional-relu"],
+)
+def test_save_ops_with_a_python_function(function, suggestion):
+    with pytest.raises(TypeError, match=r"remat\.policies\.save_ops: expected operators from `torch\.ops`") as info:
+        policies.save_ops(aten.add.Tensor, function)
+    assert f"`{suggestion}`" in str(info.value)
+    assert type(function).__qualname__ in str(info.value)
+
+
+def test_save_ops_with_a_string():
+    with pytest.raises(TypeError, match=r"expected operators from `torch\.ops`.*but got 'aten\.mm' of type str"):
+        policies.save_ops("aten.mm")
+
+
+def test_cache_size_must_be_positive():
+    with pytest.raises(ValueError, match=r"remat\.checkpoint: `cache_size` must be a positive integer, but got 0"):
+        remat.checkpoint(matmul_sin_sum, cache_size=0)
+
+
+# --- arguments and outputs ------------------------------------------------------------------------
+
+
+def test_argument_leaf_that_is_an_object():
+    f = remat.checkpoint(lambda inputs: inputs["x"].sin())
+    with pytest.raises(TypeError, match=r"remat\.checkpoint: the argument at args\[0\]\['extra'\] is a object") as info:
+        f({"x": _randn(3), "extra": object()})
+    assert "neither a tensor nor a static value" in str(info.value)
+    assert "register" in str(info.value)
+
+
+def test_argument_leaf_that_is_a_numpy_array():
+    f = remat.checkpoint(lambda x, inputs: x * inputs["scale"][1])
+    with pytest.raises(TypeError, match=r"the argument at args\[1\]\['scale'\]\[1\] is a ndarray"):
+        f(_randn(3), {"scale": [1.0, np.ones(3)]})
+
+
+def test_keyword_argument_leaf_that_is_not_static():
+    f = remat.checkpoint(lambda x, *, options: x.sin())
+    with pytest.raises(TypeError, match=r"the argument at kwargs\['options'\]\[0\] is a object"):
+        f(_randn(3), options=(object(), 2))
+
+
+def test_trace_names_itself_for_a_bad_argument():
+    with pytest.raises(TypeError, match=r"remat\.trace: the argument at args\[1\] is a object"):
+        remat.trace(lambda x, y: x.sin(), _randn(3), object())
+
+
+@pytest.mark.parametrize(
+    ("returned", "where"),
+    [(3, r"output"), ("done", r"output"), ((None, "done"), r"output\[1\]"), ({"loss": 1.5}, r"output\['loss'\]")],
+    ids=["int", "str", "tuple-with-str", "dict-with-float"],
+)
+def test_output_that_is_not_a_tensor(returned, where):
+    def fn(x: torch.Tensor) -> object:
+        x.sin()
+        return returned
+
+    kind = type(optree_leaf(returned)).__qualname__
+    expected = rf"remat\.checkpoint: the function returned an? {kind} at {where}, but a checkpointed function must return a tensor"
+    with pytest.raises(TypeError, match=expected):
+        remat.checkpoint(fn)(_randn(3))
+    with pytest.raises(TypeError, match=expected):
+        remat.trace(fn, _randn(3))
+
+
+def optree_leaf(value: object) -> object:
+    """The one non-None leaf of the small outputs above."""
+    if isinstance(value, tuple):
+        return value[1]
+    if isinstance(value, dict):
+        return next(iter(value.values()))
+    return value
+
+
+def test_output_tensor_next_to_a_string():
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, str]:
+        return x.sin(), "label"
+
+    with pytest.raises(TypeError, match=r"returned an? str at output\[1\]"):
+        remat.checkpoint(fn)(_randn(3))
+
+
+# --- data-dependent Python control flow -----------------------------------------------------------
+
+
+def reads_item(x: torch.Tensor) -> torch.Tensor:
+    scale = x.sum().item()  # @item
+    return x * scale
+
+
+def branches_on_a_tensor(x: torch.Tensor) -> torch.Tensor:
+    if x.sum() > 0:  # @branch
+        return x.sin()
+    return x.cos()
+
+
+def python_float_of_a_tensor(x: torch.Tensor) -> torch.Tensor:
+    return x * float(x.max())  # @float
+
+
+@pytest.mark.parametrize(
+    ("fn", "marker"),
+    [(reads_item, "item"), (branches_on_a_tensor, "branch"), (python_float_of_a_tensor, "float")],
+    ids=["item", "if", "float"],
+)
+def test_data_dependent_control_flow_is_a_trace_error(fn, marker):
+    for run in (lambda: remat.checkpoint(fn)(_randn(3)), lambda: remat.trace(fn, _randn(3))):
+        with pytest.raises(remat.TraceError, match=r"reads the value of a tensor") as info:
+            run()
+        message = str(info.value)
+        assert re.search(_where(marker), message), message
+        assert f"`{fn.__qualname__}`" in message
+        assert "torch.where" in message
+    assert issubclass(remat.TraceError, RuntimeError)
+
+
+def test_data_dependent_control_flow_inside_a_module():
+    class Gate(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            while x.norm() > 1:  # @while
+                x = x / 2
+            return x
+
+    with pytest.raises(remat.TraceError, match=r"reads the value of a tensor in Python at .*" + _where("while")):
+        remat.checkpoint(Gate())(_randn(3))
+
+
+def test_data_dependent_output_shape_is_a_trace_error():
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x[x > 0].sum()  # @mask
+
+    with pytest.raises(remat.TraceError, match=r"whose shape depends on the values of its inputs") as info:
+        remat.checkpoint(fn)(_randn(4))
+    assert re.search(_where("mask"), str(info.value))
+
+
+def test_in_place_update_of_a_differentiable_input_is_a_trace_error():
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)  # @in_place
+        return x.sin()
+
+    with pytest.raises(remat.TraceError, match=r"updates in place .* an input that requires grad") as info:
+        remat.checkpoint(fn)(_randn(3))
+    assert re.search(_where("in_place"), str(info.value))
+    assert "clone" in str(info.value)
+
+
+def test_other_tracing_errors_pass_through_unchanged():
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x @ x  # a shape mismatch, as eager would report it
+
+    with pytest.raises(RuntimeError, match=r"same reduction dim") as info:
+        remat.checkpoint(fn)(torch.randn(2, 3, requires_grad=True))
+    assert not isinstance(info.value, remat.TraceError)
