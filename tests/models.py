@@ -174,6 +174,12 @@ def pytree_fn(inputs: dict[str, Any]) -> dict[str, Any]:
 def pytree_inputs(*, seed: int = 1, requires_grad: bool = True) -> dict[str, Any]:
     return {
         "a": randn(3, 4, seed=seed, requires_grad=requires_grad),
-        "bc": (randn(4, 5, seed=seed + 1, requires_grad=requires_grad), randn(3, 5, seed=seed + 2, requires_grad=requires_grad)),
-        "pair": Pair(randn(3, 5, seed=seed + 3, requires_grad=requires_grad), randn(2, 5, seed=seed + 4, requires_grad=requires_grad)),
+        "bc": (
+            randn(4, 5, seed=seed + 1, requires_grad=requires_grad),
+            randn(3, 5, seed=seed + 2, requires_grad=requires_grad),
+        ),
+        "pair": Pair(
+            randn(3, 5, seed=seed + 3, requires_grad=requires_grad),
+            randn(2, 5, seed=seed + 4, requires_grad=requires_grad),
+        ),
     }
