@@ -122,7 +122,6 @@ def _executable(joint: JointGraph, policy: Any) -> Executable:
     programs = partition(joint, decide(policy, joint.trace))
     return Executable(
         programs=programs,
-        n_outputs=len(joint.outputs),
         differentiable_outputs=joint.differentiable_outputs,
         grad_of=joint.grad_of,
         n_primals=len(joint.primals),
@@ -232,7 +231,20 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
     programs = partition(joint, decide(policy if policy is not None else own_policy, joint.trace))
     saved, replayed = set(programs.saved_calls), set(programs.replayed_calls)
     rows = tuple(
-        ReportRow(call, programs.decisions[call.index], call.index in saved, call.index in replayed)
+        ReportRow(
+            call,
+            programs.decisions[call.index],
+            saved=call.index in saved,
+            replayed=call.index in replayed,
+            rng_state_kept=call.is_random and call.index in replayed,
+        )
         for call in joint.trace
     )
-    return Report(programs.saved_bytes, programs.recompute_flops, programs.replayed_calls, rows, joint.trace)
+    return Report(
+        saved_bytes=programs.saved_bytes,
+        rng_state_bytes=programs.rng_state_bytes,
+        recompute_flops=programs.recompute_flops,
+        replayed_calls=programs.replayed_calls,
+        rows=rows,
+        trace=joint.trace,
+    )

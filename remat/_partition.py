@@ -1,10 +1,12 @@
-"""Partition: a joint graph and one decision per call -> forward and backward programs.
+"""Partition: a joint graph and one decision per call -> the programs that run it.
 
 The forward program runs every forward node once (side effects included) and
-returns the user's outputs followed by the activations backward keeps. The
-backward program takes the kept values and the incoming gradients, replays the
+returns the user's outputs followed by what backward keeps. The backward
+program takes the kept values and the incoming gradients, replays the
 discarded calls that the gradient formulas read, each just before its first
-use, and returns the gradients.
+use, and returns the gradients. Outputs that are views of inputs or of other
+outputs are rebuilt outside the autograd.Function by a small epilogue, so that
+autograd tracks them as the views they are (as eager does).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import _rng
 from ._calls import Decision
-from ._trace import JointGraph, is_call
+from ._trace import JointGraph, is_call, is_free
 
 __all__ = ["Kept", "Programs", "partition"]
 
@@ -30,38 +33,41 @@ aten = torch.ops.aten
 class Kept:
     """One value the backward program reads, and where the forward finds it.
 
-    `primal` is the index of an input kept by reference (no new memory),
-    `output` the index of one of the user's outputs; otherwise the value is the
-    `activation`-th extra output of the forward program.
+    `primal` is the index of an input kept by reference (no new memory);
+    `output` the position of one of the Function's returned outputs;
+    otherwise the value is the `activation`-th extra output of the forward
+    program: the value of `node`, or, with `rng_state`, the state of the
+    generator right before `node` (a random call) ran.
     """
 
     node: fx.Node
     primal: int | None = None
     output: int | None = None
     activation: int | None = None
+    rng_state: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
     """Everything needed to run one signature under one set of decisions."""
 
-    forward: fx.GraphModule  # primals -> (*outputs, *activations)
+    forward: fx.GraphModule  # primals -> (*returned outputs, *activations)
     backward: fx.GraphModule  # (*kept, *tangents) -> grads
+    epilogue: fx.GraphModule | None  # (*primals, *returned outputs) -> all outputs; None if all are returned
+    returned: tuple[int, ...]  # indices of the outputs the Function returns
     kept: tuple[Kept, ...]
-    n_activations: int
-    decisions: tuple[Decision, ...]  # as applied (random calls are saved)
+    decisions: tuple[Decision, ...]
     saved_calls: tuple[int, ...]  # calls whose outputs are kept
     replayed_calls: tuple[int, ...]
-    saved_bytes: int
+    saved_bytes: int  # activations and generator states
+    rng_state_bytes: int
     recompute_flops: int
 
 
 def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
-    """Split `joint` into forward and backward programs that keep what `decisions` save."""
-    applied = tuple(
-        Decision.SAVE if call.is_random else decision for call, decision in zip(joint.trace, decisions, strict=False)
-    )  # random calls cannot be replayed identically yet: keep their outputs
-    decision_of = {node: applied[i] for i, node in enumerate(joint.call_nodes)}
+    """Split `joint` into programs that keep what `decisions` save and replay the rest."""
+    decisions = tuple(decisions)
+    decision_of = {node: decisions[i] for i, node in enumerate(joint.call_nodes)}
     primal_index = {node: i for i, node in enumerate(joint.primals)}
     mutated: set[fx.Node] = {m.args[0] for m in joint.mutations}  # type: ignore[misc]
 
@@ -102,31 +108,39 @@ def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
             replayed.add(node)
             stack.extend(reversed(node.all_input_nodes))
 
+    call_index = {node: i for i, node in enumerate(joint.call_nodes)}
+    replayed_calls = tuple(sorted(call_index[n] for n in replayed if n in call_index))
+    random_replays = [joint.call_nodes[i] for i in replayed_calls if joint.trace[i].is_random]
+
+    returned = _returned_outputs(joint)
+    position = {joint.outputs[i]: p for p, i in reversed(list(enumerate(returned)))}
     kept: list[Kept] = []
     activations: list[fx.Node] = []
-    output_index = {node: i for i, node in reversed(list(enumerate(joint.outputs)))}
     for node in kept_nodes:
         if node.op == "placeholder" and node not in mutated:
             kept.append(Kept(node, primal=primal_index[node]))
-        elif node in output_index and node.op != "placeholder":
-            kept.append(Kept(node, output=output_index[node]))
+        elif node in position:
+            kept.append(Kept(node, output=position[node]))
         else:  # an activation, or an input the forward overwrites (kept as a copy)
             kept.append(Kept(node, activation=len(activations)))
             activations.append(node)
+    kept.extend(
+        Kept(node, activation=len(activations) + k, rng_state=True) for k, node in enumerate(random_replays)
+    )
 
-    call_index = {node: i for i, node in enumerate(joint.call_nodes)}
-    replayed_calls = tuple(sorted(call_index[n] for n in replayed if n in call_index))
-    produced = [k.node for k in kept if k.primal is None]
-    saved_calls = tuple(sorted({call_index[_producer(n)] for n in produced if _producer(n) in call_index}))
+    produced = [k.node for k in kept if k.primal is None and not k.rng_state]
+    rng_state_bytes = sum(_rng.state_nbytes(_device_of(node)) for node in random_replays)
     return Programs(
-        forward=_forward_program(joint, activations, mutated),
+        forward=_forward_program(joint, returned, activations, random_replays, mutated),
         backward=_backward_program(joint, kept, backward_nodes),
+        epilogue=_epilogue(joint, returned) if len(returned) < len(joint.outputs) else None,
+        returned=returned,
         kept=tuple(kept),
-        n_activations=len(activations),
-        decisions=applied,
-        saved_calls=saved_calls,
+        decisions=decisions,
+        saved_calls=tuple(sorted({call_index[_producer(n)] for n in produced if _producer(n) in call_index})),
         replayed_calls=replayed_calls,
-        saved_bytes=_saved_bytes(produced, joint.primals),
+        saved_bytes=_saved_bytes(produced, joint.primals) + rng_state_bytes,
+        rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(joint.trace[i].flops for i in replayed_calls),
     )
 
@@ -138,7 +152,39 @@ def _producer(node: fx.Node) -> fx.Node:
     return node
 
 
-def _forward_program(joint: JointGraph, activations: Sequence[fx.Node], mutated: set[fx.Node]) -> fx.GraphModule:
+def _view_base(node: fx.Node) -> fx.Node:
+    """Follow views (not getitems) down to the node whose memory they show."""
+    while node.op == "call_function" and is_free(node) and node.target is not operator.getitem:
+        node = node.args[0]  # type: ignore[assignment]
+    return node
+
+
+def _returned_outputs(joint: JointGraph) -> tuple[int, ...]:
+    """Indices of the outputs the Function returns; the others are views of inputs or of
+    returned outputs (or repeats of them), rebuilt by the epilogue."""
+    returned: dict[fx.Node, int] = {}
+    for i, output in enumerate(joint.outputs):  # first, outputs that own their memory
+        if output.op != "placeholder" and _view_base(output) is output:
+            returned.setdefault(output, i)
+    for i, output in enumerate(joint.outputs):  # then views of something that is not an output
+        base = _view_base(output)
+        if base.op != "placeholder" and base not in returned:
+            returned.setdefault(output, i)
+    return tuple(sorted(returned.values()))
+
+
+def _device_of(node: fx.Node) -> torch.device:
+    value = node.meta["val"]
+    return (value if isinstance(value, torch.Tensor) else value[0]).device
+
+
+def _forward_program(
+    joint: JointGraph,
+    returned: Sequence[int],
+    activations: Sequence[fx.Node],
+    random_replays: Sequence[fx.Node],
+    mutated: set[fx.Node],
+) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for primal in joint.primals:
@@ -148,24 +194,34 @@ def _forward_program(joint: JointGraph, activations: Sequence[fx.Node], mutated:
         for primal in joint.primals
         if primal in mutated and primal in activations
     }  # the value before the forward overwrites it
+    states: dict[fx.Node, fx.Node] = {}
     for node in joint.graph.nodes:
         if node in joint.forward_nodes:
+            if node in random_replays:  # See NOTE [replaying random calls].
+                generator = _rng.generator_of(node)
+                states[node] = graph.call_function(
+                    _rng.rng_state, (_device_of(node), env[generator] if generator is not None else None)
+                )
             env[node] = graph.node_copy(node, lambda n: env[n])
-    # An input returned as is must leave the Function as a view of itself:
-    # autograd.Function refuses to save an input it also returns unchanged.
-    outputs = [
-        graph.call_function(aten.alias.default, (env[o],)) if o in joint.primals else env[o] for o in joint.outputs
-    ]
-    returned = outputs + [copies.get(a) or env[a] for a in activations]
-    graph.output(tuple(returned))
+    graph.output(
+        (
+            *(env[joint.outputs[i]] for i in returned),
+            *(copies.get(a) or env[a] for a in activations),
+            *(states[node] for node in random_replays),
+        )
+    )
     return _module(joint, graph)
 
 
 def _backward_program(joint: JointGraph, kept: Sequence[Kept], backward_nodes: Sequence[fx.Node]) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    states: dict[fx.Node, fx.Node] = {}
     for value in kept:
-        env[value.node] = graph.placeholder(f"kept_{value.node.name}")
+        if value.rng_state:
+            states[value.node] = graph.placeholder(f"rng_state_of_{value.node.name}")
+        else:
+            env[value.node] = graph.placeholder(f"kept_{value.node.name}")
     for tangent in joint.tangents:
         env[tangent] = graph.placeholder(tangent.name)
 
@@ -175,7 +231,17 @@ def _backward_program(joint: JointGraph, kept: Sequence[Kept], backward_nodes: S
         if node not in env:
             for arg in node.all_input_nodes:
                 emit(arg)
-            env[node] = graph.node_copy(node, lambda n: env[n])
+            if node in states:
+                args = fx.node.map_arg(node.args, lambda n: env[n])
+                kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+                env[node] = graph.call_function(
+                    _rng.replay_with_rng_state,
+                    (states[node], _device_of(node), node.target, *args),  # type: ignore[arg-type]
+                    kwargs,
+                )
+                env[node].meta = dict(node.meta)
+            else:
+                env[node] = graph.node_copy(node, lambda n: env[n])
         return env[node]
 
     for node in backward_nodes:
@@ -190,6 +256,23 @@ def _backward_program(joint: JointGraph, kept: Sequence[Kept], backward_nodes: S
 # right before the first backward node that reads it, with FX's code
 # generation freeing each value after its last use, keeps the replayed values
 # alive only while the gradient formulas that read them run.
+
+
+def _epilogue(joint: JointGraph, returned: Sequence[int]) -> fx.GraphModule:
+    """(*primals, *returned outputs) -> all outputs, rebuilding the views among them."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {primal: graph.placeholder(primal.name) for primal in joint.primals}
+    for i in returned:
+        env[joint.outputs[i]] = graph.placeholder(f"output_{i}")
+
+    def emit(node: fx.Node) -> fx.Node:
+        if node not in env:
+            emit(node.args[0])  # type: ignore[arg-type]
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        return env[node]
+
+    graph.output(tuple(emit(output) for output in joint.outputs))
+    return _module(joint, graph)
 
 
 def _module(joint: JointGraph, graph: fx.Graph) -> fx.GraphModule:

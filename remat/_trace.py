@@ -32,7 +32,7 @@ from ._costs import estimate_flops, output_nbytes
 from ._errors import TraceError, user_line
 from ._pytree import FlatArgs, flatten_outputs
 
-__all__ = ["JointGraph", "trace_joint"]
+__all__ = ["JointGraph", "autocast_disabled", "trace_joint"]
 
 aten = torch.ops.aten
 
@@ -75,6 +75,24 @@ def trace_joint(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots)
     with _explain_tracing_errors(fn), _without_saved_tensors_hooks():
         discovery = _discover(fn, flat_args, roots, fake_mode)
         return _trace(fn, flat_args, roots, fake_mode, discovery)
+
+
+# NOTE [autocast is traced, not re-applied]
+# Under autocast, the forward of `fn` is traced with autocast on, so the casts
+# it inserts become explicit `_to_copy` calls of the graph; the backward is
+# traced with autocast off, as the autograd engine runs eager backward formulas.
+# The programs then run with autocast off: their casts are already in them.
+@contextmanager
+def autocast_disabled() -> Iterator[None]:
+    """Turn autocast off on every device type where it is on, for the duration."""
+    enabled = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+    for device in enabled:
+        torch.set_autocast_enabled(device, False)
+    try:
+        yield
+    finally:
+        for device in enabled:
+            torch.set_autocast_enabled(device, True)
 
 
 @contextmanager
@@ -157,16 +175,15 @@ def _trace(
                 boundary.append(next(iter(reversed(proxy_mode.tracer.graph.nodes))))
                 wrt = [i for i, grad in enumerate(wants_grad) if grad]
                 diff_outputs = [outputs[i] for i in differentiable]
-                grads: Sequence[torch.Tensor | None] = (
-                    torch.autograd.grad(
-                        diff_outputs,
-                        [inputs[i] for i in wrt],
-                        [FunctionalTensor.to_functional(t) for t in tangents],
-                        allow_unused=True,
-                    )
-                    if diff_outputs and wrt
-                    else [None] * len(wrt)
-                )
+                grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
+                if diff_outputs and wrt:
+                    with autocast_disabled():  # as eager's backward runs: NOTE [autocast is traced, not re-applied]
+                        grads = torch.autograd.grad(
+                            diff_outputs,
+                            [inputs[i] for i in wrt],
+                            [FunctionalTensor.to_functional(t) for t in tangents],
+                            allow_unused=True,
+                        )
             for primal, value in zip(primals, functional, strict=True):
                 torch._sync(value)
                 if torch._functionalize_has_data_mutation(value.elem):  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ import torch
 
 from ._calls import TensorMeta
 from ._partition import Programs
+from ._trace import autocast_disabled
 
 __all__ = ["Executable", "run"]
 
@@ -18,8 +19,7 @@ class Executable:
     """The programs of one signature and what is needed to call them."""
 
     programs: Programs
-    n_outputs: int
-    differentiable_outputs: tuple[int, ...]
+    differentiable_outputs: tuple[int, ...]  # indices of the outputs the joint graph took tangents for
     grad_of: tuple[int, ...]  # primal index of each gradient the backward program returns
     n_primals: int
     output_metas: tuple[TensorMeta, ...]
@@ -27,6 +27,7 @@ class Executable:
 
 def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Run the forward program, keeping what backward needs; return the user's outputs."""
+    programs = executable.programs
     if torch._C._are_functorch_transforms_active():
         results = _CheckpointFunction.apply(executable, *primals)
     else:
@@ -34,7 +35,10 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
         # call, a third of the overhead of a small call; `forward` takes plain
         # positional arguments, so go straight to the C++ apply it ends in.
         results = _apply_without_binding(executable, *primals)
-    return tuple(results[: executable.n_outputs])
+    returned = results[: len(programs.returned)]
+    if programs.epilogue is None:
+        return tuple(returned)
+    return tuple(programs.epilogue.forward(*primals, *returned))
 
 
 # NOTE [kept activations are outputs]
@@ -47,49 +51,56 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(executable: Executable, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(executable.programs.forward.forward(*primals))
+        with autocast_disabled():
+            return tuple(executable.programs.forward.forward(*primals))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
         executable: Executable = inputs[0]
         primals = inputs[1:]
         programs = executable.programs
+        n_returned = len(programs.returned)
         ctx.executable = executable
         kept = [
             primals[k.primal]
             if k.primal is not None
             else output[k.output]
             if k.output is not None
-            else output[executable.n_outputs + k.activation]  # type: ignore[operator]
+            else output[n_returned + k.activation]  # type: ignore[operator]
             for k in programs.kept
         ]
         ctx.save_for_backward(*kept)
         differentiable = set(executable.differentiable_outputs)
         ctx.mark_non_differentiable(
-            *(o for i, o in enumerate(output[: executable.n_outputs]) if i not in differentiable),
-            *(a for a in output[executable.n_outputs :] if not (a.is_floating_point() or a.is_complex())),
+            *(o for i, o in zip(programs.returned, output, strict=False) if i not in differentiable),
+            *(a for a in output[n_returned:] if not (a.is_floating_point() or a.is_complex())),
         )
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         executable: Executable = ctx.executable
-        if any(g is not None for g in grads[executable.n_outputs :]):
+        programs = executable.programs
+        n_returned = len(programs.returned)
+        if any(g is not None for g in grads[n_returned:]):
             raise NotImplementedError(
                 "remat.checkpoint: a higher-order derivative flowed through a value kept for backward "
                 "(`create_graph=True` followed by another backward). Double backward through a checkpointed "
                 "function is not supported yet."
             )
+        grad_of_output = dict(zip(programs.returned, grads, strict=False))
         tangents = []
         for i in executable.differentiable_outputs:
-            grad = grads[i]
+            # Outputs rebuilt by the epilogue send their gradients through autograd's view nodes.
+            grad = grad_of_output.get(i)
             if grad is None:
                 meta = executable.output_metas[i]
                 grad = torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
             tangents.append(grad)
-        computed = executable.programs.backward.forward(*ctx.saved_tensors, *tangents)
+        with autocast_disabled():
+            computed = programs.backward.forward(*ctx.saved_tensors, *tangents)
         grad_inputs: list[torch.Tensor | None] = [None] * executable.n_primals
-        for primal, grad in zip(executable.grad_of, computed, strict=False):
+        for primal, grad in zip(executable.grad_of, computed, strict=True):
             grad_inputs[primal] = grad
         return (None, *grad_inputs)
 

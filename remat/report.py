@@ -14,9 +14,10 @@ class ReportRow:
     """One call of a report: its decision and what that decision costs."""
 
     call: Call
-    decision: Decision  # as applied (random calls are always saved for now)
+    decision: Decision
     saved: bool  # whether some output of the call is kept for backward
     replayed: bool  # whether backward runs the call again
+    rng_state_kept: bool = False  # whether the generator state it started from is kept, to replay it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,9 +25,11 @@ class Report:
     """What `remat.checkpoint` keeps between forward and backward under one policy.
 
     Attributes:
-        saved_bytes: activation bytes kept from forward to backward (distinct
+        saved_bytes: bytes kept from forward to backward: activations (distinct
             storages; inputs and closed-over tensors excluded, since keeping a
-            reference to them costs nothing).
+            reference to them costs nothing) and generator states.
+        rng_state_bytes: the part of `saved_bytes` that is generator states,
+            kept so that discarded random calls replay bit-identically.
         recompute_flops: estimated FLOPs of the calls replayed in backward.
         replayed_calls: indices of the calls replayed in backward.
         rows: one `ReportRow` per call of the trace.
@@ -36,6 +39,7 @@ class Report:
     """
 
     saved_bytes: int
+    rng_state_bytes: int
     recompute_flops: int
     replayed_calls: tuple[int, ...]
     rows: tuple[ReportRow, ...]
@@ -48,7 +52,7 @@ class Report:
                 str(row.call.index),
                 row.call.name,
                 row.decision.name,
-                "yes" if row.saved else "",
+                "yes" if row.saved else "rng state" if row.rng_state_kept else "",
                 "yes" if row.replayed else "",
                 ", ".join(map(str, row.call.outputs)),
                 format_bytes(row.call.nbytes),
@@ -57,8 +61,9 @@ class Report:
             )
             for row in self.rows
         ]
+        rng = f" (of which {format_bytes(self.rng_state_bytes)} generator states)" if self.rng_state_bytes else ""
         summary = (
-            f"kept: {format_bytes(self.saved_bytes)} from {sum(r.saved for r in self.rows)} calls; "
+            f"kept: {format_bytes(self.saved_bytes)}{rng} from {sum(r.saved for r in self.rows)} calls; "
             f"replayed in backward: {len(self.replayed_calls)} calls, {self.recompute_flops:,} FLOPs"
         )
         return f"{format_table(header, body)}\n{summary}"

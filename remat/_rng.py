@@ -1,0 +1,62 @@
+"""Generator states: captured in forward before a random call, restored around its replay.
+
+See NOTE [replaying random calls].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["generator_of", "rng_state", "replay_with_rng_state", "state_nbytes"]
+
+# NOTE [replaying random calls]
+# A random call that backward needs but the policy does not save is replayed
+# with the generator state it started from in forward: the forward program
+# reads the state right before the call (kept like an activation: 5,056 bytes
+# for a CPU generator, 16 for a CUDA one), and the replay sets it, runs the
+# call, then puts back the state it found, so that the replay draws exactly the
+# same numbers and leaves the generator where it was. The forward itself runs
+# every random call once, in order, as eager does; so after backward the
+# stream is where eager execution leaves it.
+
+
+def generator_of(node: fx.Node) -> Any:
+    """The graph argument naming the generator a random call draws from, if given explicitly."""
+    return node.kwargs.get("generator")
+
+
+def _resolve(device: torch.device, generator: torch.Generator | None) -> torch.Generator:
+    if generator is not None:
+        return generator
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    raise NotImplementedError(
+        f"remat.checkpoint: replaying a random call on a {device.type!r} device is not supported; save it with a "
+        "policy (e.g. `policy | (lambda call: call.is_random)`)."
+    )
+
+
+def rng_state(device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """The state of the generator a random call on `device` draws from."""
+    return _resolve(device, generator).get_state()
+
+
+def replay_with_rng_state(state: torch.Tensor, device: torch.device, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run `op(*args, **kwargs)` as it ran when its generator was in `state`, leaving the generator as found."""
+    resolved = _resolve(device, kwargs.get("generator"))
+    current = resolved.get_state()
+    resolved.set_state(state)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        resolved.set_state(current)
+
+
+def state_nbytes(device: torch.device) -> int:
+    """Bytes of one generator state on `device` (without touching the device)."""
+    return torch.default_generator.get_state().numel() if device.type == "cpu" else 16
