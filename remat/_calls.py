@@ -137,7 +137,7 @@ class Trace(Sequence[Call]):
         return f"remat.Trace({len(self)} calls)"
 
     def __str__(self) -> str:
-        header = ("#", "op", "outputs", "bytes", "FLOPs", "module", "source")
+        header = ("#", "op", "outputs", "bytes", "FLOPs", "module", "scope", "source")
         rows = [
             (
                 str(call.index),
@@ -146,6 +146,7 @@ class Trace(Sequence[Call]):
                 format_bytes(call.nbytes),
                 f"{call.flops:,}",
                 _module_label(call.module),
+                call.scope or "",
                 call.source or "",
             )
             for call in self._calls

@@ -129,10 +129,12 @@ def find_module_roots(fn: Callable[..., Any]) -> ModuleRoots:
 
 @dataclasses.dataclass(frozen=True)
 class CallSite:
-    """Where an op call came from: module path and source line."""
+    """Where an op call came from: module path, source line, and the custom
+    `autograd.Function`s it runs inside (outermost first, joined by "/")."""
 
     module: str | None
     source: str | None
+    scope: str | None = None
 
 
 class _CaptureMode(TorchFunctionMode):
@@ -167,7 +169,7 @@ class _CaptureMode(TorchFunctionMode):
         result = func(*args, **kwargs)
         new_nodes = len(graph.nodes) - nodes_before
         if new_nodes > 0:
-            site = CallSite(self._module_path(), _user_source())
+            site = CallSite(self._module_path(), *_source_and_scope())
             for node, _ in zip(reversed(graph.nodes), range(new_nodes), strict=False):
                 node.meta.setdefault("remat_site", site)
         return result
@@ -193,14 +195,22 @@ class _CaptureMode(TorchFunctionMode):
         return self.roots.paths.get(id(self.module_stack[-1]))
 
 
-def _user_source() -> str | None:
+_FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
+
+
+def _source_and_scope() -> tuple[str | None, str | None]:
+    """The innermost user `file:line` on the stack, and the custom `autograd.Function`s being applied."""
+    source = None
+    functions: list[str] = []
     frame = sys._getframe(2)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith((_TORCH_DIR, _REMAT_DIR)) and not filename.startswith("<frozen"):
-            return f"{filename}:{frame.f_lineno}"
+        code = frame.f_code
+        if code is _FUNCTION_APPLY:
+            functions.append(frame.f_locals["cls"].__name__)
+        elif source is None and not code.co_filename.startswith((_TORCH_DIR, _REMAT_DIR, "<frozen")):
+            source = f"{code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return source, "/".join(reversed(functions)) or None
 
 
 @contextmanager

@@ -124,9 +124,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
         else:  # an activation, or an input the forward overwrites (kept as a copy)
             kept.append(Kept(node, activation=len(activations)))
             activations.append(node)
-    kept.extend(
-        Kept(node, activation=len(activations) + k, rng_state=True) for k, node in enumerate(random_replays)
-    )
+    kept.extend(Kept(node, activation=len(activations) + k, rng_state=True) for k, node in enumerate(random_replays))
 
     produced = [k.node for k in kept if k.primal is None and not k.rng_state]
     rng_state_bytes = sum(_rng.state_nbytes(_device_of(node)) for node in random_replays)

@@ -334,10 +334,18 @@ def _describe(index: int, node: fx.Node, earlier: Sequence[fx.Node]) -> Call:
         outputs=tuple(TensorMeta.of(o) for o in outputs if isinstance(o, torch.Tensor)),
         module=site.module,
         source=site.source,
+        scope=_custom_op_name(node.target) or site.scope,
         flops=estimate_flops(node.target, tuple(fake_args), dict(fake_kwargs), out),
         nbytes=output_nbytes(out),
         is_random=draws_random_numbers(node),
     )
+
+
+def _custom_op_name(op: Any) -> str | None:
+    """`mylib::attention` for a custom op (one that is not from aten or prims)."""
+    if isinstance(op, torch._ops.OpOverload) and op.namespace not in ("aten", "prims"):
+        return op._schema.name
+    return None
 
 
 def draws_random_numbers(node: fx.Node) -> bool:

@@ -15,6 +15,7 @@ save_any_of(save_ops(aten.mm), save_calls(0))
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -30,6 +31,7 @@ __all__ = [
     "save_everything",
     "save_nothing",
     "save_ops",
+    "save_scopes",
     "save_unless",
 ]
 
@@ -173,6 +175,62 @@ def save_calls(*indices: int) -> Policy:
         if not isinstance(index, int) or isinstance(index, bool):
             raise TypeError(f"remat.policies.save_calls: expected integer call indices, but got {index!r}.")
     return _SaveCalls(tuple(indices))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _SaveScopes(Policy):
+    patterns: tuple[str, ...]
+
+    def _decide(self, call: Call) -> Decision:
+        if call.scope is not None:
+            for name in call.scope.split("/"):
+                if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.patterns):
+                    return Decision.SAVE
+        return Decision.RECOMPUTE
+
+    def __repr__(self) -> str:
+        return f"save_scopes({', '.join(map(repr, self.patterns))})"
+
+
+def save_scopes(*names: str) -> Policy:
+    """Save every call made inside the named custom `autograd.Function`s or custom ops.
+
+    A custom `torch.autograd.Function`'s forward traces into several aten calls;
+    they all carry the Function's class name as `Call.scope` (nested Functions
+    give `Outer/Inner`), so this saves or recomputes a whole application as one
+    unit. A `torch.library.custom_op` is a single call whose scope is its
+    qualified name (`mylib::attention`). Names may be glob patterns.
+
+    Args:
+        *names: Function class names or custom op names, or glob patterns of them.
+
+    Returns:
+        A policy. To save one application of a Function but not another, combine
+        with `save_calls` or write a policy that also looks at `Call.index`.
+
+    >>> import torch, remat
+    >>> class Square(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         ctx.save_for_backward(x)
+    ...         return x * x
+    ...     @staticmethod
+    ...     def backward(ctx, grad):
+    ...         (x,) = ctx.saved_tensors
+    ...         return 2 * x * grad
+    >>> trace = remat.trace(lambda x: Square.apply(x.sin()), torch.ones(3, requires_grad=True))
+    >>> [(call.name, call.scope) for call in trace]
+    [('aten.sin.default', None), ('aten.mul.Tensor', 'Square')]
+    >>> remat.policies.save_scopes("Square")
+    save_scopes('Square')
+    """
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"remat.policies.save_scopes: expected names of custom autograd.Functions or custom ops as strings "
+                f"(e.g. `save_scopes({type(name).__name__!r})` for a Function class), but got {name!r}."
+            )
+    return _SaveScopes(tuple(names))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

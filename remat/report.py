@@ -46,7 +46,7 @@ class Report:
     trace: Trace
 
     def __str__(self) -> str:
-        header = ("#", "op", "decision", "kept", "replayed", "outputs", "bytes", "module", "source")
+        header = ("#", "op", "decision", "kept", "replayed", "outputs", "bytes", "module", "scope", "source")
         body = [
             (
                 str(row.call.index),
@@ -57,6 +57,7 @@ class Report:
                 ", ".join(map(str, row.call.outputs)),
                 format_bytes(row.call.nbytes),
                 _module_label(row.call.module),
+                row.call.scope or "",
                 row.call.source or "",
             )
             for row in self.rows

@@ -188,3 +188,17 @@ def gpt2_block(request: pytest.FixtureRequest) -> models.GPT2Block:
 @pytest.fixture
 def conv_model() -> torch.nn.Sequential:
     return models.conv_net()
+
+
+# --- devices -----------------------------------------------------------------------------------------
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Each test that takes `device` runs on the CPU, and on CUDA where a GPU exists."""
+    return torch.device(request.param)
