@@ -125,6 +125,8 @@ def _executable(joint: JointGraph, policy: Any) -> Executable:
         differentiable_outputs=joint.differentiable_outputs,
         grad_of=joint.grad_of,
         n_primals=len(joint.primals),
+        n_user_outputs=joint.n_user_outputs,
+        dirty=joint.dirty,
         output_metas=tuple(TensorMeta.of(o.meta["val"]) for o in joint.outputs),
     )
 

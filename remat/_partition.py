@@ -131,7 +131,9 @@ def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
     return Programs(
         forward=_forward_program(joint, returned, activations, random_replays, mutated),
         backward=_backward_program(joint, kept, backward_nodes),
-        epilogue=_epilogue(joint, returned) if len(returned) < len(joint.outputs) else None,
+        epilogue=_epilogue(joint, returned)
+        if returned[: joint.n_user_outputs] != tuple(range(joint.n_user_outputs))
+        else None,
         returned=returned,
         kept=tuple(kept),
         decisions=decisions,
@@ -158,17 +160,30 @@ def _view_base(node: fx.Node) -> fx.Node:
 
 
 def _returned_outputs(joint: JointGraph) -> tuple[int, ...]:
-    """Indices of the outputs the Function returns; the others are views of inputs or of
-    returned outputs (or repeats of them), rebuilt by the epilogue."""
+    """Indices of the outputs the Function returns. The other user outputs are views of
+    inputs or of returned outputs, or repeats of them, and are rebuilt by the epilogue;
+    the new values of dirty inputs are always returned (as the inputs themselves)."""
+    overwritten = _overwritten(joint)
+
+    def base_of(node: fx.Node) -> fx.Node:
+        base = _view_base(node)
+        return overwritten.get(base, base)
+
+    user_outputs = joint.outputs[: joint.n_user_outputs]
     returned: dict[fx.Node, int] = {}
-    for i, output in enumerate(joint.outputs):  # first, outputs that own their memory
-        if output.op != "placeholder" and _view_base(output) is output:
+    for i, output in enumerate(user_outputs):  # first, outputs that own their memory
+        if output.op != "placeholder" and base_of(output) is output:
             returned.setdefault(output, i)
-    for i, output in enumerate(joint.outputs):  # then views of something that is not an output
-        base = _view_base(output)
+    for i, output in enumerate(user_outputs):  # then views of something that is not an output
+        base = base_of(output)
         if base.op != "placeholder" and base not in returned:
             returned.setdefault(output, i)
-    return tuple(sorted(returned.values()))
+    return (*sorted(returned.values()), *range(joint.n_user_outputs, len(joint.outputs)))
+
+
+def _overwritten(joint: JointGraph) -> dict[fx.Node, fx.Node]:
+    """The final value of each input `fn` updates in place -> that input, which holds it after forward."""
+    return {m.args[1]: m.args[0] for m in joint.mutations}  # type: ignore[misc]
 
 
 def _device_of(node: fx.Node) -> torch.device:
@@ -201,9 +216,10 @@ def _forward_program(
                     _rng.rng_state, (_device_of(node), env[generator] if generator is not None else None)
                 )
             env[node] = graph.node_copy(node, lambda n: env[n])
+    dirty = {joint.outputs[joint.n_user_outputs + j]: joint.primals[i] for j, i in enumerate(joint.dirty)}
     graph.output(
         (
-            *(env[joint.outputs[i]] for i in returned),
+            *(env[dirty.get(joint.outputs[i], joint.outputs[i])] for i in returned),
             *(copies.get(a) or env[a] for a in activations),
             *(states[node] for node in random_replays),
         )
@@ -257,11 +273,14 @@ def _backward_program(joint: JointGraph, kept: Sequence[Kept], backward_nodes: S
 
 
 def _epilogue(joint: JointGraph, returned: Sequence[int]) -> fx.GraphModule:
-    """(*primals, *returned outputs) -> all outputs, rebuilding the views among them."""
+    """(*primals, *returned outputs) -> the user's outputs, rebuilding the views among them."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {primal: graph.placeholder(primal.name) for primal in joint.primals}
     for i in returned:
-        env[joint.outputs[i]] = graph.placeholder(f"output_{i}")
+        placeholder = graph.placeholder(f"output_{i}")
+        env.setdefault(joint.outputs[i], placeholder)
+    for value, primal in _overwritten(joint).items():
+        env.setdefault(value, env[primal])  # after forward, the input holds its new value
 
     def emit(node: fx.Node) -> fx.Node:
         if node not in env:
@@ -269,7 +288,7 @@ def _epilogue(joint: JointGraph, returned: Sequence[int]) -> fx.GraphModule:
             env[node] = graph.node_copy(node, lambda n: env[n])
         return env[node]
 
-    graph.output(tuple(emit(output) for output in joint.outputs))
+    graph.output(tuple(emit(output) for output in joint.outputs[: joint.n_user_outputs]))
     return _module(joint, graph)
 
 

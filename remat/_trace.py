@@ -50,13 +50,19 @@ class JointGraph:
     lifted closed-over tensors) followed by one tangent per differentiable
     output. The output node returns the forward outputs, then one gradient per
     primal that requires grad and has one (`grad_of` says which).
+
+    The forward outputs are `fn`'s tensor outputs followed by the new values of
+    the differentiable inputs `fn` updates in place (`dirty`): see NOTE [in-place
+    updates of differentiable inputs].
     """
 
     graph: fx.Graph
     constants: dict[str, Any]  # get_attr targets the graph reads
     primals: tuple[fx.Node, ...]
     tangents: tuple[fx.Node, ...]
-    outputs: tuple[fx.Node, ...]  # one per tensor leaf of fn's output
+    outputs: tuple[fx.Node, ...]  # one per tensor leaf of fn's output, then one per dirty input
+    n_user_outputs: int
+    dirty: tuple[int, ...]  # primal indices of differentiable inputs that fn updates in place
     output_spec: optree.PyTreeSpec
     differentiable_outputs: tuple[int, ...]  # indices into outputs that receive a tangent
     grads: tuple[fx.Node, ...]
@@ -112,6 +118,18 @@ class _Discovery:
     output_spec: optree.PyTreeSpec
     output_fakes: tuple[torch.Tensor, ...]
     reached_modules: tuple[torch.nn.Module, ...]
+    dirty: tuple[int, ...]  # differentiable arguments updated in place
+
+
+# NOTE [in-place updates of differentiable inputs]
+# Eager lets `fn` update in place an input that requires grad when that input
+# is not a leaf (`x += self.mlp(x)` in a residual block). Tracing would see a
+# leaf, so the argument is passed to `fn` as a fresh non-leaf copy; the copy is
+# removed from the graph afterwards (the graph is functional, so reads of the
+# copy are reads of the input). The input's new value becomes an extra output
+# with its own tangent, is written back into the input by the forward program,
+# and the Function returns the input itself marked dirty, so that autograd
+# gives it the Function as its new history, as eager does.
 
 
 def _fake_like(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
@@ -123,9 +141,11 @@ def _discover(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, f
     fakes = []
     for tensor in flat_args.tensors:
         fake = _fake_like(fake_mode, tensor)
-        fakes.append(
-            fake.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() or tensor.is_complex() else fake
-        )
+        if _wants_grad(tensor):
+            with fake_mode, torch.enable_grad():
+                fake = fake.requires_grad_().clone()  # not a leaf: see NOTE [in-place updates of ...]
+        fakes.append(fake)
+    versions = [fake._version for fake in fakes]
     reached: dict[int, torch.nn.Module] = {}
 
     def fakeify(tensor: torch.Tensor) -> torch.Tensor:
@@ -143,7 +163,16 @@ def _discover(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, f
         hook.remove()
     outputs, output_spec = flatten_outputs(out)
     outputs = [mode.record_closed_over(o) for o in outputs]  # a closed-over tensor returned as is
-    return _Discovery(tuple(mode.closed_over.values()), output_spec, tuple(outputs), tuple(reached.values()))
+    dirty = tuple(
+        i
+        for i, (fake, version) in enumerate(zip(fakes, versions, strict=True))
+        if fake.requires_grad and fake._version != version
+    )
+    return _Discovery(tuple(mode.closed_over.values()), output_spec, tuple(outputs), tuple(reached.values()), dirty)
+
+
+def _wants_grad(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
 
 
 def _trace(
@@ -151,28 +180,40 @@ def _trace(
 ) -> JointGraph:
     real_primals = [*flat_args.tensors, *discovery.closed_over]
     n_args = len(flat_args.tensors)
-    wants_grad = [t.requires_grad and (t.is_floating_point() or t.is_complex()) for t in real_primals]
-    differentiable = tuple(i for i, o in enumerate(discovery.output_fakes) if o.requires_grad)
+    wants_grad = [_wants_grad(t) for t in real_primals]
+    n_user_outputs = len(discovery.output_fakes)
+    dirty = discovery.dirty
+    differentiable = (
+        *(i for i, o in enumerate(discovery.output_fakes) if o.requires_grad),
+        *range(n_user_outputs, n_user_outputs + len(dirty)),
+    )
     fake_primals = [_fake_like(fake_mode, t) for t in real_primals]
     with fake_mode:
-        fake_tangents = [torch.empty_like(discovery.output_fakes[i]) for i in differentiable]
+        fake_tangents = [torch.empty_like(o) for o in discovery.output_fakes if o.requires_grad]
+        fake_tangents += [torch.empty_like(fake_primals[i]) for i in dirty]
 
     boundary: list[fx.Node] = []
     grad_of: list[int] = []
+    copies: list[fx.Node] = []  # the non-leaf copies of dirty inputs, removed after tracing
 
     def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
         with FunctionalTensorMode():
             functional = [FunctionalTensor.to_functional(p) for p in primals]
-            inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, wants_grad, strict=False)]
+            inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, wants_grad, strict=True)]
             substitutes = {id(real): inputs[n_args + i] for i, real in enumerate(discovery.closed_over)}
+            proxy_mode = get_proxy_mode()
+            assert proxy_mode is not None
+            graph = proxy_mode.tracer.graph
             with torch.enable_grad():
+                arguments = list(inputs[:n_args])
+                for i in dirty:
+                    arguments[i] = inputs[i].clone()
+                    copies.append(next(iter(reversed(graph.nodes))))
                 with capture_mode(roots, substitutes) as mode:
-                    args, kwargs = flat_args.rebuild(inputs[:n_args])
+                    args, kwargs = flat_args.rebuild(arguments)
                     outputs, _ = flatten_outputs(fn(*args, **kwargs))
-                outputs = [mode.substitute(o) for o in outputs]
-                proxy_mode = get_proxy_mode()
-                assert proxy_mode is not None
-                boundary.append(next(iter(reversed(proxy_mode.tracer.graph.nodes))))
+                outputs = [mode.substitute(o) for o in outputs] + [arguments[i] for i in dirty]
+                boundary.append(next(iter(reversed(graph.nodes))))
                 wrt = [i for i, grad in enumerate(wants_grad) if grad]
                 diff_outputs = [outputs[i] for i in differentiable]
                 grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
@@ -188,11 +229,16 @@ def _trace(
                 torch._sync(value)
                 if torch._functionalize_has_data_mutation(value.elem):  # type: ignore[attr-defined]
                     primal.copy_(_unwrap(value))
+            for i in dirty:
+                primals[i].copy_(_unwrap(arguments[i]))
             grad_of.extend(i for i, g in zip(wrt, grads, strict=True) if g is not None)
             return [_unwrap(o) for o in outputs], [_unwrap(g) for g in grads if g is not None]
 
     gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
     graph = gm.graph
+    for copy in copies:
+        copy.replace_all_uses_with(copy.args[0])  # type: ignore[arg-type]
+        graph.erase_node(copy)
     _use_reshape_for_view(graph)
     graph.eliminate_dead_code()
 
@@ -201,8 +247,9 @@ def _trace(
     tangents = tuple(placeholders[len(real_primals) :])
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     returned = list(output_node.args[0])
-    outputs = tuple(returned[: len(discovery.output_fakes)])
-    grads = tuple(returned[len(discovery.output_fakes) :])
+    n_outputs = n_user_outputs + len(dirty)
+    outputs = tuple(returned[:n_outputs])
+    grads = tuple(returned[n_outputs:])
     constants = {n.target: getattr(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
     _check_no_unlifted_parameters(constants)
 
@@ -218,6 +265,8 @@ def _trace(
         primals=primals,
         tangents=tangents,
         outputs=outputs,
+        n_user_outputs=n_user_outputs,
+        dirty=dirty,
         output_spec=discovery.output_spec,
         differentiable_outputs=differentiable,
         grads=grads,
@@ -387,9 +436,9 @@ def _explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
         if "leaf Variable that requires grad is being used in an in-place operation" not in str(error):
             raise
         raise TraceError(
-            f"remat.checkpoint could not trace `{_name(fn)}`: it updates in place{_at(error)} an input that "
-            "requires grad. remat does not support in-place updates of differentiable inputs yet; update a copy "
-            "instead (`x = x.clone()` first, or the out-of-place op such as `x = x + y` for `x += y`)."
+            f"remat.checkpoint could not trace `{_name(fn)}`: it updates in place{_at(error)} a leaf tensor that "
+            "requires grad (such as a parameter), which autograd refuses in eager mode too. Update a copy instead "
+            "(`w = w.clone()` first), or do the update under `torch.no_grad()` outside the checkpointed function."
         ) from error
 
 

@@ -22,6 +22,8 @@ class Executable:
     differentiable_outputs: tuple[int, ...]  # indices of the outputs the joint graph took tangents for
     grad_of: tuple[int, ...]  # primal index of each gradient the backward program returns
     n_primals: int
+    n_user_outputs: int
+    dirty: tuple[int, ...]  # primals fn updates in place that require grad: returned marked dirty
     output_metas: tuple[TensorMeta, ...]
 
 
@@ -37,7 +39,7 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
         results = _apply_without_binding(executable, *primals)
     returned = results[: len(programs.returned)]
     if programs.epilogue is None:
-        return tuple(returned)
+        return tuple(returned[: executable.n_user_outputs])
     return tuple(programs.epilogue.forward(*primals, *returned))
 
 
@@ -70,6 +72,7 @@ class _CheckpointFunction(torch.autograd.Function):
             for k in programs.kept
         ]
         ctx.save_for_backward(*kept)
+        ctx.mark_dirty(*(primals[i] for i in executable.dirty))
         differentiable = set(executable.differentiable_outputs)
         ctx.mark_non_differentiable(
             *(o for i, o in zip(programs.returned, output, strict=False) if i not in differentiable),

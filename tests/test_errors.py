@@ -279,13 +279,27 @@ def test_data_dependent_output_shape_is_a_trace_error():
     assert re.search(_where("mask"), str(info.value))
 
 
-def test_in_place_update_of_a_differentiable_input_is_a_trace_error():
+def test_in_place_update_of_a_leaf_input_that_requires_grad_fails_as_in_eager():
     def fn(x: torch.Tensor) -> torch.Tensor:
-        x.mul_(2)  # @in_place
+        x.mul_(2)
         return x.sin()
 
-    with pytest.raises(remat.TraceError, match=r"updates in place .* an input that requires grad") as info:
+    message = r"a leaf Variable that requires grad (is being|has been) used in an in-place operation"
+    with pytest.raises(RuntimeError, match=message):
+        fn(_randn(3))
+    with pytest.raises(RuntimeError, match=message):
         remat.checkpoint(fn)(_randn(3))
+
+
+def test_in_place_update_of_a_parameter_is_a_trace_error():
+    linear = torch.nn.Linear(3, 3).double()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        linear.weight.mul_(2)  # @in_place
+        return linear(x)
+
+    with pytest.raises(remat.TraceError, match=r"updates in place .* a leaf tensor that requires grad") as info:
+        remat.checkpoint(fn)(_randn(2, 3))
     assert re.search(_where("in_place"), str(info.value))
     assert "clone" in str(info.value)
 
