@@ -69,7 +69,12 @@ def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
     decisions = tuple(decisions)
     decision_of = {node: decisions[i] for i, node in enumerate(joint.call_nodes)}
     primal_index = {node: i for i, node in enumerate(joint.primals)}
+    returned = _returned_outputs(joint)
+    # Inputs the forward overwrites, and inputs the caller can overwrite through an output that is a
+    # view of them: if backward reads one, it keeps a copy of the value it had. See NOTE [kept inputs].
     mutated: set[fx.Node] = {m.args[0] for m in joint.mutations}  # type: ignore[misc]
+    mutated |= {_view_base(joint.outputs[i]) for i in range(joint.n_user_outputs) if i not in returned}
+    mutated &= set(joint.primals)
 
     backward_nodes = [
         n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in joint.forward_nodes
@@ -112,7 +117,6 @@ def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
     replayed_calls = tuple(sorted(call_index[n] for n in replayed if n in call_index))
     random_replays = [joint.call_nodes[i] for i in replayed_calls if joint.trace[i].is_random]
 
-    returned = _returned_outputs(joint)
     position = {joint.outputs[i]: p for p, i in reversed(list(enumerate(returned)))}
     kept: list[Kept] = []
     activations: list[fx.Node] = []
@@ -143,6 +147,15 @@ def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
         rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(joint.trace[i].flops for i in replayed_calls),
     )
+
+
+# NOTE [kept inputs]
+# Backward reads inputs by reference: keeping them costs no memory. That is
+# only sound while nobody overwrites them before backward. The forward program
+# may (in-place updates of inputs and buffers), and so may the caller, through
+# an output that is a view of an input: eager allows `out = f(x); out.mul_(2)`
+# when `f` returns `x[0]` and its backward does not read `x`. In both cases a
+# copy of the input, taken before anything overwrites it, is kept instead.
 
 
 def _producer(node: fx.Node) -> fx.Node:

@@ -46,7 +46,7 @@ def rng_state(device: torch.device, generator: torch.Generator | None) -> torch.
     return _resolve(device, generator).get_state()
 
 
-def replay_with_rng_state(state: torch.Tensor, device: torch.device, op: Any, *args: Any, **kwargs: Any) -> Any:
+def replay_with_rng_state(state: torch.Tensor, device: torch.device, op: Any, /, *args: Any, **kwargs: Any) -> Any:
     """Run `op(*args, **kwargs)` as it ran when its generator was in `state`, leaving the generator as found."""
     resolved = _resolve(device, kwargs.get("generator"))
     current = resolved.get_state()
