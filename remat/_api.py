@@ -18,7 +18,7 @@ from ._decide import decide
 from ._partition import partition
 from ._pytree import FlatArgs, flatten_args
 from ._trace import JointGraph, trace_joint
-from ._vjp import Executable, run
+from ._vjp import Executable, forward_mode_active, run
 from .report import Report, ReportRow
 
 __all__ = ["Checkpointed", "checkpoint", "report", "trace"]
@@ -104,7 +104,8 @@ class Checkpointed(Generic[P, T]):
 
     def _lookup(self, flat: FlatArgs) -> tuple[_Entry, list[torch.Tensor]]:
         roots = self.roots
-        key = (flat.static_key(), tuple(map(tensor_key, flat.tensors)), ambient_key(roots.modules))
+        forward_mode = forward_mode_active()
+        key = (flat.static_key(), tuple(map(tensor_key, flat.tensors)), ambient_key(roots.modules), forward_mode)
         entries = self._cache.get(key) or []
         for entry in entries:
             lifted = entry.fetch_if_valid()
@@ -112,14 +113,14 @@ class Checkpointed(Generic[P, T]):
                 return entry, lifted
         joint = trace_joint(self.__wrapped__, flat, roots)
         lifted = [slot.fetch() for slot in joint.lifted]
-        entry = _Entry(joint, _executable(joint, self.policy), _guard(joint, lifted))
+        entry = _Entry(joint, _executable(joint, self.policy, forward_mode), _guard(joint, lifted))
         # A few variants per key (say, a closed-over module in train and eval mode); the oldest goes first.
         self._cache.put(key, [entry, *entries][:_VARIANTS_PER_KEY])
         return entry, lifted
 
 
-def _executable(joint: JointGraph, policy: Any) -> Executable:
-    programs = partition(joint, decide(policy, joint.trace))
+def _executable(joint: JointGraph, policy: Any, forward_mode: bool) -> Executable:
+    programs = partition(joint, decide(policy, joint.trace), forward_mode=forward_mode)
     return Executable(
         programs=programs,
         differentiable_outputs=joint.differentiable_outputs,
@@ -238,7 +239,7 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
             programs.decisions[call.index],
             saved=call.index in saved,
             replayed=call.index in replayed,
-            rng_state_kept=call.is_random and call.index in replayed,
+            rng_state_kept=call.index in programs.rng_state_calls,
         )
         for call in joint.trace
     )

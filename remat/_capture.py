@@ -170,8 +170,13 @@ class _CaptureMode(TorchFunctionMode):
         new_nodes = len(graph.nodes) - nodes_before
         if new_nodes > 0:
             site = CallSite(self._module_path(), *_source_and_scope())
+            # What autograd must not see through when the graph is differentiated
+            # again: see NOTE [differentiating the forward again].
+            stops_gradient = func in _DETACHES or not torch.is_grad_enabled()
             for node, _ in zip(reversed(graph.nodes), range(new_nodes), strict=False):
                 node.meta.setdefault("remat_site", site)
+                if stops_gradient:
+                    node.meta["remat_stops_gradient"] = True
         return result
 
     def record_closed_over(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -195,6 +200,7 @@ class _CaptureMode(TorchFunctionMode):
         return self.roots.paths.get(id(self.module_stack[-1]))
 
 
+_DETACHES = (torch.Tensor.detach, torch.detach, torch.Tensor.detach_)
 _FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
 
 

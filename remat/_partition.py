@@ -1,4 +1,4 @@
-"""Partition: a joint graph and one decision per call -> the programs that run it.
+"""Partition: a joint graph and one decision per call -> what is kept, what is replayed.
 
 The forward program runs every forward node once (side effects included) and
 returns the user's outputs followed by what backward keeps. The backward
@@ -6,7 +6,8 @@ program takes the kept values and the incoming gradients, replays the
 discarded calls that the gradient formulas read, each just before its first
 use, and returns the gradients. Outputs that are views of inputs or of other
 outputs are rebuilt outside the autograd.Function by a small epilogue, so that
-autograd tracks them as the views they are (as eager does).
+autograd tracks them as the views they are (as eager does). A pure copy of the
+forward serves higher-order derivatives and forward mode.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _rng
 from ._calls import Decision
+from ._programs import backward_program, device_of, epilogue, forward_program, pure_forward
 from ._trace import JointGraph, is_call, is_free
 
 __all__ = ["Kept", "Programs", "partition"]
@@ -49,30 +51,45 @@ class Kept:
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """Everything needed to run one signature under one set of decisions."""
+    """Everything needed to run one signature under one set of decisions.
 
-    forward: fx.GraphModule  # primals -> (*returned outputs, *activations)
+    The Function's forward returns `(*returned outputs, *activations, *generator
+    states)`; `kept` says which of its inputs and outputs `ctx.save_for_backward`
+    keeps, and every program that runs later takes `*kept` first.
+    """
+
+    forward: fx.GraphModule  # primals -> (*returned outputs, *activations, *states)
     backward: fx.GraphModule  # (*kept, *tangents) -> grads
-    epilogue: fx.GraphModule | None  # (*primals, *returned outputs) -> all outputs; None if all are returned
+    pure: fx.GraphModule  # *kept -> (*returned outputs if pure_returns_outputs, *activations), from the inputs
+    pure_returns_outputs: bool
+    pure_inputs: tuple[tuple[int, int], ...]  # (position in kept, primal index) of each input pure reads
+    epilogue: fx.GraphModule | None  # (*primals, *returned outputs) -> user outputs; None if all returned
     returned: tuple[int, ...]  # indices of the outputs the Function returns
+    n_activations: int
     kept: tuple[Kept, ...]
     decisions: tuple[Decision, ...]
     saved_calls: tuple[int, ...]  # calls whose outputs are kept
     replayed_calls: tuple[int, ...]
+    rng_state_calls: tuple[int, ...]  # random calls whose generator state is kept
     saved_bytes: int  # activations and generator states
     rng_state_bytes: int
     recompute_flops: int
 
 
-def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
-    """Split `joint` into programs that keep what `decisions` save and replay the rest."""
+def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode: bool = False) -> Programs:
+    """Split `joint` into programs that keep what `decisions` save and replay the rest.
+
+    With `forward_mode`, the pure forward also recomputes the returned outputs
+    (for their tangents), so the random calls they depend on keep their state too.
+    """
     decisions = tuple(decisions)
     decision_of = {node: decisions[i] for i, node in enumerate(joint.call_nodes)}
     primal_index = {node: i for i, node in enumerate(joint.primals)}
     returned = _returned_outputs(joint)
+    overwritten = _overwritten(joint)
     # Inputs the forward overwrites, and inputs the caller can overwrite through an output that is a
-    # view of them: if backward reads one, it keeps a copy of the value it had. See NOTE [kept inputs].
-    mutated: set[fx.Node] = {m.args[0] for m in joint.mutations}  # type: ignore[misc]
+    # view of them: whatever reads one later reads a copy of the value it had. See NOTE [kept inputs].
+    mutated = set(overwritten.values())
     mutated |= {_view_base(joint.outputs[i]) for i in range(joint.n_user_outputs) if i not in returned}
     mutated &= set(joint.primals)
 
@@ -96,7 +113,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
             return is_kept(node.args[0])  # type: ignore[arg-type]
         return False  # a view: replaying it is free, keep its base instead
 
-    kept_nodes: dict[fx.Node, None] = {}
+    kept_values: dict[fx.Node, None] = {}
     replayed: set[fx.Node] = set()
     seen: set[fx.Node] = set()
     stack = list(reversed(needed_by_backward))
@@ -108,45 +125,121 @@ def partition(joint: JointGraph, decisions: Sequence[Decision]) -> Programs:
         if node.op == "get_attr":
             replayed.add(node)  # constants are read from the program module
         elif is_kept(node):
-            kept_nodes[node] = None
+            kept_values[node] = None
         else:
             replayed.add(node)
             stack.extend(reversed(node.all_input_nodes))
 
+    # What the pure forward recomputes, and the inputs and random calls it reads: the
+    # kept values that depend on a differentiable input. Kept values that do not are
+    # constants to any derivative, and stand for themselves.
+    returned_nodes = [joint.outputs[i] for i in returned]
+    activations = [n for n in kept_values if n.op != "placeholder" and n not in returned_nodes]
+    activations += [p for p in kept_values if p in mutated]  # kept as copies
+    varying = _varying(joint, forward_mode)
+    constants = {n for n in kept_values if n.op != "placeholder" and n not in varying}
+    targets = [*returned_nodes, *activations] if forward_mode else activations
+    recomputed = _ancestors([t for t in targets if t not in constants], joint.forward_nodes, stop=constants)
+    for primal in joint.primals:
+        if primal in recomputed:
+            kept_values.setdefault(primal, None)
+    activations += [p for p in joint.primals if p in recomputed and p in mutated and p not in activations]
     call_index = {node: i for i, node in enumerate(joint.call_nodes)}
-    replayed_calls = tuple(sorted(call_index[n] for n in replayed if n in call_index))
-    random_replays = [joint.call_nodes[i] for i in replayed_calls if joint.trace[i].is_random]
+    # A random call keeps its generator state if backward replays it or the pure forward
+    # recomputes it. See NOTE [replaying random calls].
+    random_states = [
+        n
+        for n in joint.call_nodes
+        if joint.trace[call_index[n]].is_random and (n in replayed or n in recomputed) and n not in constants
+    ]
 
-    position = {joint.outputs[i]: p for p, i in reversed(list(enumerate(returned)))}
+    position = {node: p for p, node in reversed(list(enumerate(returned_nodes)))}
     kept: list[Kept] = []
-    activations: list[fx.Node] = []
-    for node in kept_nodes:
+    for node in kept_values:
         if node.op == "placeholder" and node not in mutated:
             kept.append(Kept(node, primal=primal_index[node]))
         elif node in position:
             kept.append(Kept(node, output=position[node]))
-        else:  # an activation, or an input the forward overwrites (kept as a copy)
-            kept.append(Kept(node, activation=len(activations)))
-            activations.append(node)
-    kept.extend(Kept(node, activation=len(activations) + k, rng_state=True) for k, node in enumerate(random_replays))
+    kept += [Kept(node, activation=k) for k, node in enumerate(activations)]
+    kept += [Kept(node, activation=len(activations) + k, rng_state=True) for k, node in enumerate(random_states)]
+    kept_pairs = [(k.node, k.rng_state) for k in kept]
+    holder = {k.node: i for i, k in enumerate(kept) if k.node.op == "placeholder" and not k.rng_state}
 
-    produced = [k.node for k in kept if k.primal is None and not k.rng_state]
-    rng_state_bytes = sum(_rng.state_nbytes(_device_of(node)) for node in random_replays)
+    replayed_calls = tuple(sorted(call_index[n] for n in replayed if n in call_index))
+    produced = [n for n in activations if n.op != "placeholder"] + [n for n in kept_values if n in position]
+    copies_bytes = sum(_nbytes(p) for p in activations if p.op == "placeholder")
+    rng_state_bytes = sum(_rng.state_nbytes(device_of(node)) for node in random_states)
     return Programs(
-        forward=_forward_program(joint, returned, activations, random_replays, mutated),
-        backward=_backward_program(joint, kept, backward_nodes),
-        epilogue=_epilogue(joint, returned)
+        forward=forward_program(
+            joint,
+            _dirty_as_inputs(joint, returned_nodes),
+            activations,
+            {p for p in activations if p.op == "placeholder"},
+            random_states,
+        ),
+        backward=backward_program(joint, kept_pairs, backward_nodes),
+        pure=pure_forward(joint, kept_pairs, {**{p: p for p in holder}, **{c: c for c in constants}}, targets),
+        pure_returns_outputs=forward_mode,
+        pure_inputs=tuple((i, primal_index[node]) for node, i in holder.items()),
+        epilogue=epilogue(joint, returned, overwritten)
         if returned[: joint.n_user_outputs] != tuple(range(joint.n_user_outputs))
         else None,
         returned=returned,
+        n_activations=len(activations),
         kept=tuple(kept),
         decisions=decisions,
         saved_calls=tuple(sorted({call_index[_producer(n)] for n in produced if _producer(n) in call_index})),
         replayed_calls=replayed_calls,
-        saved_bytes=_saved_bytes(produced, joint.primals) + rng_state_bytes,
+        rng_state_calls=tuple(call_index[n] for n in random_states),
+        saved_bytes=_saved_bytes(produced, joint.primals) + copies_bytes + rng_state_bytes,
         rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(joint.trace[i].flops for i in replayed_calls),
     )
+
+
+def _ancestors(targets: Sequence[fx.Node], within: frozenset[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
+    """`targets` and the nodes of `within` (and primals) they are computed from, not looking past `stop`."""
+    found: set[fx.Node] = set()
+    stack = list(targets)
+    while stack:
+        node = stack.pop()
+        if node not in found and node not in stop:
+            found.add(node)
+            stack.extend(n for n in node.all_input_nodes if n in within or n.op == "placeholder")
+    return found
+
+
+def _varying(joint: JointGraph, forward_mode: bool) -> set[fx.Node]:
+    """Forward nodes whose value has a derivative with respect to some differentiable input.
+
+    Differentiable inputs are those requiring grad (any floating input under forward
+    mode). Derivatives stop at detaches and no_grad regions of `fn`, and at random
+    draws, whose outputs have none.
+    """
+    if forward_mode:
+        varying = {p for p in joint.primals if p.meta["val"].is_floating_point() or p.meta["val"].is_complex()}
+    else:
+        varying = {joint.primals[i] for i in joint.grad_of}
+    for node in joint.graph.nodes:
+        if node not in joint.forward_nodes or node.meta.get("remat_stops_gradient"):
+            continue
+        if node.target is operator.getitem and node.args[0] not in varying:
+            continue
+        differentiable = node.op == "call_function" and not _rng.has_zero_derivative(node)
+        if differentiable and any(arg in varying for arg in node.all_input_nodes):
+            varying.add(node)
+    return varying
+
+
+def _dirty_as_inputs(joint: JointGraph, returned_nodes: Sequence[fx.Node]) -> list[fx.Node]:
+    """The nodes the forward returns: a dirty input's new value is returned as the input itself."""
+    dirty = {joint.outputs[joint.n_user_outputs + j]: joint.primals[i] for j, i in enumerate(joint.dirty)}
+    return [dirty.get(node, node) for node in returned_nodes]
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta["val"]
+    return int(value.numel() * value.element_size())
 
 
 # NOTE [kept inputs]
@@ -199,127 +292,13 @@ def _overwritten(joint: JointGraph) -> dict[fx.Node, fx.Node]:
     return {m.args[1]: m.args[0] for m in joint.mutations}  # type: ignore[misc]
 
 
-def _device_of(node: fx.Node) -> torch.device:
-    value = node.meta["val"]
-    return (value if isinstance(value, torch.Tensor) else value[0]).device
-
-
-def _forward_program(
-    joint: JointGraph,
-    returned: Sequence[int],
-    activations: Sequence[fx.Node],
-    random_replays: Sequence[fx.Node],
-    mutated: set[fx.Node],
-) -> fx.GraphModule:
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for primal in joint.primals:
-        env[primal] = graph.placeholder(primal.name)
-    copies = {
-        primal: graph.call_function(aten.clone.default, (env[primal],))
-        for primal in joint.primals
-        if primal in mutated and primal in activations
-    }  # the value before the forward overwrites it
-    states: dict[fx.Node, fx.Node] = {}
-    for node in joint.graph.nodes:
-        if node in joint.forward_nodes:
-            if node in random_replays:  # See NOTE [replaying random calls].
-                generator = _rng.generator_of(node)
-                states[node] = graph.call_function(
-                    _rng.rng_state, (_device_of(node), env[generator] if generator is not None else None)
-                )
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    dirty = {joint.outputs[joint.n_user_outputs + j]: joint.primals[i] for j, i in enumerate(joint.dirty)}
-    graph.output(
-        (
-            *(env[dirty.get(joint.outputs[i], joint.outputs[i])] for i in returned),
-            *(copies.get(a) or env[a] for a in activations),
-            *(states[node] for node in random_replays),
-        )
-    )
-    return _module(joint, graph)
-
-
-def _backward_program(joint: JointGraph, kept: Sequence[Kept], backward_nodes: Sequence[fx.Node]) -> fx.GraphModule:
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    states: dict[fx.Node, fx.Node] = {}
-    for value in kept:
-        if value.rng_state:
-            states[value.node] = graph.placeholder(f"rng_state_of_{value.node.name}")
-        else:
-            env[value.node] = graph.placeholder(f"kept_{value.node.name}")
-    for tangent in joint.tangents:
-        env[tangent] = graph.placeholder(tangent.name)
-
-    def emit(node: fx.Node) -> fx.Node:
-        # Replays are emitted on first use, so each lives only while needed.
-        # See NOTE [replay just in time].
-        if node not in env:
-            for arg in node.all_input_nodes:
-                emit(arg)
-            if node in states:
-                args = fx.node.map_arg(node.args, lambda n: env[n])
-                kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
-                env[node] = graph.call_function(
-                    _rng.replay_with_rng_state,
-                    (states[node], _device_of(node), node.target, *args),  # type: ignore[arg-type]
-                    kwargs,
-                )
-                env[node].meta = dict(node.meta)
-            else:
-                env[node] = graph.node_copy(node, lambda n: env[n])
-        return env[node]
-
-    for node in backward_nodes:
-        emit(node)
-    graph.output(tuple(emit(g) for g in joint.grads))
-    return _module(joint, graph)
-
-
-# NOTE [replay just in time]
-# Replaying every discarded call at the start of backward would hold all of
-# them at once and raise the backward peak above eager's. Emitting each replay
-# right before the first backward node that reads it, with FX's code
-# generation freeing each value after its last use, keeps the replayed values
-# alive only while the gradient formulas that read them run.
-
-
-def _epilogue(joint: JointGraph, returned: Sequence[int]) -> fx.GraphModule:
-    """(*primals, *returned outputs) -> the user's outputs, rebuilding the views among them."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {primal: graph.placeholder(primal.name) for primal in joint.primals}
-    for i in returned:
-        placeholder = graph.placeholder(f"output_{i}")
-        env.setdefault(joint.outputs[i], placeholder)
-    for value, primal in _overwritten(joint).items():
-        env.setdefault(value, env[primal])  # after forward, the input holds its new value
-
-    def emit(node: fx.Node) -> fx.Node:
-        if node not in env:
-            emit(node.args[0])  # type: ignore[arg-type]
-            env[node] = graph.node_copy(node, lambda n: env[n])
-        return env[node]
-
-    graph.output(tuple(emit(output) for output in joint.outputs[: joint.n_user_outputs]))
-    return _module(joint, graph)
-
-
-def _module(joint: JointGraph, graph: fx.Graph) -> fx.GraphModule:
-    constants = {n.target: joint.constants[n.target] for n in graph.nodes if n.op == "get_attr"}
-    graph.lint()
-    return fx.GraphModule(constants, graph)
-
-
 def _saved_bytes(activations: Sequence[fx.Node], primals: Sequence[fx.Node]) -> int:
     """Bytes of the distinct storages of `activations` that are not inputs' storages."""
     inputs = {_storage(p.meta["val"]) for p in primals}
     storages: dict[Any, int] = {}
     for node in activations:
         for value in _tensors(node.meta.get("val")):
-            if node.op == "placeholder":  # an input the forward overwrites, kept as a copy
-                storages[("copy", node)] = value.numel() * value.element_size()
-            elif _storage(value) not in inputs:
+            if _storage(value) not in inputs:
                 storages[_storage(value)] = value.untyped_storage().nbytes()
     return sum(storages.values())
 

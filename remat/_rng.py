@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["generator_of", "rng_state", "replay_with_rng_state", "state_nbytes"]
+__all__ = ["has_zero_derivative", "rng_state", "replay_with_rng_state", "state_nbytes"]
 
 # NOTE [replaying random calls]
 # A random call that backward needs but the policy does not save is replayed
@@ -23,9 +23,20 @@ __all__ = ["generator_of", "rng_state", "replay_with_rng_state", "state_nbytes"]
 # stream is where eager execution leaves it.
 
 
-def generator_of(node: fx.Node) -> Any:
-    """The graph argument naming the generator a random call draws from, if given explicitly."""
-    return node.kwargs.get("generator")
+# Random ops whose output has a zero derivative with respect to every input: a
+# kept output of one of them stands for the call exactly, to any order.
+_ZERO_DERIVATIVE = frozenset(
+    {
+        "bernoulli", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+        "uniform", "exponential", "geometric", "cauchy", "log_normal", "multinomial", "poisson", "random",
+    }
+)  # fmt: skip
+
+
+def has_zero_derivative(node: fx.Node) -> bool:
+    """Whether the random call `node` is a plain draw, with no derivative to carry."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet is not None and packet.__name__.removesuffix("_") in _ZERO_DERIVATIVE
 
 
 def _resolve(device: torch.device, generator: torch.Generator | None) -> torch.Generator:

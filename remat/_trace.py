@@ -17,6 +17,7 @@ from typing import Any
 import optree
 import torch
 from torch import fx
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -78,7 +79,7 @@ class JointGraph:
 def trace_joint(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots) -> JointGraph:
     """Trace `fn` at the signature of `flat_args` into a `JointGraph`."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _explain_tracing_errors(fn), _without_saved_tensors_hooks():
+    with _explain_tracing_errors(fn), _without_saved_tensors_hooks(), _outside_functorch():
         discovery = _discover(fn, flat_args, roots, fake_mode)
         return _trace(fn, flat_args, roots, fake_mode, discovery)
 
@@ -133,7 +134,27 @@ class _Discovery:
 
 
 def _fake_like(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake tensor with `tensor`'s logical metadata (its per-example view under `vmap`)."""
+    if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        with fake_mode:
+            return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
     return fake_mode.from_tensor(tensor.detach())
+
+
+# NOTE [tracing under torch.func]
+# Inside a torch.func transform (grad, vmap, jvp, ...) the arguments are
+# wrapped tensors whose metadata is the logical, per-example one. Tracing runs
+# with the functorch interpreter stack set aside, on fake tensors made from that
+# logical metadata: the graph is the same one traced outside any transform (so
+# the two share a cache entry), and the autograd.Function that runs it takes
+# part in the transforms through its `backward`, `jvp` and generated vmap rule.
+@contextmanager
+def _outside_functorch() -> Iterator[None]:
+    if not torch._C._are_functorch_transforms_active():
+        yield
+        return
+    with temporarily_clear_interpreter_stack():
+        yield
 
 
 def _discover(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, fake_mode: FakeTensorMode) -> _Discovery:
@@ -224,6 +245,7 @@ def _trace(
                             [inputs[i] for i in wrt],
                             [FunctionalTensor.to_functional(t) for t in tangents],
                             allow_unused=True,
+                            create_graph=True,  # differentiable: see NOTE [higher-order derivatives]
                         )
             for primal, value in zip(primals, functional, strict=True):
                 torch._sync(value)

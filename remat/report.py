@@ -29,7 +29,8 @@ class Report:
             storages; inputs and closed-over tensors excluded, since keeping a
             reference to them costs nothing) and generator states.
         rng_state_bytes: the part of `saved_bytes` that is generator states,
-            kept so that discarded random calls replay bit-identically.
+            kept so that random calls whose outputs are not kept can be replayed
+            bit-identically (in backward, or to differentiate the forward again).
         recompute_flops: estimated FLOPs of the calls replayed in backward.
         replayed_calls: indices of the calls replayed in backward.
         rows: one `ReportRow` per call of the trace.

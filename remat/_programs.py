@@ -1,0 +1,204 @@
+"""The FX programs one partition runs: forward, backward, epilogue and the differentiable forward.
+
+Each is built from nodes of the joint graph and knows nothing of how it is
+called; `_partition` decides what goes in them, `_vjp` runs them.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import fx
+
+from . import _rng
+from ._trace import JointGraph
+
+__all__ = ["backward_program", "device_of", "epilogue", "forward_program", "pure_forward"]
+
+aten = torch.ops.aten
+
+
+def device_of(node: fx.Node) -> torch.device:
+    value = node.meta["val"]
+    return (value if isinstance(value, torch.Tensor) else value[0]).device
+
+
+def forward_program(
+    joint: JointGraph,
+    returned: Sequence[fx.Node],
+    activations: Sequence[fx.Node],
+    copied: set[fx.Node],
+    random_states: Sequence[fx.Node],
+) -> fx.GraphModule:
+    """primals -> (*returned, *activations, *generator states): every forward node, once.
+
+    `copied` inputs are kept as a copy taken before anything overwrites them;
+    a generator state is read right before each call in `random_states`.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {primal: graph.placeholder(primal.name) for primal in joint.primals}
+    copies = {primal: graph.call_function(aten.clone.default, (env[primal],)) for primal in copied}
+    states: dict[fx.Node, fx.Node] = {}
+    for node in joint.graph.nodes:
+        if node in joint.forward_nodes:
+            if node in random_states:  # See NOTE [replaying random calls].
+                generator = node.kwargs.get("generator")
+                states[node] = graph.call_function(
+                    _rng.rng_state,
+                    (device_of(node), env[generator] if isinstance(generator, fx.Node) else None),
+                )
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(
+        (
+            *(env[node] for node in returned),
+            *(copies.get(a) or env[a] for a in activations),
+            *(states[node] for node in random_states),
+        )
+    )
+    return _module(joint, graph)
+
+
+def backward_program(
+    joint: JointGraph, kept: Sequence[tuple[fx.Node, bool]], backward_nodes: Sequence[fx.Node]
+) -> fx.GraphModule:
+    """(*kept, *tangents) -> grads, replaying what is not kept just before its first use.
+
+    `kept` pairs a node with whether the kept tensor is the generator state of
+    that (random) node rather than its value. See NOTE [replay just in time].
+    """
+    graph = fx.Graph()
+    env, states = _kept_placeholders(graph, kept)
+    for tangent in joint.tangents:
+        env[tangent] = graph.placeholder(tangent.name)
+    emit = _emitter(graph, env, states)
+    for node in backward_nodes:
+        emit(node)
+    graph.output(tuple(emit(g) for g in joint.grads))
+    return _module(joint, graph)
+
+
+# NOTE [replay just in time]
+# Replaying every discarded call at the start of backward would hold all of
+# them at once and raise the backward peak above eager's. Emitting each replay
+# right before the first backward node that reads it, with FX's code
+# generation freeing each value after its last use, keeps the replayed values
+# alive only while the gradient formulas that read them run.
+
+
+def pure_forward(
+    joint: JointGraph,
+    kept: Sequence[tuple[fx.Node, bool]],
+    inputs: Mapping[fx.Node, fx.Node],
+    targets: Sequence[fx.Node],
+) -> fx.GraphModule:
+    """*kept -> targets, recomputed from inputs with random calls replayed: a pure,
+    differentiable function. See NOTE [differentiating the forward again].
+
+    `inputs` maps each primal to the kept node that holds its value (itself, or
+    the node of its copy when the forward overwrites it), and each random call
+    whose kept output stands for it to itself.
+    """
+    graph = fx.Graph()
+    holders, states = _kept_placeholders(graph, kept)
+    env = {primal: holders[holder] for primal, holder in inputs.items()}
+    emit = _emitter(graph, env, states)
+    graph.output(tuple(emit(target) for target in targets))
+    return _module(joint, graph)
+
+
+# NOTE [differentiating the forward again]
+# A second-order derivative (double backward, grad of grad, hessian) flows
+# through the values backward keeps, and forward mode needs the tangents of
+# every output. Both come from one pure program that recomputes the forward's
+# outputs and kept values from the inputs, replaying random calls from their
+# generator states and skipping in-place updates of inputs. Autograd (or
+# `torch.func.jvp`) differentiates it like any function. Its graph keeps what
+# `fn` told autograd not to see through (`detach()`, `torch.no_grad()`), and
+# drops the detaches that autograd itself put in when it saved tensors: those
+# saved values are exactly what a second derivative must see through.
+
+
+def epilogue(joint: JointGraph, returned: Sequence[int], overwritten: Mapping[fx.Node, fx.Node]) -> fx.GraphModule:
+    """(*primals, *returned outputs) -> the user's outputs, rebuilding the views among them.
+
+    `overwritten` maps the final value of each input updated in place to that
+    input, which holds the value after forward.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {primal: graph.placeholder(primal.name) for primal in joint.primals}
+    for i in returned:
+        placeholder = graph.placeholder(f"output_{i}")
+        env.setdefault(joint.outputs[i], placeholder)
+    for value, primal in overwritten.items():
+        env.setdefault(value, env[primal])
+
+    def emit(node: fx.Node) -> fx.Node:
+        if node not in env:
+            emit(node.args[0])  # type: ignore[arg-type]
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        return env[node]
+
+    graph.output(tuple(emit(output) for output in joint.outputs[: joint.n_user_outputs]))
+    return _module(joint, graph)
+
+
+def _kept_placeholders(
+    graph: fx.Graph, kept: Sequence[tuple[fx.Node, bool]]
+) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, fx.Node]]:
+    values: dict[fx.Node, fx.Node] = {}
+    states: dict[fx.Node, fx.Node] = {}
+    for node, is_state in kept:
+        if is_state:
+            states[node] = graph.placeholder(f"rng_state_of_{node.name}")
+        else:
+            values.setdefault(node, graph.placeholder(f"kept_{node.name}"))
+    return values, states
+
+
+def _emitter(
+    graph: fx.Graph, env: dict[fx.Node, fx.Node], states: Mapping[fx.Node, fx.Node]
+) -> Callable[[fx.Node], fx.Node]:
+    """A function that copies a node of the joint graph into `graph` (and, first, the nodes
+    it reads that are not there yet), replaying random calls from their kept states, so
+    that autograd can differentiate the copy. See NOTE [differentiating the forward again]."""
+
+    def emit(node: fx.Node) -> fx.Node:
+        if node in env:
+            return env[node]
+        for arg in node.all_input_nodes:
+            emit(arg)
+        if node in states:
+            args = fx.node.map_arg(node.args, lambda n: env[n])
+            kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+            copy = graph.call_function(
+                _rng.replay_with_rng_state,
+                (states[node], device_of(node), node.target, *args),  # type: ignore[arg-type]
+                kwargs,
+            )
+            copy.meta = dict(node.meta)
+        elif node.target is aten.detach.default and not node.meta.get("remat_stops_gradient"):
+            copy = env[node.args[0]]  # type: ignore[index]  # autograd's own detach of a saved value
+        else:
+            copy = graph.node_copy(node, lambda n: env[n])
+            if _stops_gradient(node):
+                copy = graph.call_function(aten.detach.default, (copy,))
+        env[node] = copy
+        return copy
+
+    return emit
+
+
+def _stops_gradient(node: fx.Node) -> bool:
+    """Whether `fn` computed the tensor `node` where autograd does not see (under no_grad, or a detach)."""
+    producer = node.args[0] if node.target is operator.getitem else node
+    if node is producer and not isinstance(node.meta.get("val"), torch.Tensor):
+        return False  # a multi-output call: its getitems are detached one by one
+    return bool(isinstance(producer, fx.Node) and producer.meta.get("remat_stops_gradient"))
+
+
+def _module(joint: JointGraph, graph: fx.Graph) -> fx.GraphModule:
+    constants = {n.target: joint.constants[n.target] for n in graph.nodes if n.op == "get_attr"}
+    graph.lint()
+    return fx.GraphModule(constants, graph)
