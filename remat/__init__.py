@@ -11,6 +11,7 @@ from ._calls import Decision as Decision
 from ._calls import TensorMeta as TensorMeta
 from ._calls import Trace as Trace
 from ._errors import TraceError as TraceError
+from ._module import CheckpointedModule as CheckpointedModule
 from .report import Report as Report
 
 SAVE = Decision.SAVE
@@ -24,6 +25,7 @@ __all__ = [
     "CacheInfo",
     "Call",
     "Checkpointed",
+    "CheckpointedModule",
     "Decision",
     "Report",
     "TensorMeta",

@@ -14,10 +14,10 @@ import torch
 from ._cache import CacheInfo, LRUCache, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
-from ._decide import decide
+from ._decide import decide_nested
 from ._partition import partition
 from ._pytree import FlatArgs, flatten_args
-from ._trace import JointGraph, trace_joint
+from ._trace import JointGraph, is_tracing, nested_checkpoint, trace_joint
 from ._vjp import Executable, forward_mode_active, run
 from .report import Report, ReportRow
 
@@ -68,6 +68,9 @@ class Checkpointed(Generic[P, T]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> T:
         if not torch.is_grad_enabled():
             return self.__wrapped__(*args, **kwargs)
+        if is_tracing():  # inside another checkpointed function: see NOTE [nested checkpoints]
+            with nested_checkpoint(self.policy):
+                return self.__wrapped__(*args, **kwargs)
         flat = flatten_args("remat.checkpoint", args, kwargs)
         entry, lifted = self._lookup(flat)
         outputs = run(entry.executable, [*flat.tensors, *lifted])
@@ -120,7 +123,7 @@ class Checkpointed(Generic[P, T]):
 
 
 def _executable(joint: JointGraph, policy: Any, forward_mode: bool) -> Executable:
-    programs = partition(joint, decide(policy, joint.trace), forward_mode=forward_mode)
+    programs = partition(joint, decide_nested(policy, joint.trace, joint.regions), forward_mode=forward_mode)
     return Executable(
         programs=programs,
         differentiable_outputs=joint.differentiable_outputs,
@@ -158,8 +161,9 @@ def checkpoint(fn: Callable[P, T] | None = None, /, *, policy: Any = None, cache
             are dropped).
 
     Returns:
-        A function with the same signature as `fn`. Usable as a decorator,
-        bare or with options.
+        A function with the same signature as `fn` (for an `nn.Module`, a
+        `CheckpointedModule` sharing its parameters under the same names).
+        Usable as a decorator, bare or with options.
 
     >>> import torch, remat
     >>> f = remat.checkpoint(lambda x: x.sin().sin().sum())
@@ -175,6 +179,10 @@ def checkpoint(fn: Callable[P, T] | None = None, /, *, policy: Any = None, cache
             f"remat.checkpoint: expected a function or nn.Module to wrap, but got {fn!r} of type "
             f"{type(fn).__qualname__}. Use `remat.checkpoint(fn, policy=...)` or `@remat.checkpoint(policy=...)`."
         )
+    if isinstance(fn, torch.nn.Module):
+        from ._module import CheckpointedModule
+
+        return CheckpointedModule(fn, policy, cache_size)
     return Checkpointed(fn, policy, cache_size)
 
 
@@ -182,6 +190,7 @@ def _joint_of(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], api: str
 ) -> tuple[JointGraph, Any]:
     flat = flatten_args(api, args, kwargs)
+    fn = getattr(fn, "checkpointed", fn)  # a CheckpointedModule
     if isinstance(fn, Checkpointed):
         entry, _ = fn._lookup(flat)
         return entry.joint, fn.policy
@@ -231,7 +240,7 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
     128
     """
     joint, own_policy = _joint_of(fn, args, kwargs, "remat.report")
-    programs = partition(joint, decide(policy if policy is not None else own_policy, joint.trace))
+    programs = partition(joint, decide_nested(policy if policy is not None else own_policy, joint.trace, joint.regions))
     saved, replayed = set(programs.saved_calls), set(programs.replayed_calls)
     rows = tuple(
         ReportRow(

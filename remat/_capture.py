@@ -181,7 +181,7 @@ class _CaptureMode(TorchFunctionMode):
 
     def record_closed_over(self, tensor: torch.Tensor) -> torch.Tensor:
         """Note `tensor` if it is real (closed over), and return the fake tensor standing for it."""
-        if isinstance(tensor, FakeTensor):
+        if isinstance(_innermost(tensor), FakeTensor):  # fake, or a transform of `fn`'s own wrapping it
             return tensor
         assert self.fakeify is not None
         if id(tensor) not in self.fakes:
@@ -202,6 +202,13 @@ class _CaptureMode(TorchFunctionMode):
 
 _DETACHES = (torch.Tensor.detach, torch.detach, torch.Tensor.detach_)
 _FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
+
+
+def _innermost(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor under any torch.func wrappers (a `vmap` or `grad` inside `fn` wraps its fake inputs)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
 
 
 def _source_and_scope() -> tuple[str | None, str | None]:

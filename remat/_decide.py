@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from ._calls import Decision, Trace
 
-__all__ = ["decide"]
+__all__ = ["decide", "decide_nested"]
 
 
 def decide(policy: Any, trace: Trace) -> tuple[Decision, ...]:
@@ -39,3 +41,20 @@ def _as_decision(policy: Any, call: Any, value: Any) -> Decision:
         f"remat.checkpoint: the policy {policy!r} returned {value!r} (of type {type(value).__qualname__}) for call "
         f"{call}; a policy must return remat.SAVE, remat.RECOMPUTE, True (save) or False (recompute)."
     )
+
+
+def decide_nested(policy: Any, trace: Trace, regions: Sequence[tuple[Any, Sequence[int]]]) -> tuple[Decision, ...]:
+    """Decide with `policy`, except for the calls of nested checkpoints, which their own
+    policies decide (innermost last, so it wins). See NOTE [nested checkpoints]."""
+    decisions = list(decide(policy, trace))
+    for inner_policy, indices in regions:
+        calls = [trace[i] for i in indices]
+        inner = Trace(
+            [
+                dataclasses.replace(call, index=k, occurrence=sum(other.op is call.op for other in calls[:k]))
+                for k, call in enumerate(calls)
+            ]
+        )
+        for i, decision in zip(indices, decide(inner_policy, inner), strict=True):
+            decisions[i] = decision
+    return tuple(decisions)

@@ -61,6 +61,8 @@ def replay_with_rng_state(state: torch.Tensor, device: torch.device, op: Any, /,
     """Run `op(*args, **kwargs)` as it ran when its generator was in `state`, leaving the generator as found."""
     resolved = _resolve(device, kwargs.get("generator"))
     current = resolved.get_state()
+    while torch._C._functorch.is_functorch_wrapped_tensor(state):  # kept under a torch.func transform
+        state = torch._C._functorch.get_unwrapped(state)
     resolved.set_state(state)
     try:
         return op(*args, **kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -33,7 +34,7 @@ from ._costs import estimate_flops, output_nbytes
 from ._errors import TraceError, user_line
 from ._pytree import FlatArgs, flatten_outputs
 
-__all__ = ["JointGraph", "autocast_disabled", "trace_joint"]
+__all__ = ["JointGraph", "autocast_disabled", "is_tracing", "nested_checkpoint", "trace_joint"]
 
 aten = torch.ops.aten
 
@@ -74,14 +75,53 @@ class JointGraph:
     trace: Trace
     lifted: tuple[StateSlot, ...]
     reached_modules: tuple[torch.nn.Module, ...]
+    regions: tuple[tuple[Any, tuple[int, ...]], ...]  # (policy, call indices) of nested checkpoints
 
 
 def trace_joint(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots) -> JointGraph:
     """Trace `fn` at the signature of `flat_args` into a `JointGraph`."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _explain_tracing_errors(fn), _without_saved_tensors_hooks(), _outside_functorch():
-        discovery = _discover(fn, flat_args, roots, fake_mode)
-        return _trace(fn, flat_args, roots, fake_mode, discovery)
+    outer_regions = _regions.recorded
+    _regions.recorded = []
+    try:
+        with _explain_tracing_errors(fn), _without_saved_tensors_hooks(), _outside_functorch():
+            discovery = _discover(fn, flat_args, roots, fake_mode)
+            _regions.recorded = []
+            return _trace(fn, flat_args, roots, fake_mode, discovery)
+    finally:
+        _regions.recorded = outer_regions
+
+
+# NOTE [nested checkpoints]
+# A checkpointed function called while another one is being traced does not
+# trace itself: it runs inline, so its calls become part of the outer graph,
+# and the calls it made are remembered with its policy. The outer partition
+# then takes their decisions from that policy (asked about them as a trace of
+# their own, indexed from 0), and the outer policy decides the rest, as
+# `jax.checkpoint` inside `jax.checkpoint` does.
+class _Regions(threading.local):
+    recorded: list[tuple[Any, fx.Node, fx.Node]] | None = None
+
+
+_regions = _Regions()
+
+
+def is_tracing() -> bool:
+    """Whether a remat trace is running `fn` on this thread right now."""
+    return _regions.recorded is not None
+
+
+@contextmanager
+def nested_checkpoint(policy: Any) -> Iterator[None]:
+    """Run a nested checkpointed function inline, noting the graph nodes it creates."""
+    proxy_mode = get_proxy_mode()
+    if proxy_mode is None or _regions.recorded is None:  # the discovery pass records no graph
+        yield
+        return
+    graph = proxy_mode.tracer.graph
+    before = next(iter(reversed(graph.nodes)))
+    yield
+    _regions.recorded.append((policy, before, next(iter(reversed(graph.nodes)))))
 
 
 # NOTE [autocast is traced, not re-applied]
@@ -153,8 +193,13 @@ def _outside_functorch() -> Iterator[None]:
     if not torch._C._are_functorch_transforms_active():
         yield
         return
-    with temporarily_clear_interpreter_stack():
-        yield
+    allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
+    torch._C._functorch.set_inplace_requires_grad_allowed(True)  # tracing marks fake inputs as requiring grad
+    try:
+        with temporarily_clear_interpreter_stack():
+            yield
+    finally:
+        torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
 
 
 def _discover(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, fake_mode: FakeTensorMode) -> _Discovery:
@@ -258,6 +303,8 @@ def _trace(
 
     gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
     graph = gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    recorded = [(policy, order[start], order[end]) for policy, start, end in _regions.recorded or ()]
     for copy in copies:
         copy.replace_all_uses_with(copy.args[0])  # type: ignore[arg-type]
         graph.erase_node(copy)
@@ -297,6 +344,10 @@ def _trace(
         mutations=mutations,
         call_nodes=call_nodes,
         trace=Trace([_describe(i, node, call_nodes[:i]) for i, node in enumerate(call_nodes)]),
+        regions=tuple(
+            (policy, tuple(i for i, node in enumerate(call_nodes) if start < order[node] <= end))
+            for policy, start, end in recorded
+        ),
         lifted=lifted,
         reached_modules=discovery.reached_modules,
     )
