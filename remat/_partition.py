@@ -83,7 +83,6 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
     (for their tangents), so the random calls they depend on keep their state too.
     """
     decisions = tuple(decisions)
-    decision_of = {node: decisions[i] for i, node in enumerate(joint.call_nodes)}
     primal_index = {node: i for i, node in enumerate(joint.primals)}
     returned = _returned_outputs(joint)
     overwritten = _overwritten(joint)
@@ -96,39 +95,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
     backward_nodes = [
         n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in joint.forward_nodes
     ]
-    needed_by_backward: list[fx.Node] = []
-    for user in [*backward_nodes, *joint.grads]:
-        inputs = user.all_input_nodes if user in backward_nodes else [user]
-        needed_by_backward.extend(
-            n for n in inputs if n in joint.forward_nodes or (n.op == "placeholder" and n in primal_index)
-        )
-
-    def is_kept(node: fx.Node) -> bool:
-        """Whether backward can read `node` without replaying anything."""
-        if node.op in ("placeholder", "get_attr"):
-            return True
-        if node in decision_of:
-            return decision_of[node] is Decision.SAVE
-        if node.target is operator.getitem:  # one output of a multi-output call
-            return is_kept(node.args[0])  # type: ignore[arg-type]
-        return False  # a view: replaying it is free, keep its base instead
-
-    kept_values: dict[fx.Node, None] = {}
-    replayed: set[fx.Node] = set()
-    seen: set[fx.Node] = set()
-    stack = list(reversed(needed_by_backward))
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "get_attr":
-            replayed.add(node)  # constants are read from the program module
-        elif is_kept(node):
-            kept_values[node] = None
-        else:
-            replayed.add(node)
-            stack.extend(reversed(node.all_input_nodes))
+    kept_values, replayed = _kept_and_replayed(joint, decisions, backward_nodes)
 
     # What the pure forward recomputes, and the inputs and random calls it reads: the
     # kept values that depend on a differentiable input. Kept values that do not are
@@ -195,6 +162,45 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(joint.trace[i].flops for i in replayed_calls),
     )
+
+
+def _kept_and_replayed(
+    joint: JointGraph, decisions: Sequence[Decision], backward_nodes: Sequence[fx.Node]
+) -> tuple[dict[fx.Node, None], set[fx.Node]]:
+    """The forward values backward reads without replaying (inputs, outputs of SAVE calls), in
+    order of first need, and the nodes it replays: the RECOMPUTE calls (and views) it needs."""
+    decision_of = dict(zip(joint.call_nodes, decisions, strict=True))
+
+    def is_kept(node: fx.Node) -> bool:
+        if node.op in ("placeholder", "get_attr"):
+            return True
+        if node in decision_of:
+            return decision_of[node] is Decision.SAVE
+        if node.target is operator.getitem:  # one output of a multi-output call
+            return is_kept(node.args[0])  # type: ignore[arg-type]
+        return False  # a view: replaying it is free, keep its base instead
+
+    needed: list[fx.Node] = []
+    for user in [*backward_nodes, *joint.grads]:
+        inputs = user.all_input_nodes if user in backward_nodes else [user]
+        needed.extend(n for n in inputs if n in joint.forward_nodes or n in joint.primals)
+    kept: dict[fx.Node, None] = {}
+    replayed: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+    stack = list(reversed(needed))
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "get_attr":
+            replayed.add(node)  # constants are read from the program module
+        elif is_kept(node):
+            kept[node] = None
+        else:
+            replayed.add(node)
+            stack.extend(reversed(node.all_input_nodes))
+    return kept, replayed
 
 
 def _ancestors(targets: Sequence[fx.Node], within: frozenset[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:

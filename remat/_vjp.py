@@ -79,7 +79,8 @@ class _CheckpointFunction(torch.autograd.Function):
             for k in programs.kept
         ]
         ctx.save_for_backward(*kept)
-        ctx.save_for_forward(*kept)
+        if programs.pure_returns_outputs:  # traced under forward mode: the jvp rule reads them
+            ctx.save_for_forward(*kept)
         ctx.mark_dirty(*(primals[i] for i in executable.dirty))
         # Outputs that do not depend on an input requiring grad do not require grad, as in
         # eager; under forward mode (where inputs need not require grad), only integer ones.
