@@ -66,6 +66,7 @@ class Programs:
     epilogue: fx.GraphModule | None  # (*primals, *returned outputs) -> user outputs; None if all returned
     returned: tuple[int, ...]  # indices of the outputs the Function returns
     n_activations: int
+    nondifferentiable_activations: frozenset[int]  # outputs of calls autograd does not differentiate
     kept: tuple[Kept, ...]
     decisions: tuple[Decision, ...]
     saved_calls: tuple[int, ...]  # calls whose outputs are kept
@@ -153,6 +154,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         else None,
         returned=returned,
         n_activations=len(activations),
+        nondifferentiable_activations=frozenset(i for i, a in enumerate(activations) if not _differentiable(a)),
         kept=tuple(kept),
         decisions=decisions,
         saved_calls=tuple(sorted({call_index[_producer(n)] for n in produced if _producer(n) in call_index})),
@@ -162,6 +164,16 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(joint.trace[i].flops for i in replayed_calls),
     )
+
+
+def _differentiable(node: fx.Node) -> bool:
+    """Whether autograd differentiates the value of `node` (false for, say, the mean and
+    rstd outputs of `native_layer_norm`: double backward must not ask for their derivative)."""
+    if node.target is operator.getitem:
+        producer, index = node.args
+        flags = producer.meta.get("remat_differentiable_outputs")  # type: ignore[union-attr]
+        return flags is None or bool(flags[index])  # type: ignore[index]
+    return True
 
 
 def _kept_and_replayed(
@@ -229,7 +241,7 @@ def _varying(joint: JointGraph, forward_mode: bool) -> set[fx.Node]:
     for node in joint.graph.nodes:
         if node not in joint.forward_nodes or node.meta.get("remat_stops_gradient"):
             continue
-        if node.target is operator.getitem and node.args[0] not in varying:
+        if node.target is operator.getitem and (node.args[0] not in varying or not _differentiable(node)):
             continue
         differentiable = node.op == "call_function" and not _rng.has_zero_derivative(node)
         if differentiable and any(arg in varying for arg in node.all_input_nodes):

@@ -83,11 +83,14 @@ def trace_joint(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     outer_regions = _regions.recorded
     _regions.recorded = []
+    # Under a torch.func transform, whether an input requires grad at this level says nothing
+    # of the levels below, which run the same Function: differentiate every float input.
+    wants_grad = _all_floats if torch._C._are_functorch_transforms_active() else _requires_grad
     try:
         with _explain_tracing_errors(fn), _without_saved_tensors_hooks(), _outside_functorch():
-            discovery = _discover(fn, flat_args, roots, fake_mode)
+            discovery = _discover(fn, flat_args, roots, fake_mode, wants_grad)
             _regions.recorded = []
-            return _trace(fn, flat_args, roots, fake_mode, discovery)
+            return _trace(fn, flat_args, roots, fake_mode, discovery, wants_grad)
     finally:
         _regions.recorded = outer_regions
 
@@ -188,6 +191,8 @@ def _fake_like(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
 # logical metadata: the graph is the same one traced outside any transform (so
 # the two share a cache entry), and the autograd.Function that runs it takes
 # part in the transforms through its `backward`, `jvp` and generated vmap rule.
+# The same Function runs at every level of a nested transform, so the graph
+# differentiates every floating input, whatever it requires at the top level.
 @contextmanager
 def _outside_functorch() -> Iterator[None]:
     if not torch._C._are_functorch_transforms_active():
@@ -202,12 +207,18 @@ def _outside_functorch() -> Iterator[None]:
         torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
 
 
-def _discover(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, fake_mode: FakeTensorMode) -> _Discovery:
+def _discover(
+    fn: Callable[..., Any],
+    flat_args: FlatArgs,
+    roots: ModuleRoots,
+    fake_mode: FakeTensorMode,
+    wants_grad: Callable[[torch.Tensor], bool],
+) -> _Discovery:
     """Run `fn` once on fake tensors to find closed-over tensors and the output structure."""
     fakes = []
     for tensor in flat_args.tensors:
         fake = _fake_like(fake_mode, tensor)
-        if _wants_grad(tensor):
+        if wants_grad(tensor):
             with fake_mode, torch.enable_grad():
                 fake = fake.requires_grad_().clone()  # not a leaf: see NOTE [in-place updates of ...]
         fakes.append(fake)
@@ -215,7 +226,9 @@ def _discover(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, f
     reached: dict[int, torch.nn.Module] = {}
 
     def fakeify(tensor: torch.Tensor) -> torch.Tensor:
-        return _fake_like(fake_mode, tensor).requires_grad_(tensor.requires_grad)
+        # Called while `fn` runs, maybe inside a torch.func transform of its own.
+        with _outside_functorch():
+            return _fake_like(fake_mode, tensor).requires_grad_(wants_grad(tensor))
 
     def note_module(module: torch.nn.Module, args: Any) -> None:
         reached.setdefault(id(module), module)
@@ -237,16 +250,25 @@ def _discover(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, f
     return _Discovery(tuple(mode.closed_over.values()), output_spec, tuple(outputs), tuple(reached.values()), dirty)
 
 
-def _wants_grad(tensor: torch.Tensor) -> bool:
-    return tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
+def _all_floats(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _requires_grad(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad and _all_floats(tensor)
 
 
 def _trace(
-    fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, fake_mode: FakeTensorMode, discovery: _Discovery
+    fn: Callable[..., Any],
+    flat_args: FlatArgs,
+    roots: ModuleRoots,
+    fake_mode: FakeTensorMode,
+    discovery: _Discovery,
+    wants_grad: Callable[[torch.Tensor], bool],
 ) -> JointGraph:
     real_primals = [*flat_args.tensors, *discovery.closed_over]
     n_args = len(flat_args.tensors)
-    wants_grad = [_wants_grad(t) for t in real_primals]
+    differentiated = [wants_grad(t) for t in real_primals]
     n_user_outputs = len(discovery.output_fakes)
     dirty = discovery.dirty
     differentiable = (
@@ -265,7 +287,7 @@ def _trace(
     def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
         with FunctionalTensorMode():
             functional = [FunctionalTensor.to_functional(p) for p in primals]
-            inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, wants_grad, strict=True)]
+            inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, differentiated, strict=True)]
             substitutes = {id(real): inputs[n_args + i] for i, real in enumerate(discovery.closed_over)}
             proxy_mode = get_proxy_mode()
             assert proxy_mode is not None
@@ -280,7 +302,7 @@ def _trace(
                     outputs, _ = flatten_outputs(fn(*args, **kwargs))
                 outputs = [mode.substitute(o) for o in outputs] + [arguments[i] for i in dirty]
                 boundary.append(next(iter(reversed(graph.nodes))))
-                wrt = [i for i, grad in enumerate(wants_grad) if grad]
+                wrt = [i for i, grad in enumerate(differentiated) if grad]
                 diff_outputs = [outputs[i] for i in differentiable]
                 grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
                 if diff_outputs and wrt:
@@ -327,6 +349,9 @@ def _trace(
     )
     forward_nodes = _forward_nodes(graph, boundary[0], tangents, [*outputs, *mutations])
     call_nodes = tuple(n for n in graph.nodes if n in forward_nodes and is_call(n) and n not in mutations)
+    for node in call_nodes:
+        if isinstance(node.meta.get("val"), (tuple, list)):
+            node.meta["remat_differentiable_outputs"] = _differentiable_outputs(node, fake_mode)
     lifted = tuple(roots.slot_of(t, discovery.reached_modules) for t in discovery.closed_over)
     return JointGraph(
         graph=graph,
@@ -351,6 +376,25 @@ def _trace(
         lifted=lifted,
         reached_modules=discovery.reached_modules,
     )
+
+
+def _differentiable_outputs(node: fx.Node, fake_mode: FakeTensorMode) -> tuple[bool, ...]:
+    """Which outputs of a multi-output call autograd differentiates (not, say, the mean
+    and rstd of `native_layer_norm`), found by calling it on fake tensors that require grad."""
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and _all_floats(value):
+            return value.detach().requires_grad_()
+        return value
+
+    args = fx.node.map_aggregate(fx.node.map_arg(node.args, lambda n: n.meta.get("val")), leaf)
+    kwargs = fx.node.map_aggregate(fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val")), leaf)
+    try:
+        with fake_mode, torch.enable_grad():
+            outputs = node.target(*args, **kwargs)  # type: ignore[operator]
+    except Exception:  # an op that cannot run again on its own: assume every float output is
+        return tuple(isinstance(v, torch.Tensor) and _all_floats(v) for v in node.meta["val"])
+    return tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs)
 
 
 def _unwrap(functional: Any) -> torch.Tensor:

@@ -85,10 +85,19 @@ class _CheckpointFunction(torch.autograd.Function):
         # Outputs that do not depend on an input requiring grad do not require grad, as in
         # eager; under forward mode (where inputs need not require grad), only integer ones.
         differentiable = set(executable.differentiable_outputs)
-        ctx.remat_without_tangent = [
-            not _is_float(o) or (i not in differentiable and not forward_mode_active())
-            for i, o in zip(programs.returned, output, strict=False)
-        ] + [not _is_float(a) for a in output[n_returned:]]
+        ctx.remat_without_tangent = (
+            [
+                not _is_float(o) or (i not in differentiable and not forward_mode_active())
+                for i, o in zip(programs.returned, output, strict=False)
+            ]
+            + [
+                not _is_float(a) or k in programs.nondifferentiable_activations
+                for k, a in enumerate(output[n_returned : n_returned + programs.n_activations])
+            ]
+            + [True] * (len(output) - n_returned - programs.n_activations)
+        )  # generator states
+        if programs.pure_returns_outputs:  # the jvp rule answers zeros where forward mode found none
+            ctx.remat_output_metas = [TensorMeta.of(o) for o in output]
         ctx.mark_non_differentiable(*(o for o, skip in zip(output, ctx.remat_without_tangent, strict=True) if skip))
         ctx.set_materialize_grads(False)
 
@@ -105,17 +114,14 @@ class _CheckpointFunction(torch.autograd.Function):
             for i in executable.differentiable_outputs:
                 # Outputs rebuilt by the epilogue send their gradients through autograd's view nodes.
                 grad = grad_of_output.get(i)
-                if grad is None:
-                    meta = executable.output_metas[i]
-                    grad = torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
-                tangents.append(grad)
+                tangents.append(_zeros(executable.output_metas[i]) if grad is None else grad)
             with autocast_disabled():
                 computed = programs.backward.forward(*kept, *tangents)
             for primal, grad in zip(executable.grad_of, computed, strict=True):
                 grad_inputs[primal] = grad
         activation_grads = grads[n_returned : n_returned + programs.n_activations]
         if any(g is not None for g in activation_grads):
-            _accumulate(grad_inputs, _activations_vjp(programs, kept, activation_grads))
+            _accumulate(grad_inputs, _activations_vjp(programs, kept, activation_grads, ctx.needs_input_grad[1:]))
         return (None, *grad_inputs)
 
     @staticmethod
@@ -123,63 +129,111 @@ class _CheckpointFunction(torch.autograd.Function):
         executable: Executable = ctx.executable
         programs = executable.programs
         assert programs.pure_returns_outputs, "traced without forward mode: see forward_mode_active()"
-        kept = list(ctx.saved_tensors)
         primal_tangents = tangents[1:]
-        positions = [i for i, primal in programs.pure_inputs if primal_tangents[primal] is not None]
-
-        def pure(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            inputs = list(kept)
-            for position, value in zip(positions, values, strict=True):
-                inputs[position] = value
-            with autocast_disabled():
-                return tuple(programs.pure.forward(*inputs))
-
-        primal_of = dict(programs.pure_inputs)
-        _, output_tangents = torch.func.jvp(
-            pure,
-            tuple(kept[i] for i in positions),
-            tuple(primal_tangents[primal_of[i]] for i in positions),  # type: ignore[misc]
-        )
+        chosen: list[tuple[int, torch.Tensor]] = []
+        for i, primal in programs.pure_inputs:
+            tangent = primal_tangents[primal]
+            if tangent is not None:
+                chosen.append((i, tangent))
+        output_tangents = _pure_jvp(programs, ctx.saved_tensors, chosen)
         n_states = sum(k.rng_state for k in programs.kept)
         return tuple(
-            None if skip else tangent
-            for tangent, skip in zip((*output_tangents, *([None] * n_states)), ctx.remat_without_tangent, strict=True)
+            None if skip else _zeros(meta) if tangent is None else tangent
+            for tangent, skip, meta in zip(
+                (*output_tangents, *([None] * n_states)),
+                ctx.remat_without_tangent,
+                ctx.remat_output_metas,
+                strict=True,
+            )
         )
+
+
+def _pure_jvp(
+    programs: Programs, kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
+) -> Sequence[torch.Tensor | None]:
+    """Tangents of the pure forward's outputs for tangents on some of its inputs."""
+    positions = [i for i, _ in chosen]
+    if torch.autograd.forward_ad._current_level < 0:  # under torch.func.jvp: forward mode of our own
+
+        def pure(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            values = list(kept)
+            for position, value in zip(positions, inputs, strict=True):
+                values[position] = value
+            with autocast_disabled():
+                return tuple(programs.pure.forward(*values))
+
+        return torch.func.jvp(pure, tuple(kept[i] for i in positions), tuple(t for _, t in chosen))[1]  # type: ignore[no-any-return]
+    # Inside torch.autograd.forward_ad, forward mode cannot nest: take the tangents as a
+    # vector-Jacobian product differentiated with respect to its (zero) vector instead.
+    values, inputs = _differentiable(kept, positions)
+    with torch.enable_grad(), autocast_disabled():
+        outputs = programs.pure.forward(*values)
+        differentiable = [o for o in outputs if o.requires_grad]
+        vectors = [torch.zeros_like(o, requires_grad=True) for o in differentiable]
+        grads = torch.autograd.grad(differentiable, inputs, vectors, create_graph=True, allow_unused=True)
+        pairs = [(g, t) for g, (_, t) in zip(grads, chosen, strict=True) if g is not None]
+        products = (
+            torch.autograd.grad([g for g, _ in pairs], vectors, [t for _, t in pairs], allow_unused=True)
+            if pairs
+            else [None] * len(vectors)
+        )
+    found = iter(products)
+    return [next(found) if o.requires_grad else None for o in outputs]
 
 
 def _activations_vjp(
-    programs: Programs, kept: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor | None]
+    programs: Programs,
+    kept: Sequence[torch.Tensor],
+    cotangents: Sequence[torch.Tensor | None],
+    needs_grad: Sequence[bool],
 ) -> list[torch.Tensor | None]:
     """Gradients of the inputs for cotangents on the kept activations (a higher-order
     derivative), by differentiating the pure forward. See NOTE [differentiating the forward again]."""
-    n_returned = len(programs.returned)
-    differentiable = [(i, primal) for i, primal in programs.pure_inputs if kept[i].requires_grad]
-    grads: list[torch.Tensor | None] = [None] * (1 + max((p for _, p in programs.pure_inputs), default=-1))
-    if not differentiable:
+    grads: list[torch.Tensor | None] = [None] * len(needs_grad)
+    chosen = [(i, primal) for i, primal in programs.pure_inputs if needs_grad[primal]]
+    if not chosen:
         return grads
-    # Only the inputs are differentiated: every other kept value the pure forward reads is a
-    # constant to it (and an output of this Function, so autograd must not be led back here).
-    inputs = {i for i, _ in differentiable}
-    constants = [value if i in inputs else value.detach() for i, value in enumerate(kept)]
+    values, inputs = _differentiable(kept, [i for i, _ in chosen])
     with torch.enable_grad(), autocast_disabled():
-        recomputed = programs.pure.forward(*constants)[n_returned if programs.pure_returns_outputs else 0 :]
-    pairs = [
-        (value, grad)
-        for value, grad in zip(recomputed, cotangents, strict=True)
-        if grad is not None and value.requires_grad
-    ]
-    if not pairs:
-        return grads
-    computed = torch.autograd.grad(
-        [value for value, _ in pairs],
-        [kept[i] for i, _ in differentiable],
-        [grad for _, grad in pairs],
-        allow_unused=True,
-        create_graph=torch.is_grad_enabled(),
-    )
-    for (_, primal), grad in zip(differentiable, computed, strict=True):
-        grads[primal] = grad
+        recomputed = programs.pure.forward(*values)[len(programs.returned) if programs.pure_returns_outputs else 0 :]
+    pairs = [(v, g) for v, g in zip(recomputed, cotangents, strict=True) if g is not None and v.requires_grad]
+    if pairs:
+        computed = torch.autograd.grad(
+            [v for v, _ in pairs],
+            inputs,
+            [g for _, g in pairs],
+            allow_unused=True,
+            create_graph=torch.is_grad_enabled(),
+        )
+        for (_, primal), grad in zip(chosen, computed, strict=True):
+            grads[primal] = grad
     return grads
+
+
+def _differentiable(
+    kept: Sequence[torch.Tensor], positions: Sequence[int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The kept tensors to run the pure forward on, and those of them at `positions` to
+    differentiate with respect to.
+
+    Every other kept value is a constant to the pure forward (and an output of this
+    Function: autograd must not be led back here), so it is detached. An input that does
+    not require grad here (under a torch.func transform, the level below it) is
+    differentiated locally, through a fresh leaf.
+    """
+    values = [value.detach() for value in kept]
+    allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
+    torch._C._functorch.set_inplace_requires_grad_allowed(True)
+    try:
+        for i in positions:
+            values[i] = kept[i] if kept[i].requires_grad else kept[i].detach().requires_grad_()
+    finally:
+        torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
+    return values, [values[i] for i in positions]
+
+
+def _zeros(meta: TensorMeta) -> torch.Tensor:
+    return torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
 
 
 def _is_float(tensor: torch.Tensor) -> bool:
