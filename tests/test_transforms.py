@@ -1,0 +1,968 @@
+"""`remat.checkpoint` composes with `torch.func` and with higher-order autograd (issue 4).
+
+The property under test, for every transform T and every policy p:
+
+    T(remat.checkpoint(f, policy=p)) == T(f)
+
+for a GPT-2-style block and an MLP in float64, under `save_nothing`,
+`save_everything` and hypothesis-drawn `save_calls` subsets. Around it:
+both nesting orders (`vmap(checkpoint(f))` and `checkpoint(vmap(f))`, a
+checkpointed function that differentiates inside), vmap randomness, plain
+double backward (through dropout, `no_grad` and `detach`), `gradcheck` and
+`gradgradcheck`, forward-mode dual tensors, nested checkpoints with their own
+policies, and the trace cache under transforms (one trace at the logical,
+per-example shape, shared with plain calls).
+
+The GPT-2 block uses `attention="softmax"`: `F.scaled_dot_product_attention`'s
+CPU kernel has no vmap batching rule (a performance warning, an error under
+`filterwarnings = error`) and no double backward even in eager, so it cannot
+take part in most of these transforms with or without remat.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import models
+import optree
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from conftest import assert_same_outputs_and_grads
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call, grad, grad_and_value, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat import policies
+
+# The first forward-mode AD call in a process imports torch's jvp decompositions, which
+# script functions with the deprecated `torch.jit.script` (a DeprecationWarning from torch
+# itself, an error under `filterwarnings = error`). Import them once here, warning ignored.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import torch._decomp.decompositions_for_jvp
+
+aten = torch.ops.aten
+DTYPE = torch.float64
+
+# float64, same aten kernels as eager: differences are round-off. Transforms that
+# batch (vmap, jacrev, jacfwd, hessian) may pick other kernels (a batched matmul for
+# a per-example mm) that sum in another order, so they get the same slack.
+RTOL = 1e-9
+ATOL = 1e-10
+
+# Hypothesis examples per property: each example traces a fresh checkpointed function
+# (about 0.1-0.5 s for the GPT-2 block), so the properties below take a fraction of the
+# profile's budget. Under the `soak` profile this still scales up.
+FEW = settings(max_examples=max(2, settings.default.max_examples // 5))
+# For the property parametrized over the transforms (twelve of them): fewer still per transform.
+FEWER = settings(max_examples=max(2, settings.default.max_examples // 10))
+
+POLICIES = {"save_nothing": policies.save_nothing, "save_everything": policies.save_everything}
+FIXED_POLICIES = pytest.mark.parametrize("policy", list(POLICIES.values()), ids=list(POLICIES))
+# A few more for the small functions (cheap to trace): one that saves some calls and not others.
+SEVERAL_POLICIES = pytest.mark.parametrize(
+    "policy",
+    [policies.save_nothing, policies.save_everything, policies.save_ops(aten.mm, aten.addmm), policies.save_calls(0)],
+    ids=["save_nothing", "save_everything", "save_mm_addmm", "save_calls_0"],
+)
+
+
+# --- models ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A module, an example input `x` of it, and a per-feature scale `s` (a small second argument)."""
+
+    module: nn.Module
+    x: torch.Tensor  # one example (a batch of sequences for the block, a batch of rows for the MLP)
+    s: torch.Tensor
+
+    def fn(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """The function under test: two tensor arguments, module parameters closed over."""
+        return self.module(x * s)
+
+    def stacked(self, n: int = 3, seed: int = 11) -> torch.Tensor:
+        """`n` examples shaped like `x`, stacked on a new leading dimension (for vmap)."""
+        return models.randn(n, *self.x.shape, seed=seed, requires_grad=False)
+
+
+@functools.cache
+def model(name: str) -> Model:
+    if name == "mlp":
+        width = 8
+        module: nn.Module = models.mlp(depth=3, width=width)
+        x = models.randn(3, width, seed=1, requires_grad=False)
+    else:
+        width = 16
+        module = models.GPT2Block(d=width, heads=2, attention="softmax")
+        x = models.randn(2, 4, width, seed=1, requires_grad=False)
+    s = (1.0 + 0.1 * models.randn(width, seed=2, requires_grad=False)).contiguous()
+    return Model(module, x, s)
+
+
+MODEL_NAMES = ["mlp", "gpt2"]
+
+
+@functools.cache
+def trace_length(name: str) -> int:
+    m = model(name)
+    return len(remat.trace(m.fn, m.x, m.s))
+
+
+def random_policy(data: st.DataObject, n: int, label: str = "saved calls") -> policies.Policy:
+    subset = data.draw(st.sets(st.integers(min_value=0, max_value=n - 1), max_size=n), label=label)
+    return policies.save_calls(*sorted(subset))
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def assert_trees_close(actual: Any, expected: Any, *, rtol: float = RTOL, atol: float = ATOL) -> None:
+    actual_leaves, actual_spec = optree.tree_flatten(actual)
+    expected_leaves, expected_spec = optree.tree_flatten(expected)
+    assert actual_spec == expected_spec, f"structure differs: {actual_spec} != {expected_spec}"
+    assert expected_leaves, "nothing to compare"
+    for i, (a, e) in enumerate(zip(actual_leaves, expected_leaves, strict=True)):
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m, i=i: f"leaf {i}: {m}")
+
+
+def cotangent_like(t: torch.Tensor, seed: int = 1234) -> torch.Tensor:
+    return torch.randn(t.shape, generator=torch.Generator().manual_seed(seed), dtype=t.dtype)
+
+
+def scalar_loss(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A scalar of `fn`'s output with non-zero second derivatives."""
+    return lambda x, s: fn(x, s).tanh().square().sum()
+
+
+# --- the transforms: each maps (fn, model) to a pytree of tensors ------------------------------------
+
+
+def _grad_argnums_has_aux(fn: Callable, m: Model) -> Any:
+    def loss_and_aux(x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = fn(x, s)
+        return out.tanh().square().sum(), {"out": out, "mean": out.mean()}
+
+    return grad(loss_and_aux, argnums=(0, 1), has_aux=True)(m.x, m.s)
+
+
+def _grad_and_value(fn: Callable, m: Model) -> Any:
+    return grad_and_value(scalar_loss(fn), argnums=1)(m.x, m.s)
+
+
+def _vjp(fn: Callable, m: Model) -> Any:
+    out, pullback = vjp(fn, m.x, m.s)
+    return out, pullback(cotangent_like(out))
+
+
+def _jacrev(fn: Callable, m: Model) -> Any:
+    return jacrev(fn, argnums=(0, 1))(m.x, m.s)
+
+
+def _jacfwd(fn: Callable, m: Model) -> Any:
+    return jacfwd(fn, argnums=(0, 1))(m.x, m.s)
+
+
+def _jvp(fn: Callable, m: Model) -> Any:
+    return jvp(fn, (m.x, m.s), (cotangent_like(m.x, 1), cotangent_like(m.s, 2)))
+
+
+def _hessian(fn: Callable, m: Model) -> Any:
+    # A scalar function of the small input `s` (8 or 16 numbers): a 16 x 16 Hessian at most.
+    return hessian(scalar_loss(fn), argnums=1)(m.x, m.s)
+
+
+def _vmap_in_dims_out_dims(fn: Callable, m: Model) -> Any:
+    return vmap(fn, in_dims=(0, None), out_dims=1)(m.stacked(), m.s)
+
+
+def _vmap_in_dim_1(fn: Callable, m: Model) -> Any:
+    # The batch dimension in the middle: per-example tensors are not contiguous views.
+    return vmap(fn, in_dims=(1, None))(m.stacked().movedim(0, 1), m.s)
+
+
+def _vmap_grad(fn: Callable, m: Model) -> Any:
+    # Per-sample gradients, with respect to the example and to the shared scale.
+    return vmap(grad(scalar_loss(fn), argnums=(0, 1)), in_dims=(0, None))(m.stacked(), m.s)
+
+
+def _grad_grad(fn: Callable, m: Model) -> Any:
+    def of_gradient(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        gx, gs = grad(scalar_loss(fn), argnums=(0, 1))(x, s)
+        return gx.sin().sum() + gs.square().sum()
+
+    return grad(of_gradient, argnums=(0, 1))(m.x, m.s)
+
+
+def _grad_grad_inner_wrt_s_only(fn: Callable, m: Model) -> Any:
+    # The outer grad differentiates `x`, which the inner grad does not: at the inner level
+    # `x` does not require grad, but the outer level needs the derivative through it.
+    def of_gradient(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return grad(scalar_loss(fn), argnums=1)(x, s).sin().sum()
+
+    return grad(of_gradient, argnums=(0, 1))(m.x, m.s)
+
+
+TRANSFORMS: dict[str, Callable[[Callable, Model], Any]] = {
+    "grad_argnums_has_aux": _grad_argnums_has_aux,
+    "grad_and_value": _grad_and_value,
+    "vjp": _vjp,
+    "jacrev": _jacrev,
+    "jacfwd": _jacfwd,
+    "jvp": _jvp,
+    "hessian": _hessian,
+    "vmap_in_dims_out_dims": _vmap_in_dims_out_dims,
+    "vmap_in_dim_1": _vmap_in_dim_1,
+    "vmap_grad": _vmap_grad,
+    "grad_grad": _grad_grad,
+    "grad_grad_inner_wrt_s_only": _grad_grad_inner_wrt_s_only,
+}
+
+
+def check_transform(transform: str, model_name: str, policy: Any) -> None:
+    m = model(model_name)
+    expected = TRANSFORMS[transform](m.fn, m)
+    checkpointed = remat.checkpoint(m.fn, policy=policy)
+    actual = TRANSFORMS[transform](checkpointed, m)
+    assert_trees_close(actual, expected)
+    assert checkpointed.cache_info().traces >= 1  # it really ran through remat
+
+
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@FIXED_POLICIES
+def test_transform_matches_eager(transform: str, model_name: str, policy: Any) -> None:
+    check_transform(transform, model_name, policy)
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@FEWER
+@given(data=st.data(), model_name=st.sampled_from(MODEL_NAMES))
+def test_transform_matches_eager_random_policy(transform: str, data: st.DataObject, model_name: str) -> None:
+    check_transform(transform, model_name, random_policy(data, trace_length(model_name)))
+
+
+def test_transforms_are_not_blind() -> None:
+    # The comparisons above would pass vacuously if the transforms gave zeros, or if the
+    # scale did not reach the output: the model and the jacobian must be non-trivial.
+    for name in MODEL_NAMES:
+        m = model(name)
+        jac_s = jacrev(m.fn, argnums=1)(m.x, m.s)
+        assert jac_s.abs().max() > 1e-3
+        assert trace_length(name) >= 5
+
+
+# --- functional_call: per-sample gradients of a checkpointed module ----------------------------------
+
+
+def _per_sample_grads(module: nn.Module, params: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor) -> Any:
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = functional_call(module, params, (x.unsqueeze(0),))
+        return F.mse_loss(out, y.unsqueeze(0))
+
+    return vmap(grad(loss), in_dims=(None, 0, 0))(params, xs, ys)
+
+
+def check_per_sample_grads(model_name: str, policy: Any) -> None:
+    m = model(model_name)
+    checkpointed = remat.checkpoint(m.module, policy=policy)
+    assert isinstance(checkpointed, remat.CheckpointedModule)
+    names = [name for name, _ in m.module.named_parameters()]
+    assert [name for name, _ in checkpointed.named_parameters()] == names
+    # Parameters other than the module's own: functional_call must use these values.
+    params = {
+        name: (p.detach() + 0.05 * cotangent_like(p, seed=k)).contiguous()
+        for k, (name, p) in enumerate(m.module.named_parameters())
+    }
+    xs = m.stacked(4, seed=21)[:, 0]  # 4 examples, each shaped like one row/sequence of `x`
+    ys = m.stacked(4, seed=22)[:, 0]
+    expected = _per_sample_grads(m.module, params, xs, ys)
+    actual = _per_sample_grads(checkpointed, params, xs, ys)
+    assert list(actual) == names
+    assert_trees_close(actual, expected)
+    assert checkpointed.cache_info().traces >= 1
+    # Per-sample gradients differ from sample to sample, and differ from those at the module's own parameters.
+    some = names[0]
+    assert not torch.allclose(actual[some][0], actual[some][1])
+    at_own = _per_sample_grads(m.module, dict(m.module.named_parameters()), xs, ys)
+    assert not torch.allclose(actual[some], at_own[some])
+
+
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+@FIXED_POLICIES
+def test_per_sample_grads_with_functional_call(model_name: str, policy: Any) -> None:
+    check_per_sample_grads(model_name, policy)
+
+
+@FEW
+@given(data=st.data(), model_name=st.sampled_from(MODEL_NAMES))
+def test_per_sample_grads_with_functional_call_random_policy(data: st.DataObject, model_name: str) -> None:
+    m = model(model_name)
+    n = len(remat.trace(m.module, m.x[:1]))
+    check_per_sample_grads(model_name, random_policy(data, n))
+
+
+@FIXED_POLICIES
+def test_per_sample_grads_sum_to_the_batch_gradient(policy: Any) -> None:
+    m = model("mlp")
+    checkpointed = remat.checkpoint(m.module, policy=policy)
+    params = dict(m.module.named_parameters())
+    xs, ys = m.stacked(4, seed=21)[:, 0], m.stacked(4, seed=22)[:, 0]
+    per_sample = _per_sample_grads(checkpointed, params, xs, ys)
+    batch_loss = F.mse_loss(checkpointed(xs), ys, reduction="none").mean(dim=1).sum()
+    batch_grads = torch.autograd.grad(batch_loss, list(params.values()))
+    for (name, total), g in zip(per_sample.items(), batch_grads, strict=True):
+        torch.testing.assert_close(total.sum(0), g, rtol=RTOL, atol=ATOL, msg=lambda msg, name=name: f"{name}: {msg}")
+
+
+# --- nesting orders ----------------------------------------------------------------------------------
+
+
+def check_checkpoint_of_vmap(model_name: str, policy: Any) -> None:
+    m = model(model_name)
+    batched = vmap(m.fn, in_dims=(0, None))
+    xs = m.stacked().requires_grad_()
+    s = m.s.clone().requires_grad_()
+    assert_same_outputs_and_grads(
+        batched, remat.checkpoint(batched, policy=policy), (xs, s), params=tuple(m.module.parameters())
+    )
+
+
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+@FIXED_POLICIES
+def test_checkpoint_of_vmap_backward_matches_eager(model_name: str, policy: Any) -> None:
+    check_checkpoint_of_vmap(model_name, policy)
+
+
+@FEW
+@given(data=st.data(), model_name=st.sampled_from(MODEL_NAMES))
+def test_checkpoint_of_vmap_random_policy(data: st.DataObject, model_name: str) -> None:
+    m = model(model_name)
+    n = len(remat.trace(vmap(m.fn, in_dims=(0, None)), m.stacked().requires_grad_(), m.s))
+    check_checkpoint_of_vmap(model_name, random_policy(data, n))
+
+
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+@FIXED_POLICIES
+def test_vmap_of_checkpoint_then_backward_matches_eager(model_name: str, policy: Any) -> None:
+    # vmap outside, plain autograd around it: the gradients reach the batched input, the
+    # shared scale and the module's parameters, as in eager.
+    m = model(model_name)
+    checkpointed = remat.checkpoint(m.fn, policy=policy)
+    xs = m.stacked().requires_grad_()
+    s = m.s.clone().requires_grad_()
+    assert_same_outputs_and_grads(
+        vmap(m.fn, in_dims=(0, None)),
+        vmap(checkpointed, in_dims=(0, None)),
+        (xs, s),
+        params=tuple(m.module.parameters()),
+    )
+
+
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+@FIXED_POLICIES
+def test_checkpoint_of_vmap_with_parameters_as_arguments(model_name: str, policy: Any) -> None:
+    # checkpoint(vmap(f)) where nothing is closed over: the parameters come in through functional_call.
+    m = model(model_name)
+
+    def batched(params: dict[str, torch.Tensor], xs: torch.Tensor) -> torch.Tensor:
+        return vmap(lambda x: functional_call(m.module, params, (x,)))(xs)
+
+    params = {name: p.detach().clone().requires_grad_() for name, p in m.module.named_parameters()}
+    assert_same_outputs_and_grads(
+        batched, remat.checkpoint(batched, policy=policy), (params, m.stacked().requires_grad_())
+    )
+
+
+@FIXED_POLICIES
+def test_grad_of_checkpoint_of_vmap_matches_eager(policy: Any) -> None:
+    m = model("mlp")
+    batched = vmap(m.fn, in_dims=(0, None))
+    checkpointed = remat.checkpoint(batched, policy=policy)
+    xs = m.stacked()
+    expected = grad(scalar_loss(batched), argnums=(0, 1))(xs, m.s)
+    actual = grad(scalar_loss(checkpointed), argnums=(0, 1))(xs, m.s)
+    assert_trees_close(actual, expected)
+
+
+def _gradient_of_module(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> a function of d(sum tanh(module(x))^2)/dx, computed with torch.func.grad inside."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return grad(lambda x: module(x).tanh().square().sum())(x).sin()
+
+    return fn
+
+
+@FIXED_POLICIES
+def test_checkpoint_of_a_function_that_calls_torch_func_grad(policy: Any) -> None:
+    # The function differentiates a module it closes over with torch.func.grad; its own
+    # gradient (a second derivative, for the input and for the module's parameters) must
+    # equal eager's.
+    m = model("mlp")
+    fn = _gradient_of_module(m.module)
+    assert_same_outputs_and_grads(
+        fn, remat.checkpoint(fn, policy=policy), (m.x.clone().requires_grad_(),), params=tuple(m.module.parameters())
+    )
+
+
+@FIXED_POLICIES
+def test_checkpoint_of_a_function_that_calls_torch_func_grad_on_its_arguments(policy: Any) -> None:
+    # The same, with the parameters passed in (functional_call) rather than closed over.
+    m = model("mlp")
+
+    def fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return grad(lambda x: functional_call(m.module, params, (x,)).tanh().square().sum())(x).sin()
+
+    params = {name: p.detach().clone().requires_grad_() for name, p in m.module.named_parameters()}
+    assert_same_outputs_and_grads(fn, remat.checkpoint(fn, policy=policy), (params, m.x.clone().requires_grad_()))
+
+
+@FIXED_POLICIES
+def test_checkpoint_of_a_function_that_calls_autograd_grad(policy: Any) -> None:
+    # A gradient penalty: the checkpointed function differentiates inside with create_graph=True.
+    m = model("mlp")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        (gx,) = torch.autograd.grad(m.module(x).tanh().square().sum(), x, create_graph=True)
+        return gx.square().sum(dim=1)
+
+    assert_same_outputs_and_grads(
+        fn, remat.checkpoint(fn, policy=policy), (m.x.clone().requires_grad_(),), params=tuple(m.module.parameters())
+    )
+
+
+# --- vmap randomness ---------------------------------------------------------------------------------
+
+
+def _dropout_fn(x: torch.Tensor) -> torch.Tensor:
+    return F.dropout(x.tanh(), p=0.5, training=True).sin() * 2
+
+
+def _seeded(thunk: Callable[[], Any], seed: int = 0) -> tuple[Any, torch.Tensor]:
+    """Run `thunk` from a seeded global generator; return its result and the numbers drawn next."""
+    torch.manual_seed(seed)
+    result = thunk()
+    return result, torch.rand(8, dtype=DTYPE)
+
+
+def _assert_trees_equal(actual: Any, expected: Any) -> None:
+    actual_leaves, actual_spec = optree.tree_flatten(actual)
+    expected_leaves, expected_spec = optree.tree_flatten(expected)
+    assert actual_spec == expected_spec
+    for a, e in zip(actual_leaves, expected_leaves, strict=True):
+        assert torch.equal(a, e), f"not bit-identical: max difference {(a - e).abs().max()}"
+
+
+@SEVERAL_POLICIES
+def test_vmap_randomness_different_dropout_is_bit_identical(policy: Any) -> None:
+    xs = models.randn(4, 3, 8, seed=5, requires_grad=False)
+    checkpointed = remat.checkpoint(_dropout_fn, policy=policy)
+    expected, expected_next = _seeded(lambda: vmap(_dropout_fn, randomness="different")(xs))
+    actual, actual_next = _seeded(lambda: vmap(checkpointed, randomness="different")(xs))
+    assert torch.equal(actual, expected)
+    assert torch.equal(actual_next, expected_next)
+    # Different masks per example (the comparison is not blind): some example differs from the first.
+    zeros = expected == 0
+    assert zeros.any() and not all(torch.equal(zeros[0], zeros[i]) for i in range(1, 4))
+
+
+@SEVERAL_POLICIES
+def test_vmap_randomness_different_dropout_backward_replays_the_same_masks(policy: Any) -> None:
+    checkpointed = remat.checkpoint(_dropout_fn, policy=policy)
+
+    def run(fn: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        xs = models.randn(4, 3, 8, seed=5)
+        out = vmap(fn, randomness="different")(xs)
+        out.backward(cotangent_like(out))
+        return out.detach(), xs.grad
+
+    (expected, expected_grad), expected_next = _seeded(lambda: run(_dropout_fn))
+    (actual, actual_grad), actual_next = _seeded(lambda: run(checkpointed))
+    assert torch.equal(actual, expected)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=RTOL, atol=ATOL)
+    assert torch.equal(actual_next, expected_next)
+
+
+@SEVERAL_POLICIES
+def test_per_sample_grads_through_dropout_with_randomness_different(policy: Any) -> None:
+    checkpointed = remat.checkpoint(_dropout_fn, policy=policy)
+    xs = models.randn(4, 3, 8, seed=5, requires_grad=False)
+
+    def per_sample(fn: Callable) -> Any:
+        return vmap(grad_and_value(lambda x: fn(x).square().sum()), randomness="different")(xs)
+
+    (expected_grads, expected_values), expected_next = _seeded(lambda: per_sample(_dropout_fn))
+    (actual_grads, actual_values), actual_next = _seeded(lambda: per_sample(checkpointed))
+    assert torch.equal(actual_values, expected_values)
+    torch.testing.assert_close(actual_grads, expected_grads, rtol=RTOL, atol=ATOL)
+    assert torch.equal(actual_next, expected_next)
+
+
+def _unbatched_draw_fn(x: torch.Tensor) -> torch.Tensor:
+    # The draw's shape does not depend on the batched input: legal under randomness="same".
+    return (x * torch.rand(x.shape[-1], dtype=x.dtype)).tanh()
+
+
+@SEVERAL_POLICIES
+def test_vmap_randomness_same_with_an_unbatched_draw_is_bit_identical(policy: Any) -> None:
+    checkpointed = remat.checkpoint(_unbatched_draw_fn, policy=policy)
+    xs = models.randn(4, 3, 8, seed=5, requires_grad=False)
+    expected, expected_next = _seeded(lambda: vmap(_unbatched_draw_fn, randomness="same")(xs))
+    actual, actual_next = _seeded(lambda: vmap(checkpointed, randomness="same")(xs))
+    assert torch.equal(actual, expected)
+    assert torch.equal(actual_next, expected_next)
+
+
+@SEVERAL_POLICIES
+def test_per_sample_grads_through_an_unbatched_draw_with_randomness_same(policy: Any) -> None:
+    checkpointed = remat.checkpoint(_unbatched_draw_fn, policy=policy)
+    xs = models.randn(4, 3, 8, seed=5, requires_grad=False)
+
+    def per_sample(fn: Callable) -> Any:
+        return vmap(grad_and_value(lambda x: fn(x).square().sum()), randomness="same")(xs)
+
+    (expected_grads, expected_values), expected_next = _seeded(lambda: per_sample(_unbatched_draw_fn))
+    (actual_grads, actual_values), actual_next = _seeded(lambda: per_sample(checkpointed))
+    assert torch.equal(actual_values, expected_values)
+    torch.testing.assert_close(actual_grads, expected_grads, rtol=RTOL, atol=ATOL)
+    assert torch.equal(actual_next, expected_next)
+
+
+@SEVERAL_POLICIES
+def test_vmap_randomness_same_backward_replays_the_same_draw(policy: Any) -> None:
+    checkpointed = remat.checkpoint(_unbatched_draw_fn, policy=policy)
+
+    def run(fn: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        xs = models.randn(4, 3, 8, seed=5)
+        out = vmap(fn, randomness="same")(xs)
+        out.backward(cotangent_like(out))
+        return out.detach(), xs.grad
+
+    (expected, expected_grad), expected_next = _seeded(lambda: run(_unbatched_draw_fn))
+    (actual, actual_grad), actual_next = _seeded(lambda: run(checkpointed))
+    assert torch.equal(actual, expected)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=RTOL, atol=ATOL)
+    assert torch.equal(actual_next, expected_next)
+
+
+SAME_RANDOMNESS_ERROR = "Vmap does not currently support same randomness with a batched tensor input"
+
+
+@FIXED_POLICIES
+def test_vmap_randomness_same_with_dropout_on_a_batched_input_raises_under_remat_only(policy: Any) -> None:
+    # A documented limitation, not a wish: eager `F.dropout` dispatches dropout's own batching
+    # rule, which supports randomness="same" on a batched input; remat's trace decomposes
+    # dropout into `bernoulli` on a tensor shaped like the (batched) input, and functorch
+    # refuses "same" randomness for a random op with a batched tensor input.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, p=0.5, training=True)
+
+    xs = models.randn(4, 3, 8, seed=5, requires_grad=False)
+    torch.manual_seed(0)
+    eager = vmap(fn, randomness="same")(xs)
+    assert torch.equal(eager[0] == 0, eager[1] == 0)  # eager: the same mask for every example
+    checkpointed = remat.checkpoint(fn, policy=policy)
+    with pytest.raises(RuntimeError, match=re.escape(SAME_RANDOMNESS_ERROR)):
+        vmap(checkpointed, randomness="same")(xs)
+
+
+# --- plain autograd: double backward, retain_graph, gradcheck, forward AD ----------------------------
+
+
+def _double_backward(fn: Callable, m: Model) -> dict[str, Any]:
+    """Gradients of a function of the gradient (create_graph=True, then a second backward)."""
+    params = list(m.module.parameters())
+    for p in params:
+        p.grad = None
+    x, s = m.x.clone().requires_grad_(), m.s.clone().requires_grad_()
+    out = fn(x, s)
+    loss = out.tanh().square().sum()
+    gx, gs = torch.autograd.grad(loss, (x, s), create_graph=True)
+    (gx.sin().sum() + gs.square().sum()).backward()
+    result = {
+        "out": out.detach(),
+        "gx": gx.detach(),
+        "gs": gs.detach(),
+        "x.grad": x.grad,
+        "s.grad": s.grad,
+        "params.grad": [p.grad.clone() for p in params],
+    }
+    for p in params:
+        p.grad = None
+    return result
+
+
+def check_double_backward(model_name: str, policy: Any) -> None:
+    m = model(model_name)
+    expected = _double_backward(m.fn, m)
+    actual = _double_backward(remat.checkpoint(m.fn, policy=policy), m)
+    assert_trees_close(actual, expected)
+
+
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+@FIXED_POLICIES
+def test_double_backward_matches_eager(model_name: str, policy: Any) -> None:
+    check_double_backward(model_name, policy)
+
+
+@FEW
+@given(data=st.data(), model_name=st.sampled_from(MODEL_NAMES))
+def test_double_backward_matches_eager_random_policy(data: st.DataObject, model_name: str) -> None:
+    check_double_backward(model_name, random_policy(data, trace_length(model_name)))
+
+
+_W = models.randn(8, 8, seed=3)
+
+
+def _dropout_mlp(x: torch.Tensor) -> torch.Tensor:
+    h = F.dropout((x @ _W).tanh(), p=0.3, training=True)
+    return F.dropout((h @ _W.t()).sin(), p=0.2, training=True)
+
+
+def _stops_gradients(x: torch.Tensor) -> torch.Tensor:
+    # Second derivatives must treat what fn hides from autograd as constants.
+    a = (x @ _W).sin()
+    with torch.no_grad():
+        b = (a * x).exp()  # computed from x, but a constant to autograd
+    c = a.detach().cos()
+    d = a * b + a.tanh() * c
+    return d.square()
+
+
+def _double_backward_with_seed(fn: Callable) -> tuple[dict[str, Any], torch.Tensor]:
+    def thunk() -> dict[str, Any]:
+        _W.grad = None
+        x = models.randn(3, 8, seed=1)
+        out = fn(x)
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        gx.square().sum().backward()
+        result = {"out": out.detach(), "gx": gx.detach(), "x.grad": x.grad, "w.grad": _W.grad}
+        _W.grad = None
+        return result
+
+    return _seeded(thunk)
+
+
+@pytest.mark.parametrize("fn", [_dropout_mlp, _stops_gradients], ids=["dropout", "no_grad_and_detach"])
+@SEVERAL_POLICIES
+def test_double_backward_of_small_functions(fn: Callable, policy: Any) -> None:
+    expected, expected_next = _double_backward_with_seed(fn)
+    actual, actual_next = _double_backward_with_seed(remat.checkpoint(fn, policy=policy))
+    assert torch.equal(actual["out"], expected["out"])
+    assert_trees_close(actual, expected)
+    assert torch.equal(actual_next, expected_next)
+    assert expected["x.grad"].abs().max() > 1e-3 and expected["w.grad"].abs().max() > 1e-3
+
+
+def test_double_backward_really_depends_on_no_grad_and_detach() -> None:
+    # Guard for the test above: ignoring the no_grad block and the detach changes the second derivative.
+    def without_stops(x: torch.Tensor) -> torch.Tensor:
+        a = (x @ _W).sin()
+        return (a * (a * x).exp() + a.tanh() * a.cos()).square()
+
+    with_stops, _ = _double_backward_with_seed(_stops_gradients)
+    without, _ = _double_backward_with_seed(without_stops)
+    torch.testing.assert_close(with_stops["out"], without["out"])
+    assert not torch.allclose(with_stops["x.grad"], without["x.grad"])
+
+
+@pytest.mark.parametrize("fn", [_dropout_mlp, _stops_gradients], ids=["dropout", "no_grad_and_detach"])
+@SEVERAL_POLICIES
+def test_autograd_grad_twice_with_retain_graph(fn: Callable, policy: Any) -> None:
+    checkpointed = remat.checkpoint(fn, policy=policy)
+
+    def twice(f: Callable) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        x = models.randn(3, 8, seed=1)
+        loss = f(x).sum()
+        first = torch.autograd.grad(loss, (x, _W), retain_graph=True)
+        second = torch.autograd.grad(loss, (x, _W))
+        return first, second
+
+    (expected, _), expected_next = _seeded(lambda: twice(fn))
+    (first, second), actual_next = _seeded(lambda: twice(checkpointed))
+    _assert_trees_equal(second, first)  # the same programs, replayed from the same kept values and states
+    assert_trees_close(first, expected)
+    assert torch.equal(actual_next, expected_next)
+
+
+def _small_mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (torch.tanh(x @ w) @ w.t()).sin()
+
+
+def _small_attention(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    q, k = x @ w, x @ w.t()
+    return (q @ k.t() / 2).softmax(dim=-1) @ x.exp()
+
+
+def _small_layer_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.gelu(F.layer_norm(x @ w, (w.shape[1],), weight=w[0], bias=w[1]))
+
+
+SMALL_FUNCTIONS = pytest.mark.parametrize(
+    "fn", [_small_mlp, _small_attention, _small_layer_norm], ids=["mlp", "attention", "layer_norm"]
+)
+
+
+def _small_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    # Few numbers: gradgradcheck perturbs each input and each cotangent entry one by one.
+    return models.randn(2, 3, seed=1), (0.5 * models.randn(3, 3, seed=2)).detach().requires_grad_()
+
+
+# gradgradcheck is the slowest check here: a smaller set of policies than SEVERAL_POLICIES.
+GRADGRAD_POLICIES = pytest.mark.parametrize(
+    "policy",
+    [policies.save_nothing, policies.save_everything, policies.save_ops(aten.mm)],
+    ids=["save_nothing", "save_everything", "save_mm"],
+)
+
+
+@SMALL_FUNCTIONS
+@SEVERAL_POLICIES
+def test_gradcheck(fn: Callable, policy: Any) -> None:
+    checkpointed = remat.checkpoint(fn, policy=policy)
+    assert torch.autograd.gradcheck(checkpointed, _small_inputs(), check_batched_grad=True)
+    assert checkpointed.cache_info().traces >= 1
+
+
+@SMALL_FUNCTIONS
+@GRADGRAD_POLICIES
+def test_gradgradcheck(fn: Callable, policy: Any) -> None:
+    checkpointed = remat.checkpoint(fn, policy=policy)
+    assert torch.autograd.gradgradcheck(checkpointed, _small_inputs())
+    assert checkpointed.cache_info().traces >= 1
+
+
+@FEW
+@given(data=st.data(), fn=st.sampled_from([_small_mlp, _small_attention, _small_layer_norm]))
+def test_gradgradcheck_random_policy(data: st.DataObject, fn: Callable) -> None:
+    n = len(remat.trace(fn, *_small_inputs()))
+    checkpointed = remat.checkpoint(fn, policy=random_policy(data, n))
+    assert torch.autograd.gradgradcheck(checkpointed, _small_inputs())
+
+
+def _forward_ad(fn: Callable, primals: tuple[torch.Tensor, ...], seed: int = 0) -> tuple[Any, torch.Tensor]:
+    tangents = [cotangent_like(p, seed=100 + i) for i, p in enumerate(primals)]
+
+    def thunk() -> tuple[torch.Tensor, torch.Tensor]:
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(p.detach(), t) for p, t in zip(primals, tangents, strict=True)]
+            out = fwAD.unpack_dual(fn(*duals))
+            return out.primal.clone(), out.tangent.clone()
+
+    return _seeded(thunk, seed)
+
+
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+@FIXED_POLICIES
+def test_forward_ad_dual_tensors_match_eager(model_name: str, policy: Any) -> None:
+    m = model(model_name)
+    (expected, expected_tangent), _ = _forward_ad(m.fn, (m.x, m.s))
+    (actual, actual_tangent), _ = _forward_ad(remat.checkpoint(m.fn, policy=policy), (m.x, m.s))
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(actual_tangent, expected_tangent, rtol=RTOL, atol=ATOL)
+
+
+@SEVERAL_POLICIES
+def test_forward_ad_through_dropout_matches_eager(policy: Any) -> None:
+    x = models.randn(3, 8, seed=1, requires_grad=False)
+    (expected, expected_tangent), expected_next = _forward_ad(_dropout_mlp, (x,))
+    (actual, actual_tangent), actual_next = _forward_ad(remat.checkpoint(_dropout_mlp, policy=policy), (x,))
+    assert torch.equal(actual, expected)
+    torch.testing.assert_close(actual_tangent, expected_tangent, rtol=RTOL, atol=ATOL)
+    assert torch.equal(actual_next, expected_next)
+
+
+# --- nested checkpoints ------------------------------------------------------------------------------
+
+
+class BackwardOpCounter(TorchDispatchMode):
+    """Counts the aten ops (by OpOverloadPacket) that run while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[Any] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.counts[func.overloadpacket] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _inner_plain(x: torch.Tensor) -> torch.Tensor:
+    return x.exp().sin()
+
+
+def _outer_plain(inner: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        return inner(x.tanh()).cos().sum()
+
+    return outer
+
+
+# The outer trace: tanh (outer), exp and sin (inner), cos and sum (outer).
+OUTER_OPS = [aten.tanh.default, aten.exp.default, aten.sin.default, aten.cos.default, aten.sum.default]
+INNER_CALLS = (1, 2)
+
+
+def _nested(inner_policy: Any, outer_policy: Any) -> remat.Checkpointed:
+    inner = remat.checkpoint(_inner_plain, policy=inner_policy)
+    return remat.checkpoint(_outer_plain(inner), policy=outer_policy)
+
+
+@pytest.mark.parametrize("inner_policy", list(POLICIES.values()), ids=[f"inner_{n}" for n in POLICIES])
+@pytest.mark.parametrize("outer_policy", list(POLICIES.values()), ids=[f"outer_{n}" for n in POLICIES])
+def test_nested_checkpoint_gradients_match_eager(inner_policy: Any, outer_policy: Any) -> None:
+    x = models.randn(5, seed=1)
+    eager = _outer_plain(_inner_plain)
+    nested = _nested(inner_policy, outer_policy)
+    assert_same_outputs_and_grads(eager, nested, (x,))
+    assert_trees_close(grad(nested)(x.detach()), grad(eager)(x.detach()))
+    assert_trees_close(
+        grad(lambda x: grad(nested)(x).square().sum())(x.detach()),
+        grad(lambda x: grad(eager)(x).square().sum())(x.detach()),
+    )
+
+
+def test_nested_report_shows_the_inner_policy_decisions() -> None:
+    x = models.randn(5, seed=1)
+    nested = _nested(policies.save_everything, policies.save_nothing)
+    rep = remat.report(nested, x)
+    assert [row.call.op for row in rep.rows] == OUTER_OPS
+    decisions = [row.decision for row in rep.rows]
+    assert decisions == [remat.RECOMPUTE, remat.SAVE, remat.SAVE, remat.RECOMPUTE, remat.RECOMPUTE]
+    for i in INNER_CALLS:  # backward reads exp's output (exp, sin) and sin's output (cos): kept, not replayed
+        assert rep.rows[i].saved and not rep.rows[i].replayed
+    assert rep.replayed_calls == (0,)  # tanh: its backward reads its output
+
+    # The other way round: the outer saves everything, the inner nothing.
+    rep = remat.report(_nested(policies.save_nothing, policies.save_everything), x)
+    assert [row.decision for row in rep.rows] == [remat.SAVE, remat.RECOMPUTE, remat.RECOMPUTE, remat.SAVE, remat.SAVE]
+    assert rep.replayed_calls == INNER_CALLS
+
+
+def test_nested_inner_policy_indexes_its_own_calls_from_zero() -> None:
+    # save_calls(0) of the inner function is its exp (call 1 of the outer trace), not the outer tanh.
+    x = models.randn(5, seed=1)
+    rep = remat.report(_nested(policies.save_calls(0), policies.save_nothing), x)
+    assert [row.decision for row in rep.rows] == [
+        remat.RECOMPUTE,
+        remat.SAVE,
+        remat.RECOMPUTE,
+        remat.RECOMPUTE,
+        remat.RECOMPUTE,
+    ]
+
+
+def _backward_counts(fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[collections.Counter, torch.Tensor]:
+    x = models.randn(5, seed=1)
+    loss = fn(x)
+    with BackwardOpCounter() as counter:
+        loss.backward()
+    return counter.counts, x.grad
+
+
+@pytest.mark.parametrize(
+    ("inner_policy", "replayed"),
+    [
+        (policies.save_everything, {aten.tanh: 1}),
+        (policies.save_nothing, {aten.tanh: 1, aten.exp: 1, aten.sin: 1}),
+        (policies.save_calls(0), {aten.tanh: 1, aten.sin: 1}),
+    ],
+    ids=["inner_save_everything", "inner_save_nothing", "inner_save_exp"],
+)
+def test_nested_inner_saved_calls_are_not_replayed(inner_policy: Any, replayed: dict[Any, int]) -> None:
+    eager_counts, eager_grad = _backward_counts(_outer_plain(_inner_plain))
+    nested = _nested(inner_policy, policies.save_nothing)
+    nested(models.randn(5, seed=1))  # trace outside the counter
+    counts, actual_grad = _backward_counts(nested)
+    torch.testing.assert_close(actual_grad, eager_grad, rtol=RTOL, atol=ATOL)
+    # Eager's backward runs no tanh or exp (and one sin: the derivative of cos);
+    # the checkpointed backward runs those plus exactly the replayed calls.
+    assert (eager_counts[aten.tanh], eager_counts[aten.exp], eager_counts[aten.sin]) == (0, 0, 1)
+    for op in (aten.tanh, aten.exp, aten.sin):
+        expected = eager_counts[op] + replayed.get(op, 0)
+        assert counts[op] == expected, f"{op}: ran {counts[op]} times in backward, expected {expected}"
+    assert counts[aten.cos] == eager_counts[aten.cos]  # the gradient formulas themselves run once
+
+
+@FEW
+@given(data=st.data())
+def test_nested_checkpoints_with_random_policies(data: st.DataObject) -> None:
+    # A checkpointed MLP inside a checkpointed function around a GPT-2 block, each with its own policy.
+    block = model("gpt2").module
+    mlp = models.mlp(depth=2, width=16, seed=3)
+    x = models.randn(2, 4, 16, seed=1)
+
+    def outer_plain(inner: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: block(x + inner(x)).tanh()
+
+    inner_policy = random_policy(data, len(remat.trace(mlp, x)), "inner saved calls")
+    inner = remat.checkpoint(mlp, policy=inner_policy)
+    outer_policy = random_policy(data, len(remat.trace(outer_plain(mlp), x)), "outer saved calls")
+    nested = remat.checkpoint(outer_plain(inner), policy=outer_policy)
+    params = (*block.parameters(), *mlp.parameters())
+    assert_same_outputs_and_grads(outer_plain(mlp), nested, (x,), params=params)
+
+
+# --- the trace cache under transforms ----------------------------------------------------------------
+
+
+def _recording(log: list[remat.Call]) -> Callable[[remat.Call], bool]:
+    def policy(call: remat.Call) -> bool:
+        log.append(call)
+        return call.op is aten.addmm.default
+
+    return policy
+
+
+def test_vmap_traces_at_the_per_example_shape_and_shares_the_trace() -> None:
+    m = model("mlp")
+    log: list[remat.Call] = []
+    checkpointed = remat.checkpoint(m.fn, policy=_recording(log))
+    xs = m.stacked(5)
+    out = vmap(checkpointed, in_dims=(0, None))(xs, m.s)
+    torch.testing.assert_close(out, vmap(m.fn, in_dims=(0, None))(xs, m.s), rtol=RTOL, atol=ATOL)
+    assert checkpointed.cache_info().traces == 1
+    # The policy saw the per-example (logical) shapes, exactly the trace of one example.
+    reference = remat.trace(m.fn, m.x, m.s)
+    assert [(c.op, c.inputs, c.outputs) for c in log] == [(c.op, c.inputs, c.outputs) for c in reference]
+    assert all(meta.shape[0] != 5 for c in log for meta in c.outputs)
+
+    # Outside vmap at the per-example shape, and under vmap at another batch size: the same trace.
+    torch.testing.assert_close(checkpointed(m.x, m.s), m.fn(m.x, m.s), rtol=RTOL, atol=ATOL)
+    vmap(checkpointed, in_dims=(0, None))(m.stacked(7), m.s)
+    info = checkpointed.cache_info()
+    assert (info.traces, info.misses, info.hits) == (1, 1, 2)
+    assert len(log) == len(reference)  # the policy was asked once per call, once
+
+
+def test_grad_and_vmap_grad_share_the_trace_of_a_plain_call() -> None:
+    m = model("mlp")
+    checkpointed = remat.checkpoint(m.fn)
+    x = m.x.clone().requires_grad_()
+    s = m.s.clone().requires_grad_()
+    loss = scalar_loss(checkpointed)
+    loss(x, s).backward()
+    assert checkpointed.cache_info().traces == 1
+    g = grad(loss, argnums=(0, 1))(m.x, m.s)
+    assert_trees_close(g, (x.grad, s.grad))
+    per_sample = vmap(grad(loss, argnums=(0, 1)), in_dims=(0, None))(m.stacked(5), m.s)
+    assert per_sample[0].shape == (5, *m.x.shape)
+    # Transforms that differentiate the same inputs (requires_grad is part of the key).
+    jacrev(checkpointed, argnums=(0, 1))(m.x, m.s)
+    grad(lambda x, s: sum(g.sum() for g in grad(loss, argnums=(0, 1))(x, s)), argnums=(0, 1))(m.x, m.s)
+    info = checkpointed.cache_info()
+    assert info.traces == 1, info
+    assert info.hits == 4
