@@ -99,7 +99,9 @@ def main() -> None:
     }
     kept = {name: kept_bytes(fn, x, exclude) for name, fn in methods.items()}
     reported = {
-        name: remat.report(fn, x).saved_bytes for name, fn in methods.items() if isinstance(fn, remat.Checkpointed)
+        name: remat.report(fn, x).saved_bytes
+        for name, fn in methods.items()
+        if isinstance(fn, (remat.Checkpointed, remat.CheckpointedModule))
     }
     times: dict[str, list[float]] = {name: [] for name in methods}
     for fn in methods.values():

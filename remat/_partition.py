@@ -66,7 +66,7 @@ class Programs:
     epilogue: fx.GraphModule | None  # (*primals, *returned outputs) -> user outputs; None if all returned
     returned: tuple[int, ...]  # indices of the outputs the Function returns
     n_activations: int
-    nondifferentiable_activations: frozenset[int]  # outputs of calls autograd does not differentiate
+    without_tangent: tuple[bool, ...]  # per Function output: marked non-differentiable
     kept: tuple[Kept, ...]
     decisions: tuple[Decision, ...]
     saved_calls: tuple[int, ...]  # calls whose outputs are kept
@@ -154,7 +154,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         else None,
         returned=returned,
         n_activations=len(activations),
-        nondifferentiable_activations=frozenset(i for i, a in enumerate(activations) if not _differentiable(a)),
+        without_tangent=_without_tangent(joint, returned, activations, len(random_states), forward_mode),
         kept=tuple(kept),
         decisions=decisions,
         saved_calls=tuple(sorted({call_index[_producer(n)] for n in produced if _producer(n) in call_index})),
@@ -164,6 +164,28 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(joint.trace[i].flops for i in replayed_calls),
     )
+
+
+def _without_tangent(
+    joint: JointGraph, returned: Sequence[int], activations: Sequence[fx.Node], n_states: int, forward_mode: bool
+) -> tuple[bool, ...]:
+    """For each output of the Function, whether it is marked non-differentiable.
+
+    As in eager, an output that depends on no input requiring grad does not require grad
+    (under forward mode, where inputs need not require grad, only non-float ones are
+    marked); nor do kept values that autograd does not differentiate, nor generator states.
+    """
+    differentiable = set(joint.differentiable_outputs)
+    return (
+        *(not _is_float(joint.outputs[i]) or (i not in differentiable and not forward_mode) for i in returned),
+        *(not _is_float(a) or not _differentiable(a) for a in activations),
+        *([True] * n_states),
+    )
+
+
+def _is_float(node: fx.Node) -> bool:
+    value = node.meta["val"]
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
 def _differentiable(node: fx.Node) -> bool:

@@ -132,16 +132,18 @@ def nested_checkpoint(policy: Any) -> Iterator[None]:
 # it inserts become explicit `_to_copy` calls of the graph; the backward is
 # traced with autocast off, as the autograd engine runs eager backward formulas.
 # The programs then run with autocast off: their casts are already in them.
-@contextmanager
-def autocast_disabled() -> Iterator[None]:
+class autocast_disabled:
     """Turn autocast off on every device type where it is on, for the duration."""
-    enabled = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
-    for device in enabled:
-        torch.set_autocast_enabled(device, False)
-    try:
-        yield
-    finally:
-        for device in enabled:
+
+    __slots__ = ("enabled",)
+
+    def __enter__(self) -> None:
+        self.enabled = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+        for device in self.enabled:
+            torch.set_autocast_enabled(device, False)
+
+    def __exit__(self, *exc: object) -> None:
+        for device in self.enabled:
             torch.set_autocast_enabled(device, True)
 
 

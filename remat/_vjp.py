@@ -82,23 +82,9 @@ class _CheckpointFunction(torch.autograd.Function):
         if programs.pure_returns_outputs:  # traced under forward mode: the jvp rule reads them
             ctx.save_for_forward(*kept)
         ctx.mark_dirty(*(primals[i] for i in executable.dirty))
-        # Outputs that do not depend on an input requiring grad do not require grad, as in
-        # eager; under forward mode (where inputs need not require grad), only integer ones.
-        differentiable = set(executable.differentiable_outputs)
-        ctx.remat_without_tangent = (
-            [
-                not _is_float(o) or (i not in differentiable and not forward_mode_active())
-                for i, o in zip(programs.returned, output, strict=False)
-            ]
-            + [
-                not _is_float(a) or k in programs.nondifferentiable_activations
-                for k, a in enumerate(output[n_returned : n_returned + programs.n_activations])
-            ]
-            + [True] * (len(output) - n_returned - programs.n_activations)
-        )  # generator states
         if programs.pure_returns_outputs:  # the jvp rule answers zeros where forward mode found none
             ctx.remat_output_metas = [TensorMeta.of(o) for o in output]
-        ctx.mark_non_differentiable(*(o for o, skip in zip(output, ctx.remat_without_tangent, strict=True) if skip))
+        ctx.mark_non_differentiable(*(o for o, skip in zip(output, programs.without_tangent, strict=True) if skip))
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -141,7 +127,7 @@ class _CheckpointFunction(torch.autograd.Function):
             None if skip else _zeros(meta) if tangent is None else tangent
             for tangent, skip, meta in zip(
                 (*output_tangents, *([None] * n_states)),
-                ctx.remat_without_tangent,
+                programs.without_tangent,
                 ctx.remat_output_metas,
                 strict=True,
             )
@@ -236,14 +222,12 @@ def _zeros(meta: TensorMeta) -> torch.Tensor:
     return torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
 
 
-def _is_float(tensor: torch.Tensor) -> bool:
-    return tensor.is_floating_point() or tensor.is_complex()
-
-
 def forward_mode_active() -> bool:
     """Whether forward-mode AD (`torch.func.jvp`, `jacfwd`, `torch.autograd.forward_ad`) is running."""
     if torch.autograd.forward_ad._current_level >= 0:
         return True
+    if not torch._C._are_functorch_transforms_active():
+        return False
     return any(interpreter.key() == TransformType.Jvp for interpreter in retrieve_all_functorch_interpreters())
 
 
