@@ -67,6 +67,7 @@ class Programs:
     returned: tuple[int, ...]  # indices of the outputs the Function returns
     n_activations: int
     without_tangent: tuple[bool, ...]  # per Function output: marked non-differentiable
+    pure_unsupported: str | None  # why the programs cannot be differentiated again, if they cannot
     kept: tuple[Kept, ...]
     decisions: tuple[Decision, ...]
     saved_calls: tuple[int, ...]  # calls whose outputs are kept
@@ -154,6 +155,14 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         else None,
         returned=returned,
         n_activations=len(activations),
+        pure_unsupported=next(
+            (
+                f"{joint.trace[call_index[n]]}: {_NOT_TWICE_DIFFERENTIABLE[n.target]}"
+                for n in joint.call_nodes
+                if (n in recomputed or n in replayed) and n.target in _NOT_TWICE_DIFFERENTIABLE
+            ),
+            None,
+        ),
         without_tangent=_without_tangent(joint, returned, activations, len(random_states), forward_mode),
         kept=tuple(kept),
         decisions=decisions,
@@ -164,6 +173,15 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(joint.trace[i].flops for i in replayed_calls),
     )
+
+
+# Ops whose functional form torch differentiates wrongly a second time.
+_NOT_TWICE_DIFFERENTIABLE = {
+    torch.ops.aten.rrelu_with_noise_functional.default: (
+        "torch 2.13's derivative of the functional `rrelu_with_noise` reads its uninitialized `noise` input; "
+        "save this call with the policy, or take second derivatives outside remat.checkpoint"
+    ),
+}
 
 
 def _without_tangent(

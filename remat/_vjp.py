@@ -95,6 +95,8 @@ class _CheckpointFunction(torch.autograd.Function):
         kept = ctx.saved_tensors
         grad_inputs: list[torch.Tensor | None] = [None] * executable.n_primals
         grad_of_output = dict(zip(programs.returned, grads, strict=False))
+        if torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active():
+            _check_pure_differentiable(programs)  # create_graph=True: backward will be differentiated
         if any(g is not None for g in grads[:n_returned]):
             tangents = []
             for i in executable.differentiable_outputs:
@@ -138,6 +140,7 @@ def _pure_jvp(
     programs: Programs, kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
 ) -> Sequence[torch.Tensor | None]:
     """Tangents of the pure forward's outputs for tangents on some of its inputs."""
+    _check_pure_differentiable(programs)
     positions = [i for i, _ in chosen]
     if torch.autograd.forward_ad._current_level < 0:  # under torch.func.jvp: forward mode of our own
 
@@ -177,6 +180,7 @@ def _activations_vjp(
     derivative), by differentiating the pure forward. See NOTE [differentiating the forward again]."""
     grads: list[torch.Tensor | None] = [None] * len(needs_grad)
     chosen = [(i, primal) for i, primal in programs.pure_inputs if needs_grad[primal]]
+    _check_pure_differentiable(programs)
     if not chosen:
         return grads
     values, inputs = _differentiable(kept, [i for i, _ in chosen])
@@ -216,6 +220,14 @@ def _differentiable(
     finally:
         torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
     return values, [values[i] for i in positions]
+
+
+def _check_pure_differentiable(programs: Programs) -> None:
+    if programs.pure_unsupported is not None:
+        raise NotImplementedError(
+            "remat.checkpoint: a second-order or forward-mode derivative needs to differentiate the forward "
+            f"again, which is not exact for call {programs.pure_unsupported}."
+        )
 
 
 def _zeros(meta: TensorMeta) -> torch.Tensor:
