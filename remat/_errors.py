@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
+from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-__all__ = ["TraceError", "user_line"]
+__all__ = ["TraceError", "explain_tracing_errors", "user_line"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _REMAT_DIR = os.path.dirname(__file__) + os.sep
@@ -29,3 +34,42 @@ def user_line(tb: TracebackType | None) -> str | None:
         if not frame.filename.startswith((_TORCH_DIR, _REMAT_DIR)) and not frame.filename.startswith("<frozen"):
             found = f"{frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})" if frame.line else "")
     return found
+
+
+@contextmanager
+def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
+    """Turn low-level tracing failures into errors that say what to change in `fn`."""
+    try:
+        yield
+    except (DataDependentOutputException, GuardOnDataDependentSymNode) as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it reads the value of a tensor in Python"
+            f"{_at(error)} (`.item()`, `bool(tensor)`, `if tensor...:` or a Python number made from a tensor). "
+            "Tracing runs on tensors without values, so Python control flow must depend only on shapes and "
+            "non-tensor arguments. Use `torch.where` instead of branching on a tensor, or pass the value as a "
+            "non-tensor argument (it becomes part of the cache key)."
+        ) from error
+    except DynamicOutputShapeException as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: an op{_at(error)} returns a tensor whose shape "
+            "depends on the values of its inputs (such as `nonzero`, `masked_select` or boolean-mask "
+            "indexing). Use a fixed-shape alternative such as `torch.where`."
+        ) from error
+
+    except RuntimeError as error:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(error):
+            raise
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it updates in place{_at(error)} a leaf tensor that "
+            "requires grad (such as a parameter), which autograd refuses in eager mode too. Update a copy instead "
+            "(`w = w.clone()` first), or do the update under `torch.no_grad()` outside the checkpointed function."
+        ) from error
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _at(error: BaseException) -> str:
+    where = user_line(error.__traceback__)
+    return f" at {where}" if where else ""

@@ -18,23 +18,20 @@ from typing import Any
 import optree
 import torch
 from torch import fx
-from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
     FakeTensorMode,
 )
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ._calls import Call, TensorMeta, Trace
 from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode
+from ._contexts import autocast_disabled, outside_functorch, without_saved_tensors_hooks
 from ._costs import estimate_flops, output_nbytes
-from ._errors import TraceError, user_line
+from ._errors import TraceError, explain_tracing_errors
 from ._pytree import FlatArgs, flatten_outputs
 
-__all__ = ["JointGraph", "autocast_disabled", "is_tracing", "nested_checkpoint", "trace_joint"]
+__all__ = ["JointGraph", "is_tracing", "nested_checkpoint", "trace_joint"]
 
 aten = torch.ops.aten
 
@@ -87,7 +84,7 @@ def trace_joint(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots)
     # of the levels below, which run the same Function: differentiate every float input.
     wants_grad = _all_floats if torch._C._are_functorch_transforms_active() else _requires_grad
     try:
-        with _explain_tracing_errors(fn), _without_saved_tensors_hooks(), _outside_functorch():
+        with explain_tracing_errors(fn), without_saved_tensors_hooks(), outside_functorch():
             discovery = _discover(fn, flat_args, roots, fake_mode, wants_grad)
             _regions.recorded = []
             return _trace(fn, flat_args, roots, fake_mode, discovery, wants_grad)
@@ -127,37 +124,6 @@ def nested_checkpoint(policy: Any) -> Iterator[None]:
     _regions.recorded.append((policy, before, next(iter(reversed(graph.nodes)))))
 
 
-# NOTE [autocast is traced, not re-applied]
-# Under autocast, the forward of `fn` is traced with autocast on, so the casts
-# it inserts become explicit `_to_copy` calls of the graph; the backward is
-# traced with autocast off, as the autograd engine runs eager backward formulas.
-# The programs then run with autocast off: their casts are already in them.
-class autocast_disabled:
-    """Turn autocast off on every device type where it is on, for the duration."""
-
-    __slots__ = ("enabled",)
-
-    def __enter__(self) -> None:
-        self.enabled = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
-        for device in self.enabled:
-            torch.set_autocast_enabled(device, False)
-
-    def __exit__(self, *exc: object) -> None:
-        for device in self.enabled:
-            torch.set_autocast_enabled(device, True)
-
-
-@contextmanager
-def _without_saved_tensors_hooks() -> Iterator[None]:
-    """Keep a user's `saved_tensors_hooks` (e.g. CPU offloading) away from the fake
-    tensors that tracing's autograd saves; they apply to what the programs keep."""
-    previous = torch._C._autograd._saved_tensors_hooks_set_tracing(True)
-    try:
-        yield
-    finally:
-        torch._C._autograd._saved_tensors_hooks_set_tracing(previous)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Discovery:
     closed_over: tuple[torch.Tensor, ...]
@@ -186,29 +152,6 @@ def _fake_like(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
     return fake_mode.from_tensor(tensor.detach())
 
 
-# NOTE [tracing under torch.func]
-# Inside a torch.func transform (grad, vmap, jvp, ...) the arguments are
-# wrapped tensors whose metadata is the logical, per-example one. Tracing runs
-# with the functorch interpreter stack set aside, on fake tensors made from that
-# logical metadata: the graph is the same one traced outside any transform (so
-# the two share a cache entry), and the autograd.Function that runs it takes
-# part in the transforms through its `backward`, `jvp` and generated vmap rule.
-# The same Function runs at every level of a nested transform, so the graph
-# differentiates every floating input, whatever it requires at the top level.
-@contextmanager
-def _outside_functorch() -> Iterator[None]:
-    if not torch._C._are_functorch_transforms_active():
-        yield
-        return
-    allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
-    torch._C._functorch.set_inplace_requires_grad_allowed(True)  # tracing marks fake inputs as requiring grad
-    try:
-        with temporarily_clear_interpreter_stack():
-            yield
-    finally:
-        torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
-
-
 def _discover(
     fn: Callable[..., Any],
     flat_args: FlatArgs,
@@ -229,7 +172,7 @@ def _discover(
 
     def fakeify(tensor: torch.Tensor) -> torch.Tensor:
         # Called while `fn` runs, maybe inside a torch.func transform of its own.
-        with _outside_functorch():
+        with outside_functorch():
             return _fake_like(fake_mode, tensor).requires_grad_(wants_grad(tensor))
 
     def note_module(module: torch.nn.Module, args: Any) -> None:
@@ -529,42 +472,3 @@ def draws_random_numbers(node: fx.Node) -> bool:
                 probability = node.kwargs.get(argument.name, argument.default_value)
             return bool(probability != 0)
     return True
-
-
-@contextmanager
-def _explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
-    """Turn low-level tracing failures into errors that say what to change in `fn`."""
-    try:
-        yield
-    except (DataDependentOutputException, GuardOnDataDependentSymNode) as error:
-        raise TraceError(
-            f"remat.checkpoint could not trace `{_name(fn)}`: it reads the value of a tensor in Python"
-            f"{_at(error)} (`.item()`, `bool(tensor)`, `if tensor...:` or a Python number made from a tensor). "
-            "Tracing runs on tensors without values, so Python control flow must depend only on shapes and "
-            "non-tensor arguments. Use `torch.where` instead of branching on a tensor, or pass the value as a "
-            "non-tensor argument (it becomes part of the cache key)."
-        ) from error
-    except DynamicOutputShapeException as error:
-        raise TraceError(
-            f"remat.checkpoint could not trace `{_name(fn)}`: an op{_at(error)} returns a tensor whose shape "
-            "depends on the values of its inputs (such as `nonzero`, `masked_select` or boolean-mask "
-            "indexing). Use a fixed-shape alternative such as `torch.where`."
-        ) from error
-
-    except RuntimeError as error:
-        if "leaf Variable that requires grad is being used in an in-place operation" not in str(error):
-            raise
-        raise TraceError(
-            f"remat.checkpoint could not trace `{_name(fn)}`: it updates in place{_at(error)} a leaf tensor that "
-            "requires grad (such as a parameter), which autograd refuses in eager mode too. Update a copy instead "
-            "(`w = w.clone()` first), or do the update under `torch.no_grad()` outside the checkpointed function."
-        ) from error
-
-
-def _name(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__qualname__", type(fn).__name__)
-
-
-def _at(error: BaseException) -> str:
-    where = user_line(error.__traceback__)
-    return f" at {where}" if where else ""

@@ -11,8 +11,8 @@ from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from ._calls import TensorMeta
+from ._contexts import autocast_disabled
 from ._partition import Programs
-from ._trace import autocast_disabled
 
 __all__ = ["Executable", "forward_mode_active", "run"]
 
@@ -79,11 +79,10 @@ class _CheckpointFunction(torch.autograd.Function):
             for k in programs.kept
         ]
         ctx.save_for_backward(*kept)
-        if programs.pure_returns_outputs:  # traced under forward mode: the jvp rule reads them
+        if programs.pure_returns_outputs:  # traced under forward mode: for the jvp rule
             ctx.save_for_forward(*kept)
+            ctx.remat_output_metas = [TensorMeta.of(o) for o in output]  # zeros where it finds no tangent
         ctx.mark_dirty(*(primals[i] for i in executable.dirty))
-        if programs.pure_returns_outputs:  # the jvp rule answers zeros where forward mode found none
-            ctx.remat_output_metas = [TensorMeta.of(o) for o in output]
         ctx.mark_non_differentiable(*(o for o, skip in zip(output, programs.without_tangent, strict=True) if skip))
         ctx.set_materialize_grads(False)
 

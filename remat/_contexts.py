@@ -1,0 +1,65 @@
+"""The ambient state around tracing and running: autocast, saved-tensor hooks, torch.func."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+__all__ = ["autocast_disabled", "outside_functorch", "without_saved_tensors_hooks"]
+
+
+# NOTE [autocast is traced, not re-applied]
+# Under autocast, the forward of `fn` is traced with autocast on, so the casts
+# it inserts become explicit `_to_copy` calls of the graph; the backward is
+# traced with autocast off, as the autograd engine runs eager backward formulas.
+# The programs then run with autocast off: their casts are already in them.
+class autocast_disabled:
+    """Turn autocast off on every device type where it is on, for the duration."""
+
+    __slots__ = ("enabled",)
+
+    def __enter__(self) -> None:
+        self.enabled = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+        for device in self.enabled:
+            torch.set_autocast_enabled(device, False)
+
+    def __exit__(self, *exc: object) -> None:
+        for device in self.enabled:
+            torch.set_autocast_enabled(device, True)
+
+
+@contextmanager
+def without_saved_tensors_hooks() -> Iterator[None]:
+    """Keep a user's `saved_tensors_hooks` (e.g. CPU offloading) away from the fake
+    tensors that tracing's autograd saves; they apply to what the programs keep."""
+    previous = torch._C._autograd._saved_tensors_hooks_set_tracing(True)
+    try:
+        yield
+    finally:
+        torch._C._autograd._saved_tensors_hooks_set_tracing(previous)
+
+
+# NOTE [tracing under torch.func]
+# Inside a torch.func transform (grad, vmap, jvp, ...) the arguments are
+# wrapped tensors whose metadata is the logical, per-example one. Tracing runs
+# with the functorch interpreter stack set aside, on fake tensors made from that
+# logical metadata: the graph is the same one traced outside any transform (so
+# the two share a cache entry), and the autograd.Function that runs it takes
+# part in the transforms through its `backward`, `jvp` and generated vmap rule.
+# The same Function runs at every level of a nested transform, so the graph
+# differentiates every floating input, whatever it requires at the top level.
+@contextmanager
+def outside_functorch() -> Iterator[None]:
+    if not torch._C._are_functorch_transforms_active():
+        yield
+        return
+    allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
+    torch._C._functorch.set_inplace_requires_grad_allowed(True)  # tracing marks fake inputs as requiring grad
+    try:
+        with temporarily_clear_interpreter_stack():
+            yield
+    finally:
+        torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
