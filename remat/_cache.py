@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -42,34 +43,39 @@ def ambient_key(modules: Sequence[torch.nn.Module]) -> tuple[Any, ...]:
 
 
 class LRUCache(Generic[V]):
-    """A dict bounded to `maxsize` entries that drops the least recently used."""
+    """A dict bounded to `maxsize` entries that drops the least recently used; safe to share
+    between threads."""
 
     def __init__(self, maxsize: int):
         if not isinstance(maxsize, int) or maxsize < 1:
             raise ValueError(f"remat.checkpoint: `cache_size` must be a positive integer, but got {maxsize!r}.")
         self.maxsize = maxsize
         self._entries: collections.OrderedDict[Any, V] = collections.OrderedDict()
+        self._lock = threading.Lock()
         self.hits = self.misses = self.traces = 0
 
     def get(self, key: Any) -> V | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            self.misses += 1
-        else:
-            self.hits += 1
-            self._entries.move_to_end(key)
-        return entry
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self._entries.move_to_end(key)
+            return entry
 
     def put(self, key: Any, entry: V) -> None:
-        self.traces += 1
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.maxsize:
-            self._entries.popitem(last=False)
+        with self._lock:
+            self.traces += 1
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
 
     def clear(self) -> None:
-        self._entries.clear()
-        self.hits = self.misses = self.traces = 0
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = self.traces = 0
 
     def info(self) -> CacheInfo:
         return CacheInfo(self.hits, self.misses, self.traces, len(self._entries), self.maxsize)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -237,10 +238,16 @@ def capture_mode(
     by `substitutes` and labels every new graph node with its `CallSite`."""
     mode = _CaptureMode(roots, substitutes, fakeify)
 
+    tracing_thread = threading.get_ident()  # module hooks are global: ignore other threads' modules
+
     def enter(module: nn.Module, args: Any) -> None:
+        if threading.get_ident() != tracing_thread:
+            return
         mode.module_stack.append(module)
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() != tracing_thread:
+            return
         if mode.module_stack and mode.module_stack[-1] is module:
             mode.module_stack.pop()
 

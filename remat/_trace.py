@@ -84,7 +84,7 @@ def trace_joint(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots)
     # of the levels below, which run the same Function: differentiate every float input.
     wants_grad = _all_floats if torch._C._are_functorch_transforms_active() else _requires_grad
     try:
-        with explain_tracing_errors(fn), without_saved_tensors_hooks(), outside_functorch():
+        with _ONE_TRACE_AT_A_TIME, explain_tracing_errors(fn), without_saved_tensors_hooks(), outside_functorch():
             discovery = _discover(fn, flat_args, roots, fake_mode, wants_grad)
             _regions.recorded = []
             return _trace(fn, flat_args, roots, fake_mode, discovery, wants_grad)
@@ -104,6 +104,10 @@ class _Regions(threading.local):
 
 
 _regions = _Regions()
+
+# make_fx and the global module hooks of a trace are not meant to run on two threads at
+# once; tracing is rare (once per signature), so traces simply take turns.
+_ONE_TRACE_AT_A_TIME = threading.RLock()
 
 
 def is_tracing() -> bool:
@@ -175,8 +179,11 @@ def _discover(
         with outside_functorch():
             return _fake_like(fake_mode, tensor).requires_grad_(wants_grad(tensor))
 
+    tracing_thread = threading.get_ident()
+
     def note_module(module: torch.nn.Module, args: Any) -> None:
-        reached.setdefault(id(module), module)
+        if threading.get_ident() == tracing_thread:  # module hooks are global: only this thread's
+            reached.setdefault(id(module), module)
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(note_module)
     try:
