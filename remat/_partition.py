@@ -147,7 +147,12 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             random_states,
         ),
         backward=backward_program(joint, kept_pairs, backward_nodes),
-        pure=pure_forward(joint, kept_pairs, {**{p: p for p in holder}, **{c: c for c in constants}}, targets),
+        pure=pure_forward(
+            joint,
+            kept_pairs,
+            {**{p: p for p in holder}, **{c: c for c in constants}},
+            [*returned_nodes, *activations] if forward_mode else activations,  # copies of inputs included
+        ),
         pure_returns_outputs=forward_mode,
         pure_inputs=tuple((i, primal_index[node]) for node, i in holder.items()),
         epilogue=epilogue(joint, returned, overwritten)

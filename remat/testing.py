@@ -1,0 +1,729 @@
+"""Property-test your own code with remat: random functions, inputs, policies and an equivalence check.
+
+`remat.checkpoint` promises the outputs and gradients of the function it
+wraps, whatever the policy. This module lets users (and remat's own test
+suite) check that promise on their models and on random programs: hypothesis
+strategies that draw random functions from a catalog of aten-level behaviours
+(`functions`), inputs for them (`inputs`) and per-call policies for a trace
+(`policies`), and `assert_checkpoint_equivalent`, which compares a function
+with its checkpoint and explains any difference.
+
+It needs `hypothesis` (an optional dependency), so `import remat` does not
+import it; use `import remat.testing`.
+
+>>> import torch, remat.testing
+>>> remat.testing.assert_checkpoint_equivalent(lambda x: x.sin().exp(), torch.randn(3, requires_grad=True))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+
+from . import policies as _policies
+from ._api import checkpoint as _remat_checkpoint
+from ._calls import Call, Decision, Trace
+
+__all__ = [
+    "CATALOG",
+    "RandomFunction",
+    "Step",
+    "assert_checkpoint_equivalent",
+    "functions",
+    "inputs",
+    "policies",
+]
+
+# --- the catalog -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Constants:
+    """Fixed tensors a random function closes over (weights, valid indices), for values shaped `(rows, cols)`."""
+
+    weight: torch.Tensor  # (cols, cols)
+    bias: torch.Tensor  # (cols,)
+    kernel: torch.Tensor  # (1, 1, 3), a conv1d weight
+    permutation: torch.Tensor  # (cols,) a permutation of range(cols)
+    column_index: torch.Tensor  # (rows, cols) integers in [0, cols)
+    row_index: torch.Tensor  # (rows,) integers in [0, rows)
+
+    @staticmethod
+    def make(rows: int, cols: int, seed: int) -> Constants:
+        generator = torch.Generator().manual_seed(seed)
+        return Constants(
+            weight=torch.randn(cols, cols, generator=generator, dtype=torch.float64) / cols**0.5,
+            bias=torch.randn(cols, generator=generator, dtype=torch.float64),
+            kernel=torch.randn(1, 1, 3, generator=generator, dtype=torch.float64),
+            permutation=torch.randperm(cols, generator=generator),
+            column_index=torch.randint(0, cols, (rows, cols), generator=generator),
+            row_index=torch.randint(0, rows, (rows,), generator=generator),
+        )
+
+
+def _c(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A constant moved to `like`'s device (and dtype, when floating)."""
+    if tensor.is_floating_point():
+        return tensor.to(device=like.device, dtype=like.dtype)
+    return tensor.to(device=like.device)
+
+
+def _bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    rows, cols = x.shape
+    a, b = x.reshape(rows, 2, cols // 2), y.reshape(rows, 2, cols // 2)
+    return torch.bmm(torch.bmm(a, b.transpose(1, 2)), a).reshape(rows, cols) / cols
+
+
+def _permute(x: torch.Tensor) -> torch.Tensor:
+    rows, cols = x.shape
+    return x.reshape(rows, 2, cols // 2).permute(2, 0, 1).mul(2.0).permute(1, 2, 0).reshape(rows, cols)
+
+
+def _inplace_view(x: torch.Tensor) -> torch.Tensor:
+    t = x.clone()
+    t[:, 0].mul_(2.0)
+    return t
+
+
+def _max_with_indices(x: torch.Tensor) -> torch.Tensor:
+    values, indices = x.max(dim=1, keepdim=True)
+    return x - values + x.gather(1, indices) * 0.5
+
+
+def _topk(x: torch.Tensor) -> torch.Tensor:
+    values, indices = x.topk(2, dim=1)
+    return x + values.sum(1, keepdim=True) + indices.sum(1, keepdim=True).to(x.dtype) * 0.1
+
+
+def _var_mean(x: torch.Tensor) -> torch.Tensor:
+    var, mean = torch.var_mean(x, dim=1, keepdim=True)
+    return (x - mean) / (var + 1.0).sqrt()
+
+
+def _argmax_one_hot(x: torch.Tensor) -> torch.Tensor:
+    hot = x.argmax(dim=1, keepdim=True) == torch.arange(x.shape[1], device=x.device)
+    return x + hot.to(x.dtype) * x
+
+
+def _split_swap(x: torch.Tensor) -> torch.Tensor:
+    head, tail = x.split([1, x.shape[1] - 1], dim=1)
+    return torch.cat([tail, head * 2.0], dim=1)
+
+
+def _chunk(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=1)
+    c, d = y.chunk(2, dim=1)
+    return torch.cat([a * d, b + c], dim=1)
+
+
+def _cat_split(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    a, b = torch.cat([x, y], dim=0).sin().split(x.shape[0], dim=0)
+    return a * b
+
+
+# Each entry maps (x, y, constants) -> a tensor shaped like x; y is another value of the same shape.
+# Every one is well-defined and differentiable almost everywhere on random float inputs.
+_Op = Callable[[torch.Tensor, torch.Tensor, Constants], torch.Tensor]
+CATALOG: dict[str, tuple[int, _Op]] = {
+    # pointwise unary
+    "sin": (1, lambda x, y, c: x.sin()),
+    "cos": (1, lambda x, y, c: x.cos()),
+    "exp_tanh": (1, lambda x, y, c: x.tanh().exp()),
+    "tanh": (1, lambda x, y, c: x.tanh()),
+    "relu": (1, lambda x, y, c: F.relu(x)),
+    "gelu": (1, lambda x, y, c: F.gelu(x)),
+    "sigmoid": (1, lambda x, y, c: x.sigmoid()),
+    "abs": (1, lambda x, y, c: x.abs()),
+    "square": (1, lambda x, y, c: x.pow(2)),
+    "sqrt_1p_sq": (1, lambda x, y, c: (x * x + 1.0).sqrt()),
+    "log_1p_sq": (1, lambda x, y, c: torch.log(x * x + 1.0)),
+    "rsqrt": (1, lambda x, y, c: (x * x + 1.0).rsqrt()),
+    "clamp": (1, lambda x, y, c: x.clamp(-1.0, 1.0)),
+    "leaky_where": (1, lambda x, y, c: torch.where(x > 0, x, 0.1 * x)),
+    "masked_fill": (1, lambda x, y, c: x.masked_fill(x < -1.0, 0.0)),
+    # pointwise binary
+    "mul": (2, lambda x, y, c: x * y),
+    "add": (2, lambda x, y, c: x + y),
+    "sub_alpha": (2, lambda x, y, c: torch.sub(x, y, alpha=0.5)),
+    "div_safe": (2, lambda x, y, c: x / (1.0 + y * y)),
+    "pow_tensor": (2, lambda x, y, c: (x * x + 1.0).pow(y.tanh())),
+    "where_compare": (2, lambda x, y, c: torch.where(x > y, x, 0.5 * y)),
+    # reductions
+    "sum_keepdim": (1, lambda x, y, c: x - x.sum(-1, keepdim=True) / x.shape[-1]),
+    "sum": (1, lambda x, y, c: x * x.sum(1).tanh().unsqueeze(1)),
+    "sum_all": (1, lambda x, y, c: x * x.sum().tanh()),
+    "mean_keepdim": (1, lambda x, y, c: x + x.mean(0, keepdim=True)),
+    "mean": (1, lambda x, y, c: x - x.mean(1)[:, None]),
+    "amax_keepdim": (1, lambda x, y, c: x - x.amax(-1, keepdim=True)),
+    "amax": (1, lambda x, y, c: x * x.amax(0).sigmoid()),
+    "logsumexp": (1, lambda x, y, c: x - torch.logsumexp(x, -1, keepdim=True)),
+    "logsumexp_nokeep": (1, lambda x, y, c: x + torch.logsumexp(x, 0)),
+    "var_mean": (1, lambda x, y, c: _var_mean(x)),
+    "cumsum": (1, lambda x, y, c: x.cumsum(1) * 0.5),
+    # matmuls
+    "matmul": (2, lambda x, y, c: (x @ y.t()) @ x / x.shape[1]),
+    "bmm": (2, lambda x, y, c: _bmm(x, y)),
+    "linear": (1, lambda x, y, c: F.linear(x, _c(c.weight, x), _c(c.bias, x))),
+    # views
+    "reshape": (1, lambda x, y, c: x.reshape(-1).sin().reshape(x.shape)),
+    "transpose_flip": (1, lambda x, y, c: x.t().flip(0).t()),
+    "expand": (1, lambda x, y, c: x + x[:, :1].expand(x.shape)),
+    "slice_roll": (1, lambda x, y, c: torch.cat([x[:, 1:], x[:, :1]], dim=1)),
+    "permute": (1, lambda x, y, c: _permute(x)),
+    # indexing
+    "index_select": (1, lambda x, y, c: x.index_select(1, _c(c.permutation, x))),
+    "advanced_index": (1, lambda x, y, c: x[:, _c(c.permutation, x)] + x[_c(c.row_index, x)]),
+    "gather": (1, lambda x, y, c: x.gather(1, _c(c.column_index, x))),
+    "scatter_add": (2, lambda x, y, c: x.scatter_add(1, _c(c.column_index, x), y)),
+    "embedding": (1, lambda x, y, c: F.embedding(_c(c.row_index, x), x)),
+    # joining and splitting
+    "cat_split": (2, lambda x, y, c: _cat_split(x, y)),
+    "stack": (2, lambda x, y, c: torch.stack([x, y], dim=-1).sin().sum(-1)),
+    "split": (1, lambda x, y, c: _split_swap(x)),
+    "chunk": (2, lambda x, y, c: _chunk(x, y)),
+    # in-place ops on intermediates
+    "add_": (2, lambda x, y, c: x.clone().add_(y).mul_(0.5)),
+    "mul_": (2, lambda x, y, c: x.sin().mul_(y)),
+    "inplace_view": (1, lambda x, y, c: _inplace_view(x)),
+    # multi-output ops
+    "layer_norm": (1, lambda x, y, c: F.layer_norm(x, (x.shape[1],), _c(c.bias, x), _c(c.bias, x) * 0.5)),
+    "max_with_indices": (1, lambda x, y, c: _max_with_indices(x)),
+    "topk": (1, lambda x, y, c: _topk(x)),
+    # normalisation
+    "softmax": (1, lambda x, y, c: x.softmax(-1)),
+    "log_softmax": (1, lambda x, y, c: F.log_softmax(x, dim=0)),
+    # convolution
+    "conv1d": (1, lambda x, y, c: F.conv1d(x.unsqueeze(1), _c(c.kernel, x), padding=1).squeeze(1)),
+    # integer and boolean intermediates
+    "argmax": (1, lambda x, y, c: _argmax_one_hot(x)),
+    # random ops
+    "dropout": (1, lambda x, y, c: F.dropout(x, 0.3, training=True)),
+    "bernoulli": (1, lambda x, y, c: x * torch.bernoulli(torch.full_like(x, 0.7))),
+    "rand_like": (1, lambda x, y, c: x + 0.1 * torch.rand_like(x)),
+    "randn_like": (1, lambda x, y, c: x * (1.0 + 0.1 * torch.randn_like(x))),
+}
+
+# Catalog ops that remat currently gets wrong, with what goes wrong; `functions()` leaves them out
+# unless asked for by name.
+RANDOM_OPS = frozenset({"dropout", "bernoulli", "rand_like", "randn_like"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One op of a random function: `values[len(values)] = CATALOG[op](values[x], values[y])`."""
+
+    op: str
+    x: int
+    y: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomFunction:
+    """A random straight-line program over same-shaped float tensors, drawn by `functions()`.
+
+    Values `v0 .. v{n_inputs-1}` are the inputs (the tensor leaves of the
+    arguments, in `optree` order, so any pytree of tensors works); each step
+    appends one value; the function returns the values at `outputs`.
+
+    Attributes:
+        shape: the shape of every input and intermediate, `(rows, cols)`.
+        n_inputs: how many input tensors it takes.
+        steps: the ops, in order.
+        outputs: indices of the returned values (a tensor if one, else a tuple).
+        seed: the seed of its closed-over constants.
+    """
+
+    shape: tuple[int, int]
+    n_inputs: int
+    steps: tuple[Step, ...]
+    outputs: tuple[int, ...]
+    seed: int = 0
+    constants: Constants = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "constants", Constants.make(*self.shape, seed=self.seed))
+
+    @property
+    def input_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The shape of each input tensor."""
+        return (self.shape,) * self.n_inputs
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The catalog names of its steps."""
+        return tuple(step.op for step in self.steps)
+
+    def __call__(self, *args: Any) -> Any:
+        values = _tensor_leaves(args)
+        if len(values) != self.n_inputs:
+            raise TypeError(f"{self!r}: expected {self.n_inputs} input tensors, but got {len(values)}.")
+        for step in self.steps:
+            values.append(CATALOG[step.op][1](values[step.x], values[step.y], self.constants))
+        results = tuple(values[i] for i in self.outputs)
+        return results[0] if len(results) == 1 else results
+
+    def __repr__(self) -> str:
+        lines = []
+        for i, step in enumerate(self.steps, start=self.n_inputs):
+            operands = f"v{step.x}, v{step.y}" if CATALOG[step.op][0] == 2 else f"v{step.x}"
+            lines.append(f"v{i} = {step.op}({operands})")
+        outputs = ", ".join(f"v{i}" for i in self.outputs)
+        return (
+            f"RandomFunction(shape={self.shape}, inputs={self.n_inputs}, seed={self.seed}, "
+            f"ops=[{'; '.join(lines)}], outputs=({outputs}))"
+        )
+
+
+@st.composite
+def functions(
+    draw: st.DrawFn,
+    *,
+    min_ops: int = 1,
+    max_ops: int = 6,
+    max_inputs: int = 2,
+    ops: Sequence[str] | None = None,
+    random_ops: bool = True,
+    return_inputs: bool = True,
+) -> RandomFunction:
+    """Draw a random function of float tensors built from the ops in `CATALOG`.
+
+    Each step applies one catalog op to earlier values (inputs or results), so
+    drawn functions mix pointwise ops, reductions, matmuls, views, indexing,
+    in-place updates, multi-output ops, convolutions and random ops in any
+    order. Hypothesis shrinks failures to short programs with readable reprs.
+
+    Args:
+        min_ops: fewest steps.
+        max_ops: most steps.
+        max_inputs: most input tensors (at least one).
+        ops: catalog names to draw from (default: the whole catalog).
+        random_ops: whether to include ops that draw random numbers.
+        return_inputs: whether an input may also be returned as an extra output.
+
+    Returns:
+        A strategy of `RandomFunction`s.
+
+    >>> import torch, remat.testing
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=5, derandomize=True, database=None)
+    ... @given(remat.testing.functions(max_ops=3))
+    ... def test(fn):
+    ...     assert isinstance(fn(*[torch.randn(s) for s in fn.input_shapes]), (torch.Tensor, tuple))
+    >>> test()
+    """
+    names = sorted(ops if ops is not None else CATALOG)
+    if not random_ops:
+        names = [name for name in names if name not in RANDOM_OPS]
+    unknown = set(names) - set(CATALOG)
+    if unknown or not names:
+        raise ValueError(
+            f"remat.testing.functions: expected a non-empty list of names from remat.testing.CATALOG, "
+            f"but got unknown names {sorted(unknown)}."
+        )
+    rows = draw(st.integers(1, 3))
+    cols = draw(st.sampled_from([2, 4, 6]))
+    n_inputs = draw(st.integers(1, max(1, max_inputs)))
+    n_steps = draw(st.integers(min_ops, max_ops))
+    steps = []
+    for i in range(n_steps):
+        n_values = n_inputs + i
+        op = draw(st.sampled_from(names))
+        # Prefer the latest value as the first operand, so programs are deep rather than wide.
+        x = draw(st.one_of(st.just(n_values - 1), st.integers(0, n_values - 1)))
+        y = draw(st.integers(0, n_values - 1)) if CATALOG[op][0] == 2 else x
+        steps.append(Step(op, x, y))
+    last = n_inputs + n_steps - 1
+    first_returnable = 0 if return_inputs else n_inputs
+    extra = (
+        draw(st.lists(st.integers(first_returnable, last - 1), max_size=2, unique=True))
+        if last > first_returnable
+        else []
+    )
+    seed = draw(st.integers(0, 2**16))
+    return RandomFunction((rows, cols), n_inputs, tuple(steps), (last, *extra), seed)
+
+
+@st.composite
+def inputs(
+    draw: st.DrawFn,
+    fn: RandomFunction,
+    *,
+    dtype: torch.dtype = torch.float64,
+    device: str | torch.device = "cpu",
+    pytree: bool = False,
+    all_require_grad: bool = False,
+) -> tuple[Any, ...]:
+    """Draw positional arguments for a random function: float tensors, optionally nested in a pytree.
+
+    Each input requires grad unless hypothesis decides otherwise (at least
+    one always does). With `pytree=True` the tensors come nested in a random
+    structure of tuples, lists and dicts, which `RandomFunction` accepts.
+
+    Args:
+        fn: the function the inputs are for.
+        dtype: a floating dtype.
+        device: where to put the tensors.
+        pytree: whether to nest them in tuples, lists and dicts.
+        all_require_grad: make every input require grad (by default each may not).
+
+    Returns:
+        A strategy of argument tuples: call `fn(*args)`.
+
+    >>> import torch, remat.testing
+    >>> from hypothesis import given, settings
+    >>> fn = remat.testing.RandomFunction((2, 4), 2, (remat.testing.Step("mul", 0, 1),), (2,))
+    >>> fn
+    RandomFunction(shape=(2, 4), inputs=2, seed=0, ops=[v2 = mul(v0, v1)], outputs=(v2))
+    >>> @settings(max_examples=5, derandomize=True, database=None)
+    ... @given(remat.testing.inputs(fn, pytree=True))
+    ... def test(args):
+    ...     assert fn(*args).shape == (2, 4)
+    >>> test()
+    """
+    seed = draw(st.integers(0, 2**32 - 1))
+    generator = torch.Generator().manual_seed(seed)
+    if all_require_grad:
+        requires_grad = [True] * fn.n_inputs
+    else:
+        requires_grad = draw(st.lists(st.booleans(), min_size=fn.n_inputs, max_size=fn.n_inputs))
+        requires_grad[draw(st.integers(0, fn.n_inputs - 1))] = True
+    tensors = [
+        torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device).requires_grad_(rg)
+        for shape, rg in zip(fn.input_shapes, requires_grad, strict=True)
+    ]
+    if not pytree:
+        return tuple(tensors)
+    groups: list[Any] = []
+    remaining = list(tensors)
+    while remaining:
+        size = draw(st.integers(1, len(remaining)))
+        group, remaining = remaining[:size], remaining[size:]
+        kind = draw(st.sampled_from(["leaf", "tuple", "list", "dict"]))
+        if kind == "leaf" and len(group) == 1:
+            groups.append(group[0])
+        elif kind == "list":
+            groups.append(list(group))
+        elif kind == "dict":
+            groups.append({f"t{i}": t for i, t in enumerate(group)})
+        else:
+            groups.append(tuple(group))
+    return tuple(groups)
+
+
+# --- policies ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerCallPolicy:
+    """A callable policy answering from a fixed table of decisions by `Call.index`."""
+
+    saved: tuple[bool, ...]
+    as_decision: bool
+
+    def __call__(self, call: Call) -> Decision | bool:
+        save = self.saved[call.index]
+        if self.as_decision:
+            return Decision.SAVE if save else Decision.RECOMPUTE
+        return save
+
+    def __repr__(self) -> str:
+        return f"per_call({''.join('S' if s else 'R' for s in self.saved)})"
+
+
+def policies(trace: Trace) -> st.SearchStrategy[Any]:
+    """Draw random policies for the calls of `trace`.
+
+    Mixes the constant policies, `remat.policies.save_calls` of random subsets
+    of the calls, and plain callables that answer per call (with `bool`s or
+    `remat.Decision`s), so that every save/recompute split is reachable.
+
+    Args:
+        trace: the `remat.Trace` of the function the policies are for.
+
+    Returns:
+        A strategy of policies accepted by `remat.checkpoint(fn, policy=...)`.
+
+    >>> import torch, remat, remat.testing
+    >>> trace = remat.trace(lambda x: x.sin().cos(), torch.ones(3))
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=5, derandomize=True, database=None)
+    ... @given(remat.testing.policies(trace))
+    ... def test(policy):
+    ...     remat.testing.assert_checkpoint_equivalent(lambda x: x.sin().cos(), torch.ones(3, requires_grad=True), policy=policy)
+    >>> test()
+    """
+    n = len(trace)
+    subsets = st.lists(st.integers(0, n - 1), unique=True, max_size=n) if n else st.just([])
+    return st.one_of(
+        st.sampled_from([None, _policies.save_nothing, _policies.save_everything]),
+        subsets.map(lambda indices: _policies.save_calls(*sorted(indices))),
+        st.builds(_PerCallPolicy, st.lists(st.booleans(), min_size=n, max_size=n).map(tuple), st.booleans()),
+    )
+
+
+# --- the equivalence check ----------------------------------------------------------------------------
+
+_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-9),
+    torch.complex128: (1e-7, 1e-9),
+    torch.float32: (1e-4, 1e-5),
+    torch.complex64: (1e-4, 1e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (1e-2, 1e-2),
+}
+TRANSFORMS = ("grad", "vmap", "jvp", "vjp")
+
+
+def _checkpoint(fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
+    """How `assert_checkpoint_equivalent` wraps `fn` (a seam for testing the checker itself)."""
+    return _remat_checkpoint(fn, policy=policy)
+
+
+def _to_device(tree: Any, device: str | torch.device | None) -> Any:
+    def move(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and device is not None:
+            return leaf.detach().to(device).requires_grad_(leaf.requires_grad)
+        return leaf
+
+    return optree.tree_map(move, tree, none_is_leaf=False)
+
+
+def _fresh(tree: Any) -> Any:
+    def copy(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+        return leaf
+
+    return optree.tree_map(copy, tree, none_is_leaf=False)
+
+
+def _detach(leaf: Any) -> Any:
+    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+
+
+def _detached(tree: Any) -> Any:
+    return optree.tree_map(_detach, tree, none_is_leaf=False)
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in optree.tree_leaves(tree, none_is_leaf=False) if isinstance(leaf, torch.Tensor)]
+
+
+def _random_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(tensor.shape, generator=generator, dtype=torch.float64).to(tensor.dtype).to(tensor.device)
+
+
+def _is_float(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _scalar(fn: Callable[..., Any], seed: int) -> Callable[..., torch.Tensor]:
+    """A scalar reduction of `fn`: the sum of each float output times a fixed random weight."""
+
+    def scalar(*args: Any) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed + 1)
+        outputs = [o for o in _tensor_leaves(fn(*args)) if _is_float(o)]
+        return sum(((o * _random_like(o, generator)).sum() for o in outputs), torch.zeros(()))
+
+    return scalar
+
+
+def _transformed(name: str, fn: Callable[..., Any], args: tuple[Any, ...], seed: int) -> Callable[..., Any]:
+    """`fn` under the torch.func transform `name`, as a function of the same args (or stacked ones)."""
+    if name == "grad":
+        return torch.func.grad(_scalar(fn, seed))
+    if name == "vmap":
+        return torch.func.vmap(fn, randomness="different")
+    if name == "jvp":
+        # The first forward-mode AD call in a process imports torch's jvp decompositions, which
+        # use the deprecated `torch.jit.script` (a DeprecationWarning from torch itself, an error
+        # where warnings are errors). Import them here, that warning ignored.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            importlib.import_module("torch._decomp.decompositions_for_jvp")
+
+        def jvp(*primals: Any) -> Any:
+            generator = torch.Generator().manual_seed(seed + 2)
+            tangents = tuple(_random_like(t, generator) for t in primals)
+            return torch.func.jvp(fn, primals, tangents)
+
+        return jvp
+
+    def vjp(*primals: Any) -> Any:
+        outputs, pullback = torch.func.vjp(fn, *primals)[:2]
+        generator = torch.Generator().manual_seed(seed + 3)
+        cotangents = optree.tree_map(lambda t: _random_like(t, generator) if _is_float(t) else None, outputs)
+        return outputs, pullback(cotangents)
+
+    return vjp
+
+
+@dataclasses.dataclass
+class _Run:
+    outputs: list[torch.Tensor]
+    spec: Any
+    input_grads: list[torch.Tensor | None]
+    param_grads: list[torch.Tensor | None]
+
+
+def _run(fn: Callable[..., Any], args: Any, params: Sequence[torch.Tensor], seed: int, backward: bool) -> _Run:
+    for param in params:
+        param.grad = None
+    args = _fresh(args)
+    torch.manual_seed(seed)
+    outputs, spec = optree.tree_flatten(fn(*args), none_is_leaf=False)
+    generator = torch.Generator().manual_seed(seed)
+    pairs = [
+        (o, _random_like(o, generator))
+        for o in outputs
+        if isinstance(o, torch.Tensor) and _is_float(o) and o.requires_grad
+    ]
+    if backward and pairs:
+        torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+    return _Run(
+        outputs=outputs,
+        spec=spec,
+        input_grads=[t.grad for t in _tensor_leaves(args)],
+        param_grads=[None if p.grad is None else p.grad.clone() for p in params],
+    )
+
+
+def _diff(what: str, actual: Any, expected: Any, rtol: float | None, atol: float | None) -> str | None:
+    """Why `actual` does not match `expected`, or None if it does."""
+    if expected is None or actual is None:
+        if expected is None and actual is None:
+            return None
+        return f"{what}: expected {'no gradient' if expected is None else 'a gradient'}, got {'None' if actual is None else 'one'}"
+    if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        return None if actual == expected else f"{what}: expected {expected!r}, got {actual!r}"
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return (
+            f"{what}: expected shape {tuple(expected.shape)} {expected.dtype}, got {tuple(actual.shape)} {actual.dtype}"
+        )
+    default_rtol, default_atol = _TOLERANCES.get(expected.dtype, (0.0, 0.0))
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    if not _is_float(e):
+        if torch.equal(a, e):
+            return None
+        mismatched = int((a != e).sum())
+        return f"{what}: {mismatched} of {e.numel()} elements differ (shape {tuple(e.shape)}, {e.dtype})"
+    if torch.allclose(a, e, rtol=rtol, atol=atol, equal_nan=True):
+        return None
+    a64, e64 = (
+        a.to(torch.complex128 if e.is_complex() else torch.float64),
+        e.to(torch.complex128 if e.is_complex() else torch.float64),
+    )
+    error = (a64 - e64).abs().nan_to_num(nan=float("inf"))
+    relative = error / e64.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    worst = int(error.argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), e.shape)) if e.dim() else ()
+    return (
+        f"{what} differs (shape {tuple(e.shape)}, {e.dtype}, rtol={rtol}, atol={atol}): "
+        f"max abs error {error.max().item():.3g}, max rel error {relative.max().item():.3g}, "
+        f"worst at index {index}: expected {e64.flatten()[worst].item():.6g}, got {a64.flatten()[worst].item():.6g}"
+    )
+
+
+def _compare(label: str, expected: _Run, actual: _Run, rtol: float | None, atol: float | None) -> list[str]:
+    problems = []
+    if actual.spec != expected.spec:
+        return [f"{label}output structure differs: expected {expected.spec}, got {actual.spec}"]
+    for i, (a, e) in enumerate(zip(actual.outputs, expected.outputs, strict=True)):
+        if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor) and a.requires_grad != e.requires_grad:
+            problems.append(f"{label}output {i}: requires_grad expected {e.requires_grad}, got {a.requires_grad}")
+        problems.append(_diff(f"{label}output {i}", a, e, rtol, atol) or "")
+    for i, (grad, expected_grad) in enumerate(zip(actual.input_grads, expected.input_grads, strict=True)):
+        problems.append(_diff(f"{label}gradient of input tensor {i}", grad, expected_grad, rtol, atol) or "")
+    for i, (grad, expected_grad) in enumerate(zip(actual.param_grads, expected.param_grads, strict=True)):
+        problems.append(_diff(f"{label}gradient of parameter {i}", grad, expected_grad, rtol, atol) or "")
+    return [p for p in problems if p]
+
+
+def _stack(args: Any, size: int = 2) -> Any:
+    def stack(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            copies = [leaf.detach() * (1.0 + 0.5 * k) for k in range(size)]
+            return torch.stack(copies).requires_grad_(leaf.requires_grad)
+        return leaf
+
+    return optree.tree_map(stack, args, none_is_leaf=False)
+
+
+def assert_checkpoint_equivalent(
+    fn: Callable[..., Any],
+    *args: Any,
+    policy: Any = None,
+    transforms: Sequence[str] = (),
+    device: str | torch.device | None = None,
+    seed: int = 0,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
+    """Assert that `remat.checkpoint(fn, policy=policy)` computes what `fn` computes, gradients included.
+
+    Both run on fresh copies of `args` (any pytrees of tensors), each after
+    `torch.manual_seed(seed)` so random ops draw the same numbers; the same
+    seeded random cotangents are backpropagated through every float output
+    that requires grad. Compared: the output structure and every output, the
+    gradient of every input tensor, and for an `nn.Module` `fn` the `.grad` of
+    each parameter. Tolerances depend on the dtype (tight for float64, loose
+    for bfloat16 and float16) unless given.
+
+    Args:
+        fn: a function of tensors, or an `nn.Module`.
+        *args: its positional arguments.
+        policy: the policy to checkpoint with.
+        transforms: also compare these `torch.func` transforms of `fn` with
+            those of its checkpoint: `"grad"` (the gradient of a fixed random
+            weighted sum of the outputs, with respect to the first argument),
+            `"vmap"` (over a batch of 2 stacked copies of the arguments, with
+            `randomness="different"`), `"jvp"` and `"vjp"` (with seeded random
+            tangents and cotangents). `grad`, `jvp` and `vjp` take detached
+            copies of the arguments; the `vmap` outputs are also backpropagated.
+        device: move the arguments (and a module `fn`) there first.
+        seed: the seed for random ops and cotangents.
+        rtol: relative tolerance, instead of the dtype's.
+        atol: absolute tolerance, instead of the dtype's.
+
+    Raises:
+        AssertionError: listing every output and gradient that differs, with
+            its shape, dtype, maximum absolute and relative error and the worst
+            element.
+
+    >>> import torch, remat, remat.testing
+    >>> x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    >>> remat.testing.assert_checkpoint_equivalent(lambda x: (x @ x).relu().sum(1), x, transforms=["grad", "vjp"])
+    """
+    unknown = [t for t in transforms if t not in TRANSFORMS]
+    if unknown:
+        raise ValueError(
+            f"remat.testing.assert_checkpoint_equivalent: expected transforms from {TRANSFORMS}, but got {unknown}."
+        )
+    if device is not None:
+        args = _to_device(args, device)
+        if isinstance(fn, torch.nn.Module):
+            fn.to(device)
+    params: list[torch.Tensor] = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    checkpointed = _checkpoint(fn, policy)
+    problems = _compare(
+        "", _run(fn, args, params, seed, True), _run(checkpointed, args, params, seed, True), rtol, atol
+    )
+    for name in transforms:
+        # grad, jvp and vjp are compared as pure functions of detached inputs; vmap also backpropagates.
+        call_args = _stack(args) if name == "vmap" else _detached(args)
+        expected = _run(_transformed(name, fn, args, seed), call_args, params, seed, name == "vmap")
+        actual = _run(_transformed(name, checkpointed, args, seed), call_args, params, seed, name == "vmap")
+        problems += _compare(f"[{name}] ", expected, actual, rtol, atol)
+    if problems:
+        header = f"remat.checkpoint(fn, policy={policy!r}) differs from fn = {fn!r}:"
+        raise AssertionError("\n  ".join([header, *problems]))
