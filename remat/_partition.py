@@ -237,10 +237,11 @@ def _kept_and_replayed(
             return is_kept(node.args[0])  # type: ignore[arg-type]
         return False  # a view: replaying it is free, keep its base instead
 
+    primals = set(joint.primals)
     needed: list[fx.Node] = []
-    for user in [*backward_nodes, *joint.grads]:
-        inputs = user.all_input_nodes if user in backward_nodes else [user]
-        needed.extend(n for n in inputs if n in joint.forward_nodes or n in joint.primals)
+    for user in backward_nodes:
+        needed.extend(n for n in user.all_input_nodes if n in joint.forward_nodes or n in primals)
+    needed.extend(g for g in joint.grads if g in joint.forward_nodes or g in primals)
     kept: dict[fx.Node, None] = {}
     replayed: set[fx.Node] = set()
     seen: set[fx.Node] = set()

@@ -8,6 +8,7 @@ forward part of it is then described, call by call, as a `remat.Trace`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 import threading
@@ -320,7 +321,7 @@ def _trace(
         forward_nodes=forward_nodes,
         mutations=mutations,
         call_nodes=call_nodes,
-        trace=Trace([_describe(i, node, call_nodes[:i]) for i, node in enumerate(call_nodes)]),
+        trace=_describe_all(call_nodes),
         regions=tuple(
             (policy, tuple(i for i, node in enumerate(call_nodes) if start < order[node] <= end))
             for policy, start, end in recorded
@@ -396,11 +397,8 @@ def _forward_nodes(
         assert node not in depends_on_tangent
         forward.add(node)
         stack.extend(node.all_input_nodes)
-    return frozenset(n for n in forward if n.graph is graph and n.op != "placeholder" and _alive(n))
-
-
-def _alive(node: fx.Node) -> bool:
-    return node.graph is not None and node in node.graph.nodes  # type: ignore[operator]
+    alive = set(graph.nodes)  # some nodes of `fn` may have been removed as dead code
+    return frozenset(n for n in forward if n in alive and n.op != "placeholder")
 
 
 # NOTE [free ops follow their base]
@@ -425,7 +423,16 @@ def is_call(node: fx.Node) -> bool:
     return node.op == "call_function" and not is_free(node)
 
 
-def _describe(index: int, node: fx.Node, earlier: Sequence[fx.Node]) -> Call:
+def _describe_all(call_nodes: Sequence[fx.Node]) -> Trace:
+    occurrences: collections.Counter[Any] = collections.Counter()
+    calls = []
+    for index, node in enumerate(call_nodes):
+        calls.append(_describe(index, node, occurrences[node.target]))
+        occurrences[node.target] += 1
+    return Trace(calls)
+
+
+def _describe(index: int, node: fx.Node, occurrence: int) -> Call:
     def meta(value: Any) -> Any:
         if isinstance(value, fx.Node):
             val = value.meta.get("val")
@@ -442,7 +449,7 @@ def _describe(index: int, node: fx.Node, earlier: Sequence[fx.Node]) -> Call:
     return Call(
         index=index,
         op=node.target,
-        occurrence=sum(1 for other in earlier if other.target is node.target),
+        occurrence=occurrence,
         inputs=(*args, *kwargs.values()),
         outputs=tuple(TensorMeta.of(o) for o in outputs if isinstance(o, torch.Tensor)),
         module=site.module,
