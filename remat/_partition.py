@@ -67,6 +67,7 @@ class Programs:
     returned: tuple[int, ...]  # indices of the outputs the Function returns
     n_activations: int
     without_tangent: tuple[bool, ...]  # per Function output: marked non-differentiable
+    output_sources: tuple[frozenset[int], ...]  # per Function output: the primals it has a gradient for
     pure_unsupported: str | None  # why the programs cannot be differentiated again, if they cannot
     kept: tuple[Kept, ...]
     decisions: tuple[Decision, ...]
@@ -169,6 +170,11 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             None,
         ),
         without_tangent=_without_tangent(joint, returned, activations, len(random_states), forward_mode),
+        output_sources=(
+            *_output_sources(joint, returned),
+            *([frozenset(range(len(joint.primals)))] * len(activations)),  # kept values: never marked here
+            *([frozenset()] * len(random_states)),
+        ),
         kept=tuple(kept),
         decisions=decisions,
         saved_calls=tuple(sorted({call_index[_producer(n)] for n in produced if _producer(n) in call_index})),
@@ -293,6 +299,31 @@ def _varying(joint: JointGraph, forward_mode: bool) -> set[fx.Node]:
         if differentiable and any(arg in varying for arg in node.all_input_nodes):
             varying.add(node)
     return varying
+
+
+def _output_sources(joint: JointGraph, returned: Sequence[int]) -> tuple[frozenset[int], ...]:
+    """For each returned output, the primals it has a derivative from, as eager sees it: those
+    reaching it through differentiable calls (derivatives stop at detaches, no_grad regions
+    and random draws), and those whose gradient backward computes from its tangent (which
+    sees through custom Functions, whose forwards run under no_grad)."""
+    forward: dict[fx.Node, frozenset[int]] = {p: frozenset({i}) for i, p in enumerate(joint.primals)}
+    for node in joint.graph.nodes:
+        if node not in joint.forward_nodes or node.meta.get("remat_stops_gradient"):
+            continue
+        if node.target is operator.getitem and not _differentiable(node):
+            continue
+        if node.op == "call_function" and not _rng.has_zero_derivative(node):
+            forward[node] = frozenset().union(*(forward.get(arg, frozenset()) for arg in node.all_input_nodes))
+
+    from_tangent: dict[fx.Node, frozenset[int]] = {t: frozenset({k}) for k, t in enumerate(joint.tangents)}
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and node not in joint.forward_nodes:
+            from_tangent[node] = frozenset().union(*(from_tangent.get(a, frozenset()) for a in node.all_input_nodes))
+    backward: dict[int, set[int]] = {i: set() for i in joint.differentiable_outputs}
+    for grad, primal in zip(joint.grads, joint.grad_of, strict=True):
+        for k in from_tangent.get(grad, frozenset()):
+            backward[joint.differentiable_outputs[k]].add(primal)
+    return tuple(forward.get(joint.outputs[i], frozenset()) | backward.get(i, set()) for i in returned)
 
 
 def _dirty_as_inputs(joint: JointGraph, returned_nodes: Sequence[fx.Node]) -> list[fx.Node]:

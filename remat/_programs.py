@@ -44,12 +44,18 @@ def forward_program(
     for node in joint.graph.nodes:
         if node in joint.forward_nodes:
             if node in random_states:  # See NOTE [replaying random calls].
-                generator = node.kwargs.get("generator")
-                states[node] = graph.call_function(
-                    _rng.rng_state,
-                    (device_of(node), env[generator] if isinstance(generator, fx.Node) else None),
+                args = fx.node.map_arg(node.args, lambda n: env[n])
+                kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+                drawn = graph.call_function(
+                    _rng.run_keeping_state,
+                    (device_of(node), node.target, *args),  # type: ignore[arg-type]
+                    kwargs,
                 )
-            env[node] = graph.node_copy(node, lambda n: env[n])
+                states[node] = graph.call_function(operator.getitem, (drawn, 0))
+                env[node] = graph.call_function(operator.getitem, (drawn, 1))
+                env[node].meta = dict(node.meta)
+            else:
+                env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(
         (
             *(env[node] for node in returned),

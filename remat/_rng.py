@@ -5,12 +5,13 @@ See NOTE [replaying random calls].
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 from torch import fx
 
-__all__ = ["has_zero_derivative", "rng_state", "replay_with_rng_state", "state_nbytes"]
+__all__ = ["has_zero_derivative", "replay_with_rng_state", "run_keeping_state", "state_nbytes"]
 
 # NOTE [replaying random calls]
 # A random call that backward needs but the policy does not save is replayed
@@ -20,7 +21,10 @@ __all__ = ["has_zero_derivative", "rng_state", "replay_with_rng_state", "state_n
 # call, then puts back the state it found, so that the replay draws exactly the
 # same numbers and leaves the generator where it was. The forward itself runs
 # every random call once, in order, as eager does; so after backward the
-# stream is where eager execution leaves it.
+# stream is where eager execution leaves it. Threads: remat reads a state and
+# draws (or sets, draws and restores) under one lock, so checkpointed functions
+# on several threads each replay their own numbers; a thread drawing from the
+# same generator outside remat at that moment is not held back by the lock.
 
 
 # Random ops whose output has a zero derivative with respect to every input: a
@@ -52,22 +56,33 @@ def _resolve(device: torch.device, generator: torch.Generator | None) -> torch.G
     )
 
 
-def rng_state(device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
-    """The state of the generator a random call on `device` draws from."""
-    return _resolve(device, generator).get_state()
+# Reading a generator's state and drawing from it must happen as one step, and so must
+# setting it, drawing and restoring it: a draw by another thread in between would give
+# forward and replay different numbers. Remat's own calls take this lock for both.
+_GENERATORS = threading.RLock()
+
+
+def run_keeping_state(device: torch.device, op: Any, /, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """Run the random call `op(*args, **kwargs)` on `device`; return the state of the generator
+    it drew from, as it was right before, and the call's result."""
+    resolved = _resolve(device, kwargs.get("generator"))
+    with _GENERATORS:
+        state = resolved.get_state()
+        return state, op(*args, **kwargs)
 
 
 def replay_with_rng_state(state: torch.Tensor, device: torch.device, op: Any, /, *args: Any, **kwargs: Any) -> Any:
     """Run `op(*args, **kwargs)` as it ran when its generator was in `state`, leaving the generator as found."""
     resolved = _resolve(device, kwargs.get("generator"))
-    current = resolved.get_state()
     while torch._C._functorch.is_functorch_wrapped_tensor(state):  # kept under a torch.func transform
         state = torch._C._functorch.get_unwrapped(state)
-    resolved.set_state(state)
-    try:
-        return op(*args, **kwargs)
-    finally:
-        resolved.set_state(current)
+    with _GENERATORS:
+        current = resolved.get_state()
+        resolved.set_state(state)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            resolved.set_state(current)
 
 
 def state_nbytes(device: torch.device) -> int:

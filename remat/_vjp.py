@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch._C._functorch import TransformType
+from torch._functorch.autograd_function import CtxCustomSave
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch._functorch.vmap import unwrap_batched
 
 from ._calls import TensorMeta
 from ._contexts import autocast_disabled
@@ -83,7 +85,8 @@ class _CheckpointFunction(torch.autograd.Function):
             ctx.save_for_forward(*kept)
             ctx.remat_output_metas = [TensorMeta.of(o) for o in output]  # zeros where it finds no tangent
         ctx.mark_dirty(*(primals[i] for i in executable.dirty))
-        ctx.mark_non_differentiable(*(o for o, skip in zip(output, programs.without_tangent, strict=True) if skip))
+        non_differentiable = [o for o, skip in zip(output, _without_grad(ctx, programs), strict=True) if skip]
+        ctx.mark_non_differentiable(*_as_seen_by_autograd(ctx, non_differentiable))
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -231,6 +234,28 @@ def _check_pure_differentiable(programs: Programs) -> None:
 
 def _zeros(meta: TensorMeta) -> torch.Tensor:
     return torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
+
+
+def _without_grad(ctx: Any, programs: Programs) -> Iterator[bool]:
+    """For each output of the Function, whether it is marked non-differentiable: as traced,
+    and, as in eager, when it has a derivative from no input that requires grad here.
+
+    The second part matters under torch.func transforms, which trace with every floating
+    input differentiable (see `trace_joint`), and never under forward mode, where inputs
+    carry tangents without requiring grad.
+    """
+    needs_grad = ctx.needs_input_grad[1:]
+    for skip, sources in zip(programs.without_tangent, programs.output_sources, strict=True):
+        yield skip or (not programs.pure_returns_outputs and not any(needs_grad[i] for i in sources))
+
+
+def _as_seen_by_autograd(ctx: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors autograd knows as `outputs`. Under `vmap`, `setup_context` sees batched
+    views of the Function's real outputs, which `mark_non_differentiable` (an identity
+    check) would silently ignore; unwrap them to the tensors autograd returned."""
+    if isinstance(ctx, CtxCustomSave):
+        return list(unwrap_batched(tuple(outputs), ctx._pt_current_level)[0])
+    return outputs
 
 
 def forward_mode_active() -> bool:

@@ -423,13 +423,17 @@ def inputs(
 
 @dataclasses.dataclass(frozen=True)
 class _PerCallPolicy:
-    """A callable policy answering from a fixed table of decisions by `Call.index`."""
+    """A callable policy answering from a fixed table of decisions by `Call.index`.
+
+    Calls past the end of the table (a trace under a torch.func transform can have
+    more calls than the trace the table was drawn for) are recomputed.
+    """
 
     saved: tuple[bool, ...]
     as_decision: bool
 
     def __call__(self, call: Call) -> Decision | bool:
-        save = self.saved[call.index]
+        save = call.index < len(self.saved) and self.saved[call.index]
         if self.as_decision:
             return Decision.SAVE if save else Decision.RECOMPUTE
         return save

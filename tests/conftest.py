@@ -49,7 +49,33 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
 )
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+
+
+def examples(ci: int, soak: int) -> settings:
+    """Settings for a property whose example count is chosen per profile.
+
+    An explicit `max_examples` on a test overrides the loaded profile, so a
+    property that runs a set number of examples in CI names its soak count here.
+    """
+    return settings(max_examples=soak if PROFILE == "soak" else ci)
+
+
+# --- soak failures ---------------------------------------------------------------------------------
+
+# The soak run records every failing test, with hypothesis's falsifying example and its
+# `@reproduce_failure` blob, in this file (one entry per failure, appended), so a
+# long run's findings survive the terminal. The hypothesis database keeps them too.
+SOAK_FAILURES = os.environ.get("REMAT_SOAK_FAILURES", "soak-failures.txt")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if PROFILE != "soak" or not report.failed:
+        return
+    with open(SOAK_FAILURES, "a") as file:
+        file.write(f"===== {report.nodeid} ({report.when}) =====\n{report.longreprtext}\n\n")
+
 
 # --- tolerances ------------------------------------------------------------------------------------
 

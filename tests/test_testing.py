@@ -8,13 +8,15 @@ something else, with a message that says what differs.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from conftest import DEVICES, examples
+from hypothesis import given
 from hypothesis import strategies as st
 
 import remat
@@ -34,7 +36,8 @@ def test_catalog_has_at_least_40_behaviours() -> None:
     assert len(CATALOG) >= 40
 
 
-@settings(max_examples=60)
+# The soak counts (`nox -s soak`) sum to well over 10,000 random functions.
+@examples(ci=60, soak=10_000)
 @given(st.data())
 def test_random_functions_and_policies_checkpoint_equivalently(data: st.DataObject) -> None:
     fn = data.draw(functions(), label="fn")
@@ -43,7 +46,7 @@ def test_random_functions_and_policies_checkpoint_equivalently(data: st.DataObje
     assert_checkpoint_equivalent(fn, *args, policy=policy, seed=data.draw(st.integers(0, 100), label="seed"))
 
 
-@settings(max_examples=30)
+@examples(ci=30, soak=2_000)
 @given(st.data())
 def test_random_functions_with_pytree_inputs(data: st.DataObject) -> None:
     fn = data.draw(functions(max_inputs=3), label="fn")
@@ -52,35 +55,45 @@ def test_random_functions_with_pytree_inputs(data: st.DataObject) -> None:
     assert_checkpoint_equivalent(fn, *args, policy=policy)
 
 
-@settings(max_examples=30)
+@pytest.mark.parametrize("device", DEVICES)
+@examples(ci=30, soak=2_000)
 @given(st.data())
-def test_random_functions_in_float32(data: st.DataObject) -> None:
+def test_random_functions_in_float32(device: str, data: st.DataObject) -> None:
     fn = data.draw(functions(max_ops=4), label="fn")
-    args = data.draw(inputs(fn, dtype=torch.float32), label="args")
+    args = data.draw(inputs(fn, dtype=torch.float32, device=device), label="args")
     policy = data.draw(policies(remat.trace(fn, *args)), label="policy")
     assert_checkpoint_equivalent(fn, *args, policy=policy)
 
 
-@settings(max_examples=15)
+@pytest.mark.parametrize("device", DEVICES)
+@examples(ci=15, soak=1_000)
 @given(st.data())
-def test_random_functions_in_bfloat16(data: st.DataObject) -> None:
+def test_random_functions_in_bfloat16(device: str, data: st.DataObject) -> None:
     fn = data.draw(functions(max_ops=3), label="fn")
-    args = data.draw(inputs(fn, dtype=torch.bfloat16), label="args")
+    args = data.draw(inputs(fn, dtype=torch.bfloat16, device=device), label="args")
     policy = data.draw(policies(remat.trace(fn, *args)), label="policy")
     assert_checkpoint_equivalent(fn, *args, policy=policy)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@examples(ci=30, soak=2_000)
+@given(st.data())
+def test_random_functions_in_float64_on_cuda(data: st.DataObject) -> None:
+    fn = data.draw(functions(), label="fn")
+    args = data.draw(inputs(fn), label="args")
+    policy = data.draw(policies(remat.trace(fn, *args)), label="policy")
+    # The checker moves the inputs: both functions run on the GPU, compared in float64.
+    assert_checkpoint_equivalent(fn, *args, policy=policy, device="cuda")
 
 
 # functorch warns that it has no batching rule for the `copy` an in-place update of a view
 # functionalizes into (a slow fallback, not a wrong result): the results are still compared.
 @pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
-@settings(max_examples=30)
+@examples(ci=30, soak=2_000)
 @given(st.data())
 def test_random_functions_under_torch_func_transforms(data: st.DataObject) -> None:
-    # return_inputs=False: jvp of a function returning (an indexing of x, x) fails inside remat (reported bug).
-    # all_require_grad: under vmap, remat marks an output that depends on no input requiring grad
-    # as requiring grad (reported bug).
-    fn = data.draw(functions(max_ops=4, return_inputs=False), label="fn")
-    args = data.draw(inputs(fn, all_require_grad=True), label="args")
+    fn = data.draw(functions(max_ops=4), label="fn")
+    args = data.draw(inputs(fn), label="args")
     policy = data.draw(policies(remat.trace(fn, *args)), label="policy")
     transforms = data.draw(st.lists(st.sampled_from(["grad", "vmap", "jvp", "vjp"]), min_size=1, unique=True))
     assert_checkpoint_equivalent(fn, *args, policy=policy, transforms=transforms)
@@ -220,3 +233,29 @@ def test_regression_jvp_of_an_output_indexing_an_input_returned_beside_it() -> N
     perm = torch.tensor([1, 0])
     x = torch.randn(2, dtype=torch.float64)
     assert_checkpoint_equivalent(lambda x: (x[perm], x), x, transforms=("jvp",))
+
+
+def test_regression_vmap_of_an_output_that_needs_no_input_requiring_grad() -> None:
+    # Under vmap, setup_context sees batched views of the outputs, and marking those
+    # non-differentiable was silently ignored: the output came back requiring grad.
+    def fn(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return b.abs(), (a * b).sum(0)
+
+    a = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 2, dtype=torch.float64)
+    independent, dependent = torch.func.vmap(remat.checkpoint(fn))(a, b)
+    assert not independent.requires_grad
+    assert dependent.requires_grad
+    assert_checkpoint_equivalent(fn, a, b, transforms=["vmap"])
+
+
+def test_regression_random_per_call_policy_on_a_longer_trace_recomputes_the_extra_calls() -> None:
+    # A policy table drawn from the plain trace met a longer trace under `grad`.
+    fn = RandomFunction((1, 2), 2, (Step("mul_", 1, 0),), (2,))
+    a = torch.randn(1, 2, dtype=torch.float64)
+    b = torch.randn(1, 2, dtype=torch.float64, requires_grad=True)
+    policy = remat.testing._PerCallPolicy((True,), as_decision=False)
+    call = remat.trace(fn, a, b)[0]
+    assert policy(call) is True
+    assert policy(dataclasses.replace(call, index=5)) is False
+    assert_checkpoint_equivalent(fn, a, b, policy=policy, transforms=["grad"])

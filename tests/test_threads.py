@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 import remat
+import remat._rng
 from remat import policies
 
 DTYPE = torch.float64
@@ -83,3 +86,50 @@ def test_a_trace_is_not_confused_by_modules_running_on_other_threads() -> None:
         background.join()
     assert paths <= {"0", "1", "2", ""}, f"calls attributed to modules of another thread: {paths}"
     assert {"0", "1", "2"} <= paths
+
+
+class _SlowGenerator:
+    """A generator whose state takes a while to read: another thread gets to draw meanwhile."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def get_state(self) -> torch.Tensor:
+        state = self.generator.get_state()
+        time.sleep(1e-4)
+        return state
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+
+@pytest.fixture
+def racy_generator_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Widen the window between reading a generator's state and drawing from it."""
+    resolve = remat._rng._resolve
+    monkeypatch.setattr(remat._rng, "_resolve", lambda *args: _SlowGenerator(resolve(*args)))
+
+
+@pytest.mark.usefixtures("racy_generator_reads")
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_ops(torch.ops.aten.sin)], ids=str)
+def test_concurrent_dropout_replays_the_mask_each_thread_drew(policy: Any) -> None:
+    # Each thread's backward must replay its own dropout mask, not one drawn by another
+    # thread between reading the generator state and drawing. The mask is visible in
+    # the output (where it is zero), which gives the exact gradient to expect.
+    p = 0.5
+    checkpointed = remat.checkpoint(lambda x: torch.nn.functional.dropout(x.sin(), p).exp(), policy=policy)
+    inputs = [torch.rand(64, dtype=DTYPE, generator=torch.Generator().manual_seed(i)) + 0.5 for i in range(6)]
+
+    def output_and_gradient(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = inputs[index].clone().requires_grad_()
+        out = checkpointed(x)
+        (gradient,) = torch.autograd.grad(out.sum(), x)
+        return out.detach(), gradient
+
+    results = _run_in_threads(output_and_gradient, repeats=20)
+    for index, runs in enumerate(results):
+        x = inputs[index]
+        for out, gradient in runs:
+            kept = (out != 1.0).to(DTYPE)  # exp(0) = 1 where dropped; sin(x) > 0 for x in [0.5, 1.5)
+            torch.testing.assert_close(out, (kept * x.sin() / (1 - p)).exp(), rtol=1e-12, atol=0)
+            torch.testing.assert_close(gradient, out * kept * x.cos() / (1 - p), rtol=1e-12, atol=1e-15)
