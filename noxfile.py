@@ -29,9 +29,16 @@ def doctest(session: nox.Session) -> None:
 
 @nox.session
 def soak(session: nox.Session) -> None:
-    """Property tests with the long hypothesis profile."""
+    """The tests with the long hypothesis profile (over 10,000 random functions in tests/test_testing.py).
+
+    Failures are appended to soak-failures.txt (or $REMAT_SOAK_FAILURES). Pass test paths to narrow
+    it: `nox -s soak -- tests/test_testing.py`.
+    """
     install(session, "test")
-    session.run("python", "-m", "pytest", "-q", "tests", *session.posargs, env={"HYPOTHESIS_PROFILE": "soak"})
+    session.run(
+        "python", "-m", "pytest", "-q", *(session.posargs or ["tests"]),
+        env={"HYPOTHESIS_PROFILE": "soak"},
+    )  # fmt: skip
 
 
 @nox.session

@@ -12,6 +12,7 @@ from ._calls import TensorMeta as TensorMeta
 from ._calls import Trace as Trace
 from ._errors import TraceError as TraceError
 from ._module import CheckpointedModule as CheckpointedModule
+from ._tag import tag as tag
 from .report import Report as Report
 
 SAVE = Decision.SAVE
@@ -34,5 +35,6 @@ __all__ = [
     "checkpoint",
     "policies",
     "report",
+    "tag",
     "trace",
 ]

@@ -19,6 +19,7 @@ from ._partition import partition
 from ._pytree import FlatArgs, flatten_args
 from ._trace import JointGraph, is_tracing, nested_checkpoint, trace_joint
 from ._vjp import Executable, forward_mode_active, run
+from .policies import save_nothing
 from .report import Report, ReportRow
 
 __all__ = ["Checkpointed", "checkpoint", "report", "trace"]
@@ -240,23 +241,29 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
     128
     """
     joint, own_policy = _joint_of(fn, args, kwargs, "remat.report")
-    programs = partition(joint, decide_nested(policy if policy is not None else own_policy, joint.trace, joint.regions))
-    saved, replayed = set(programs.saved_calls), set(programs.replayed_calls)
-    rows = tuple(
-        ReportRow(
-            call,
-            programs.decisions[call.index],
-            saved=call.index in saved,
-            replayed=call.index in replayed,
-            rng_state_kept=call.index in programs.rng_state_calls,
+    policy = policy if policy is not None else own_policy
+    programs = partition(joint, decide_nested(policy, joint.trace, joint.regions))
+    replayed = set(programs.replayed_calls)
+    rows = []
+    for call in joint.trace:
+        kept = programs.kept_by_call.get(call.index)
+        rows.append(
+            ReportRow(
+                call,
+                programs.decisions[call.index],
+                saved=kept is not None,
+                replayed=call.index in replayed,
+                rng_state_kept=call.index in programs.rng_state_calls,
+                saved_bytes=kept.nbytes if kept else 0,
+                read_by=kept.read_by if kept else frozenset(),
+            )
         )
-        for call in joint.trace
-    )
     return Report(
         saved_bytes=programs.saved_bytes,
         rng_state_bytes=programs.rng_state_bytes,
         recompute_flops=programs.recompute_flops,
         replayed_calls=programs.replayed_calls,
-        rows=rows,
+        rows=tuple(rows),
         trace=joint.trace,
+        policy=policy if policy is not None else save_nothing,
     )

@@ -50,6 +50,14 @@ class Kept:
 
 
 @dataclasses.dataclass(frozen=True)
+class KeptOutputs:
+    """What is kept of one saved call's outputs, and what reads it."""
+
+    nbytes: int  # distinct storages, inputs' excluded
+    read_by: frozenset[str]  # "backward" (the gradient formulas) and/or "replay" (replayed calls)
+
+
+@dataclasses.dataclass(frozen=True)
 class Programs:
     """Everything needed to run one signature under one set of decisions.
 
@@ -72,6 +80,7 @@ class Programs:
     kept: tuple[Kept, ...]
     decisions: tuple[Decision, ...]
     saved_calls: tuple[int, ...]  # calls whose outputs are kept
+    kept_by_call: dict[int, KeptOutputs]  # for each call in saved_calls: what is kept and who reads it
     replayed_calls: tuple[int, ...]
     rng_state_calls: tuple[int, ...]  # random calls whose generator state is kept
     saved_bytes: int  # activations and generator states
@@ -178,12 +187,39 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         kept=tuple(kept),
         decisions=decisions,
         saved_calls=tuple(sorted({call_index[_producer(n)] for n in produced if _producer(n) in call_index})),
+        kept_by_call=_kept_by_call(joint, produced, replayed, call_index),
         replayed_calls=replayed_calls,
         rng_state_calls=tuple(call_index[n] for n in random_states),
         saved_bytes=_saved_bytes(produced, joint.primals) + copies_bytes + rng_state_bytes,
         rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(joint.trace[i].flops for i in replayed_calls),
     )
+
+
+def _kept_by_call(
+    joint: JointGraph, produced: Sequence[fx.Node], replayed: set[fx.Node], call_index: dict[fx.Node, int]
+) -> dict[int, KeptOutputs]:
+    """For each saved call, the bytes of its kept outputs and whether backward's gradient
+    formulas, replayed calls, or (through the pure forward) neither read them."""
+    by_call: dict[int, list[fx.Node]] = {}
+    for node in produced:
+        if _producer(node) in call_index:
+            by_call.setdefault(call_index[_producer(node)], []).append(node)
+    grads = set(joint.grads)
+
+    def readers(node: fx.Node) -> set[str]:
+        found = {"backward"} if node in grads else set()
+        for user in node.users:
+            if user not in joint.forward_nodes:
+                found.add("backward")
+            elif user in replayed:
+                found |= readers(user) if is_free(user) else {"replay"}  # a view replayed for its readers
+        return found
+
+    return {
+        index: KeptOutputs(_saved_bytes(nodes, joint.primals), frozenset().union(*map(readers, nodes)))
+        for index, nodes in by_call.items()
+    }
 
 
 # Ops whose functional form torch differentiates wrongly a second time.

@@ -129,6 +129,32 @@ def nested_checkpoint(policy: Any) -> Iterator[None]:
     _regions.recorded.append((policy, before, next(iter(reversed(graph.nodes)))))
 
 
+def name_producer(tensor: torch.Tensor, name: str) -> None:
+    """Give `name` to the call of the graph being traced that produced `tensor` (see `remat.tag`).
+
+    The traced graph names `tensor` only through what it is computed from, so an
+    alias of it is traced, its argument read off, and the alias removed again.
+    """
+    proxy_mode = get_proxy_mode()
+    if proxy_mode is None:  # the discovery pass records no graph
+        return
+    graph = proxy_mode.tracer.graph
+    last = next(iter(reversed(graph.nodes)))
+    torch.ops.aten.alias.default(tensor)
+    new_nodes = []
+    for node in reversed(graph.nodes):
+        if node is last:
+            break
+        new_nodes.append(node)
+    for node in new_nodes:  # newest first: nothing reads them
+        if node.target is aten.alias.default and isinstance(node.args[0], fx.Node):
+            producer = node.args[0]
+            while is_free(producer) and producer.op == "call_function" and isinstance(producer.args[0], fx.Node):
+                producer = producer.args[0]
+            producer.meta["remat_tags"] = producer.meta.get("remat_tags", frozenset()) | {name}
+        graph.erase_node(node)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Discovery:
     closed_over: tuple[torch.Tensor, ...]
@@ -452,6 +478,7 @@ def _describe(index: int, node: fx.Node, occurrence: int) -> Call:
         occurrence=occurrence,
         inputs=(*args, *kwargs.values()),
         outputs=tuple(TensorMeta.of(o) for o in outputs if isinstance(o, torch.Tensor)),
+        tags=node.meta.get("remat_tags", frozenset()),
         module=site.module,
         source=site.source,
         scope=_custom_op_name(node.target) or site.scope,

@@ -22,16 +22,24 @@ from typing import Any, Union
 import torch
 
 from ._calls import Call, Decision, Trace, op_name
+from .costs import DEVICES, MATMUL_OPS, Device, estimate_seconds, resolve_device
 
 __all__ = [
     "Policy",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "from_sac",
+    "save_all_but_tagged",
     "save_all_of",
     "save_any_of",
+    "save_by_cost",
     "save_calls",
     "save_everything",
+    "save_modules",
     "save_nothing",
     "save_ops",
     "save_scopes",
+    "save_tagged",
     "save_unless",
 ]
 
@@ -234,6 +242,178 @@ def save_scopes(*names: str) -> Policy:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
+class _SaveOpKinds(Policy):
+    kinds: tuple[str, ...]
+    name: str
+
+    def _decide(self, call: Call) -> Decision:
+        packet = getattr(call.op, "overloadpacket", None)
+        return Decision.SAVE if any(packet in MATMUL_OPS[kind] for kind in self.kinds) else Decision.RECOMPUTE
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+dots_saveable: Policy = _SaveOpKinds(("unbatched", "batched", "convolution", "attention"), "dots_saveable")
+"""Save every matrix-multiply-like call (JAX's `dots_saveable`): `mm`, `addmm`, `bmm`, `baddbmm`,
+the other products in `remat.costs.MATMUL_OPS` (what `linear`, `matmul` and `einsum` trace
+to), convolutions, and the scaled-dot-product-attention kernels. Pointwise calls,
+normalizations and softmaxes between them are replayed: cheap in FLOPs, costly in bytes.
+
+>>> import torch, remat
+>>> trace = remat.trace(lambda a, b: (a @ b).relu(), torch.ones(2, 3), torch.ones(3, 4))
+>>> [remat.policies.dots_saveable(call) for call in trace]
+[remat.SAVE, remat.RECOMPUTE]
+"""
+
+dots_with_no_batch_dims_saveable: Policy = _SaveOpKinds(("unbatched",), "dots_with_no_batch_dims_saveable")
+"""Save matrix products without batch dimensions (JAX's `dots_with_no_batch_dims_saveable`): the
+projections of a transformer (`mm`, `addmm`: a linear layer on `[batch, seq, dim]` inputs
+traces to one), not the batched products of attention (`bmm`, the attention kernels),
+nor convolutions.
+
+>>> import torch, remat
+>>> trace = remat.trace(lambda q, k: (q @ k.mT) @ q, torch.ones(2, 3, 4), torch.ones(2, 3, 4))
+>>> [(call.name, remat.policies.dots_with_no_batch_dims_saveable(call)) for call in trace]
+[('aten.bmm.default', remat.RECOMPUTE), ('aten.bmm.default', remat.RECOMPUTE)]
+"""
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _SaveTagged(Policy):
+    names: frozenset[str]
+    all_but: bool
+
+    def _decide(self, call: Call) -> Decision:
+        chosen = call.tags - self.names if self.all_but else call.tags & self.names
+        return Decision.SAVE if chosen else Decision.RECOMPUTE
+
+    def __repr__(self) -> str:
+        name = "save_all_but_tagged" if self.all_but else "save_tagged"
+        return f"{name}({', '.join(map(repr, sorted(self.names)))})"
+
+
+def _check_names(api: str, names: tuple[Any, ...]) -> frozenset[str]:
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(
+                f"remat.policies.{api}: expected the names given with `remat.tag(x, name)` as non-empty strings, "
+                f"but got {name!r}."
+            )
+    return frozenset(names)
+
+
+def save_tagged(*names: str) -> Policy:
+    """Save the calls whose outputs were named with `remat.tag(x, name)`, for any of `names`
+    (JAX's `save_only_these_names`). Untagged calls are replayed.
+
+    >>> import torch, remat
+    >>> def f(x):
+    ...     return remat.tag(x.sin(), "h").cos()
+    >>> x = torch.ones(4, requires_grad=True)
+    >>> remat.report(f, x, policy=remat.policies.save_tagged("h")).saved_bytes  # sin's output
+    16
+    """
+    return _SaveTagged(_check_names("save_tagged", names), all_but=False)
+
+
+def save_all_but_tagged(*names: str) -> Policy:
+    """Save every tagged call except those tagged only with `names` (JAX's
+    `save_any_names_but_these`). Untagged calls are replayed; a call with
+    several tags is saved if one of them is not in `names`.
+
+    >>> import torch, remat
+    >>> def f(x):
+    ...     return remat.tag(remat.tag(x.sin(), "a").cos(), "b").exp()
+    >>> remat.policies.save_all_but_tagged("a").plan(remat.trace(f, torch.ones(2)))
+    (remat.RECOMPUTE, remat.SAVE, remat.RECOMPUTE)
+    """
+    return _SaveTagged(_check_names("save_all_but_tagged", names), all_but=True)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _SaveModules(Policy):
+    patterns: tuple[str, ...]
+
+    def _decide(self, call: Call) -> Decision:
+        if call.module is None:
+            return Decision.RECOMPUTE
+        parts = call.module.split(".") if call.module else []
+        paths = [".".join(parts[:n]) for n in range(len(parts) + 1)]  # the module and its ancestors
+        matches = any(fnmatch.fnmatchcase(path, pattern) for path in paths for pattern in self.patterns)
+        return Decision.SAVE if matches else Decision.RECOMPUTE
+
+    def __repr__(self) -> str:
+        return f"save_modules({', '.join(map(repr, self.patterns))})"
+
+
+def save_modules(*patterns: str) -> Policy:
+    """Save every call issued inside the modules whose qualified names match `patterns`.
+
+    A call's module path is that of the innermost `nn.Module` whose forward
+    issued it (`Call.module`, as in `model.named_modules()`: `layers.0.attn.q_proj`),
+    for the module passed to `remat.checkpoint` and for modules the function
+    closes over alike. A pattern (a glob: `*` matches across dots) selects the
+    modules it matches and everything inside them: `"layers.0.attn"` saves the
+    calls of `layers.0.attn.q_proj` too. The root module's path is `""`.
+
+    >>> import torch, remat
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    >>> trace = remat.trace(model, torch.ones(2, 4))
+    >>> [(call.module, remat.policies.save_modules("1", "2")(call)) for call in trace]
+    [('0', remat.RECOMPUTE), ('1', remat.SAVE), ('2', remat.SAVE)]
+    """
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise TypeError(
+                f"remat.policies.save_modules: expected qualified module names or glob patterns as strings "
+                f"(like 'layers.*.attn'), but got {pattern!r}."
+            )
+    return _SaveModules(tuple(patterns))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _SaveByCost(Policy):
+    seconds_per_byte: float
+    device: Device
+
+    def _decide(self, call: Call) -> Decision:
+        seconds = estimate_seconds(call, self.device)
+        return Decision.SAVE if seconds >= self.seconds_per_byte * max(call.nbytes, 1) else Decision.RECOMPUTE
+
+    def __repr__(self) -> str:
+        device = self.device.name if DEVICES.get(self.device.name) == self.device else repr(self.device)
+        return f"save_by_cost({self.seconds_per_byte:g}, device={device!r})"
+
+
+def save_by_cost(seconds_per_byte: float, device: str | Device = "h100") -> Policy:
+    """Save the calls that would take longest to replay for the memory their outputs hold.
+
+    A call is saved when its replay time (`remat.costs.estimate_seconds` on
+    `device`, a roofline bound) per byte of its outputs is at least
+    `seconds_per_byte`. On an H100, large matmuls cost around 1e-12 s per byte of
+    output (more for a larger inner dimension); pointwise ops around 1e-12 to
+    1e-13 (they read and write bytes at the memory bandwidth, ~3e-13 s/byte).
+
+    Args:
+        seconds_per_byte: the threshold; positive.
+        device: a name in `remat.costs.DEVICES` or a `remat.costs.Device`.
+
+    >>> import torch, remat
+    >>> a, b = torch.ones(512, 2048), torch.ones(2048, 512)
+    >>> trace = remat.trace(lambda a, b: (a @ b).relu(), a, b)
+    >>> [remat.policies.save_by_cost(1e-12, "h100")(call) for call in trace]
+    [remat.SAVE, remat.RECOMPUTE]
+    """
+    if isinstance(seconds_per_byte, bool) or not isinstance(seconds_per_byte, (int, float)) or seconds_per_byte <= 0:
+        raise ValueError(
+            f"remat.policies.save_by_cost: expected a positive threshold in seconds per byte kept (around 1e-12 "
+            f"on an H100), but got {seconds_per_byte!r}."
+        )
+    return _SaveByCost(float(seconds_per_byte), resolve_device(device))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Combined(Policy):
     policies: tuple[Any, ...]
     require_all: bool
@@ -297,3 +477,7 @@ def save_unless(policy: PolicyLike, unless: PolicyLike) -> Policy:
     save_all_of(save_everything, ~save_ops(aten.mm))
     """
     return save_all_of(policy, _Not(unless))
+
+
+# Last: the SAC bridge builds on `Policy`, defined above.
+from ._sac import from_sac  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ._calls import Call, Decision, Trace, _module_label, format_bytes, format_table
 
@@ -11,13 +12,61 @@ __all__ = ["Report", "ReportRow"]
 
 @dataclasses.dataclass(frozen=True)
 class ReportRow:
-    """One call of a report: its decision and what that decision costs."""
+    """One call of a report: its decision and what that decision costs.
+
+    Attributes:
+        call: the call.
+        decision: what the policy decided.
+        saved: whether some output of the call is kept for backward.
+        replayed: whether backward runs the call again.
+        rng_state_kept: whether the generator state it started from is kept, to replay it.
+        saved_bytes: bytes of its kept outputs (distinct storages).
+        read_by: who reads the kept outputs in backward: `"backward"` (the gradient
+            formulas) and/or `"replay"` (calls replayed from them). Empty when only
+            a second derivative would read them.
+    """
 
     call: Call
     decision: Decision
-    saved: bool  # whether some output of the call is kept for backward
-    replayed: bool  # whether backward runs the call again
-    rng_state_kept: bool = False  # whether the generator state it started from is kept, to replay it
+    saved: bool
+    replayed: bool
+    rng_state_kept: bool = False
+    saved_bytes: int = 0
+    read_by: frozenset[str] = frozenset()
+
+    @property
+    def replay_flops(self) -> int:
+        """FLOPs backward spends replaying this call (0 unless replayed)."""
+        return self.call.flops if self.replayed else 0
+
+    @property
+    def saves_nothing(self) -> bool:
+        """Whether the policy said SAVE but nothing of the call is kept: backward reads none
+        of its outputs, so the decision buys nothing."""
+        return self.decision is Decision.SAVE and not self.saved
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as plain data (strings and numbers)."""
+        call = self.call
+        return {
+            "index": call.index,
+            "op": call.name,
+            "decision": self.decision.name,
+            "saved": self.saved,
+            "saved_bytes": self.saved_bytes,
+            "read_by": sorted(self.read_by),
+            "replayed": self.replayed,
+            "replay_flops": self.replay_flops,
+            "rng_state_kept": self.rng_state_kept,
+            "saves_nothing": self.saves_nothing,
+            "outputs": [str(meta) for meta in call.outputs],
+            "output_bytes": call.nbytes,
+            "flops": call.flops,
+            "tags": sorted(call.tags),
+            "module": call.module,
+            "scope": call.scope,
+            "source": call.source,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +84,10 @@ class Report:
         replayed_calls: indices of the calls replayed in backward.
         rows: one `ReportRow` per call of the trace.
         trace: the traced calls.
+        policy: the policy reported on.
 
-    `str(report)` is a table in the spirit of JAX's `print_saved_residuals`.
+    `str(report)` is a table in the spirit of JAX's `print_saved_residuals`;
+    `report.to_dict()` gives the same as data.
     """
 
     saved_bytes: int
@@ -45,18 +96,48 @@ class Report:
     replayed_calls: tuple[int, ...]
     rows: tuple[ReportRow, ...]
     trace: Trace
+    policy: Any = None
+
+    @property
+    def forward_flops(self) -> int:
+        """Estimated FLOPs of one forward: every call once."""
+        return sum(call.flops for call in self.trace)
+
+    @property
+    def replayed_fraction(self) -> float:
+        """`recompute_flops` as a fraction of `forward_flops` (0 for a trace without FLOPs)."""
+        return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+
+    @property
+    def saves_nothing(self) -> tuple[int, ...]:
+        """Indices of the calls the policy saves to no effect: backward reads none of their outputs."""
+        return tuple(row.call.index for row in self.rows if row.saves_nothing)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (strings, numbers, lists and dicts), ready for `json.dumps`."""
+        return {
+            "policy": repr(self.policy),
+            "saved_bytes": self.saved_bytes,
+            "rng_state_bytes": self.rng_state_bytes,
+            "recompute_flops": self.recompute_flops,
+            "forward_flops": self.forward_flops,
+            "replayed_fraction": self.replayed_fraction,
+            "replayed_calls": list(self.replayed_calls),
+            "saves_nothing": list(self.saves_nothing),
+            "rows": [row.to_dict() for row in self.rows],
+        }
 
     def __str__(self) -> str:
-        header = ("#", "op", "decision", "kept", "replayed", "outputs", "bytes", "module", "scope", "source")
+        header = ("#", "op", "decision", "kept", "read by", "replayed", "outputs", "module", "scope", "source")
         body = [
             (
                 str(row.call.index),
                 row.call.name,
-                row.decision.name,
-                "yes" if row.saved else "rng state" if row.rng_state_kept else "",
-                "yes" if row.replayed else "",
+                row.decision.name + (" (unused)" if row.saves_nothing else ""),
+                format_bytes(row.saved_bytes) if row.saved else "rng state" if row.rng_state_kept else "",
+                ", ".join(sorted(row.read_by)),
+                f"{row.call.flops:,} FLOPs" if row.replayed else "",
                 ", ".join(map(str, row.call.outputs)),
-                format_bytes(row.call.nbytes),
                 _module_label(row.call.module),
                 row.call.scope or "",
                 row.call.source or "",
@@ -64,8 +145,16 @@ class Report:
             for row in self.rows
         ]
         rng = f" (of which {format_bytes(self.rng_state_bytes)} generator states)" if self.rng_state_bytes else ""
-        summary = (
-            f"kept: {format_bytes(self.saved_bytes)}{rng} from {sum(r.saved for r in self.rows)} calls; "
-            f"replayed in backward: {len(self.replayed_calls)} calls, {self.recompute_flops:,} FLOPs"
-        )
-        return f"{format_table(header, body)}\n{summary}"
+        lines = [
+            format_table(header, body),
+            f"policy: {self.policy!r}",
+            f"kept: {format_bytes(self.saved_bytes)}{rng} from {sum(r.saved for r in self.rows)} calls",
+            f"replayed in backward: {len(self.replayed_calls)} calls, {self.recompute_flops:,} FLOPs "
+            f"({self.replayed_fraction:.0%} of the forward's {self.forward_flops:,})",
+        ]
+        if self.saves_nothing:
+            lines.append(
+                f"unused: the policy saves calls {', '.join(map(str, self.saves_nothing))}, but backward reads "
+                "none of their outputs; saving them keeps nothing"
+            )
+        return "\n".join(lines)

@@ -392,12 +392,13 @@ def test_report_str_has_decisions_and_a_summary():
     text = str(report)
     lines = text.splitlines()
     assert "decision" in lines[0]
-    assert len(lines) == 2 + len(report.rows) + 1  # header, rule, rows, summary
+    assert len(lines) == 2 + len(report.rows) + 3  # header, rule, rows, policy and two summary lines
     for line, decision in zip(lines[2:6], ["SAVE", "RECOMPUTE", "RECOMPUTE", "RECOMPUTE"], strict=True):
         assert decision in line.split()
     assert "aten.mm.default" in lines[2]
     assert "aten.sin.default" in lines[3]
-    summary = lines[-1]
-    assert re.search(r"kept: 64 B from 1 calls?\b", summary), summary
-    assert re.search(r"replayed in backward: 1 calls?\b", summary), summary
-    assert f"{_trace()[1].flops:,} FLOPs" in summary
+    policy, kept, replayed = lines[-3:]
+    assert policy == "policy: save_calls(0)"
+    assert re.search(r"kept: 64 B from 1 calls?\b", kept), kept
+    assert re.search(r"replayed in backward: 1 calls?\b", replayed), replayed
+    assert f"{_trace()[1].flops:,} FLOPs" in replayed
