@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
@@ -15,6 +17,7 @@ from ._cache import CacheInfo, LRUCache, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
 from ._decide import decide_nested
+from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import partition
 from ._pytree import FlatArgs, flatten_args
 from ._trace import JointGraph, is_tracing, nested_checkpoint, trace_joint
@@ -63,6 +66,7 @@ class Checkpointed(Generic[P, T]):
         self.policy = policy
         self._cache: LRUCache[list[_Entry]] = LRUCache(cache_size)
         self._roots: ModuleRoots | None = None
+        self._last_key: Any = None  # the signature last traced, to explain a retrace
         self._bound: weakref.WeakKeyDictionary[Any, Checkpointed[Any, Any]] = weakref.WeakKeyDictionary()
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
@@ -115,9 +119,16 @@ class Checkpointed(Generic[P, T]):
             lifted = entry.fetch_if_valid()
             if lifted is not None:
                 return entry, lifted
+        if self._last_key is not None and logger.isEnabledFor(logging.INFO):
+            logger.info("retracing %s: %s", self, "; ".join(explain_retrace(self._last_key, key, flat)))
+        started = time.perf_counter()
         joint = trace_joint(self.__wrapped__, flat, roots)
         lifted = [slot.fetch() for slot in joint.lifted]
         entry = _Entry(joint, _executable(joint, self.policy, forward_mode), _guard(joint, lifted))
+        if logger.isEnabledFor(logging.DEBUG):
+            signature = describe_signature(flat, key[1])
+            log_trace(repr(self), signature, time.perf_counter() - started, entry.executable.programs)
+        self._last_key = key
         # A few variants per key (say, a closed-over module in train and eval mode); the oldest goes first.
         self._cache.put(key, [entry, *entries][:_VARIANTS_PER_KEY])
         return entry, lifted

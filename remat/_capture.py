@@ -28,7 +28,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as torch_pytree
 
-__all__ = ["CallSite", "ModuleRoots", "StateSlot", "capture_mode", "find_module_roots"]
+__all__ = ["CallSite", "ModuleRoots", "StateSlot", "capture_mode", "find_module_roots", "variable_slots"]
 
 # NOTE [lifting closed-over tensors]
 # make_fx turns real tensors that `fn` closes over into `get_attr` constants,
@@ -39,7 +39,10 @@ __all__ = ["CallSite", "ModuleRoots", "StateSlot", "capture_mode", "find_module_
 # metadata. A lifted tensor that belongs to an `nn.Module` reachable from `fn`
 # is remembered by its slot (owner module and attribute name) and fetched anew
 # on every call, so a parameter that was swapped since the trace (FSDP's
-# unsharded copies, `load_state_dict(assign=True)`) is what the call uses.
+# unsharded copies, `load_state_dict(assign=True)`) is what the call uses; so is
+# a tensor `fn` reads from a closure cell or a global, which the caller may
+# rebind. A tensor reached any other way (an element of a list `fn` closes
+# over) is used as it was when traced: pass such tensors as arguments.
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _REMAT_DIR = os.path.dirname(__file__) + os.sep
@@ -47,13 +50,17 @@ _REMAT_DIR = os.path.dirname(__file__) + os.sep
 
 @dataclasses.dataclass(frozen=True)
 class StateSlot:
-    """Where a closed-over tensor lives, so that each call can fetch it anew."""
+    """Where a closed-over tensor lives, so that each call can fetch it anew: a module's
+    parameter or buffer, a variable of `fn` (a closure cell or a global), or nowhere known."""
 
     owner: nn.Module | None
     attribute: str
-    tensor: torch.Tensor | None  # only for tensors that no module owns
+    tensor: torch.Tensor | None  # only for tensors nothing names: used as traced
+    variable: Any = None  # a closure cell, or the globals dict holding `attribute`
 
     def fetch(self) -> torch.Tensor:
+        if self.variable is not None:
+            return self._fetch_variable()
         if self.owner is None:
             assert self.tensor is not None
             return self.tensor
@@ -67,6 +74,45 @@ class StateSlot:
             )
         return tensor
 
+    def _fetch_variable(self) -> torch.Tensor:
+        if isinstance(self.variable, dict):
+            value = self.variable.get(self.attribute)
+        else:
+            try:
+                value = self.variable.cell_contents
+            except ValueError:  # the variable was deleted
+                value = None
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeError(
+                f"remat.checkpoint: the variable `{self.attribute}` that the function reads was a tensor when it was "
+                f"traced and is {type(value).__name__} now. Call `.cache_clear()` on the checkpointed function, or "
+                "pass the value as an argument."
+            )
+        return value
+
+
+def variable_slots(fn: Callable[..., Any]) -> dict[int, StateSlot]:
+    """The slot of every tensor `fn` reads directly from a closure cell or a global, by tensor id:
+    rebinding such a variable is seen by the next call, as in eager."""
+    fn = getattr(fn, "__func__", fn)  # a bound method reads its function's variables
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    slots: dict[int, StateSlot] = {}
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.Tensor):
+            slots.setdefault(id(value), StateSlot(None, name, None, cell))
+    module_globals = getattr(fn, "__globals__", {})
+    for name in code.co_names:
+        value = module_globals.get(name)
+        if isinstance(value, torch.Tensor):
+            slots.setdefault(id(value), StateSlot(None, name, None, module_globals))
+    return slots
+
 
 @dataclasses.dataclass(frozen=True)
 class ModuleRoots:
@@ -75,12 +121,16 @@ class ModuleRoots:
     paths: dict[int, str]  # id(module) -> qualified path
     slots: dict[int, StateSlot]  # id(tensor) -> slot of a parameter or buffer
     modules: tuple[nn.Module, ...]
+    own_path: str | None = None  # "" when `fn` is a method of a root module: its calls are the root's
 
-    def slot_of(self, tensor: torch.Tensor, reached: Iterable[nn.Module] = ()) -> StateSlot:
-        """The slot of `tensor` in a root's module tree, or in a module whose forward ran, or itself."""
-        slot = self.slots.get(id(tensor))
+    def slot_of(
+        self, tensor: torch.Tensor, reached: Iterable[nn.Module] = (), variables: dict[int, StateSlot] | None = None
+    ) -> StateSlot:
+        """The slot of `tensor` in a root's module tree, or in a module whose forward ran, or in
+        one of `fn`'s `variables`, or itself."""
+        slot = self.slots.get(id(tensor)) or state_slots(reached).get(id(tensor))
         if slot is None:
-            slot = state_slots(reached).get(id(tensor), StateSlot(None, "", tensor))
+            slot = (variables or {}).get(id(tensor), StateSlot(None, "", tensor))
         return slot
 
 
@@ -101,6 +151,7 @@ def find_module_roots(fn: Callable[..., Any]) -> ModuleRoots:
     if isinstance(fn, nn.Module):
         roots.append(("", fn))
     owner = getattr(fn, "__self__", None)
+    is_method = isinstance(owner, nn.Module)
     if isinstance(owner, nn.Module):
         roots.append(("", owner))
     code = getattr(fn, "__code__", None)
@@ -125,7 +176,8 @@ def find_module_roots(fn: Callable[..., Any]) -> ModuleRoots:
             if id(module) not in paths:
                 paths[id(module)] = ".".join(part for part in (prefix, name) if part)
                 modules.append(module)
-    return ModuleRoots(paths, state_slots(modules), tuple(modules))
+    # A module's forward called directly (not through `__call__`) runs no module hook for its own calls.
+    return ModuleRoots(paths, state_slots(modules), tuple(modules), "" if is_method else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +249,7 @@ class _CaptureMode(TorchFunctionMode):
 
     def _module_path(self) -> str | None:
         if not self.module_stack:
-            return None
+            return self.roots.own_path
         return self.roots.paths.get(id(self.module_stack[-1]))
 
 

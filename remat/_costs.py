@@ -10,6 +10,16 @@ from torch.utils.flop_counter import flop_registry
 __all__ = ["estimate_flops", "output_nbytes"]
 
 
+aten = torch.ops.aten
+
+# Kernels torch's FLOP counter has no formula for, counted like one it has: the CPU attention
+# kernels take (query, key, value, ...) as the CUDA ones do.
+_SAME_FORMULA: dict[Any, Any] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_attention_math: aten._scaled_dot_product_flash_attention,
+}
+
+
 def estimate_flops(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
     """Estimate the forward FLOPs of `op(*args, **kwargs) -> out`.
 
@@ -17,7 +27,8 @@ def estimate_flops(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: 
     any other op is counted as one FLOP per output element, which is the right
     order of magnitude for pointwise ops and reductions.
     """
-    count_flops = flop_registry.get(getattr(op, "overloadpacket", None))
+    packet = getattr(op, "overloadpacket", None)
+    count_flops = flop_registry.get(_SAME_FORMULA.get(packet, packet))
     if count_flops is not None:
         try:
             return int(count_flops(*args, **kwargs, out_val=out))

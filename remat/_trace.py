@@ -26,7 +26,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from ._calls import Call, TensorMeta, Trace
-from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode
+from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode, variable_slots
 from ._contexts import autocast_disabled, outside_functorch, without_saved_tensors_hooks
 from ._costs import estimate_flops, output_nbytes
 from ._errors import TraceError, explain_tracing_errors
@@ -331,7 +331,8 @@ def _trace(
     for node in call_nodes:
         if isinstance(node.meta.get("val"), (tuple, list)):
             node.meta["remat_differentiable_outputs"] = _differentiable_outputs(node, fake_mode)
-    lifted = tuple(roots.slot_of(t, discovery.reached_modules) for t in discovery.closed_over)
+    variables = variable_slots(fn)
+    lifted = tuple(roots.slot_of(t, discovery.reached_modules, variables) for t in discovery.closed_over)
     return JointGraph(
         graph=graph,
         constants=constants,

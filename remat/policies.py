@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -350,12 +351,17 @@ class _SaveModules(Policy):
 def save_modules(*patterns: str) -> Policy:
     """Save every call issued inside the modules whose qualified names match `patterns`.
 
-    A call's module path is that of the innermost `nn.Module` whose forward
-    issued it (`Call.module`, as in `model.named_modules()`: `layers.0.attn.q_proj`),
-    for the module passed to `remat.checkpoint` and for modules the function
-    closes over alike. A pattern (a glob: `*` matches across dots) selects the
-    modules it matches and everything inside them: `"layers.0.attn"` saves the
-    calls of `layers.0.attn.q_proj` too. The root module's path is `""`.
+    A call's module path (`Call.module`) is the qualified name of the innermost
+    `nn.Module` whose forward issued it. For the module passed to
+    `remat.checkpoint` (or whose method is), it is the name in
+    `module.named_modules()` (`layers.0.attn.q_proj`; the module itself is
+    `""`); for a module the function reaches through a closure variable or a
+    global, the name starts with that variable's (`model.layers.0.attn.q_proj`
+    in `lambda x: model(x)`). Calls of the function itself, and of modules
+    reachable neither way, have no path (`None`) and are never saved by this
+    policy. A pattern (a glob: `*` matches across dots) selects the modules it
+    matches and everything inside them: `"layers.0.attn"` saves the calls of
+    `layers.0.attn.q_proj` too.
 
     >>> import torch, remat
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
@@ -382,8 +388,9 @@ class _SaveByCost(Policy):
         return Decision.SAVE if seconds >= self.seconds_per_byte * max(call.nbytes, 1) else Decision.RECOMPUTE
 
     def __repr__(self) -> str:
-        device = self.device.name if DEVICES.get(self.device.name) == self.device else repr(self.device)
-        return f"save_by_cost({self.seconds_per_byte:g}, device={device!r})"
+        named = DEVICES.get(self.device.name) == self.device
+        device = repr(self.device.name) if named else repr(self.device)
+        return f"save_by_cost({self.seconds_per_byte!r}, device={device})"
 
 
 def save_by_cost(seconds_per_byte: float, device: str | Device = "h100") -> Policy:
@@ -405,9 +412,13 @@ def save_by_cost(seconds_per_byte: float, device: str | Device = "h100") -> Poli
     >>> [remat.policies.save_by_cost(1e-12, "h100")(call) for call in trace]
     [remat.SAVE, remat.RECOMPUTE]
     """
-    if isinstance(seconds_per_byte, bool) or not isinstance(seconds_per_byte, (int, float)) or seconds_per_byte <= 0:
+    if (
+        isinstance(seconds_per_byte, bool)
+        or not isinstance(seconds_per_byte, (int, float))
+        or not 0 < seconds_per_byte < math.inf
+    ):
         raise ValueError(
-            f"remat.policies.save_by_cost: expected a positive threshold in seconds per byte kept (around 1e-12 "
+            f"remat.policies.save_by_cost: expected a positive, finite threshold in seconds per byte kept (around 1e-12 "
             f"on an H100), but got {seconds_per_byte!r}."
         )
     return _SaveByCost(float(seconds_per_byte), resolve_device(device))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -317,3 +318,43 @@ def test_no_grad_runs_fn_without_tracing():
         torch.testing.assert_close(f(x), out)
     assert f.cache_info() == info
     assert calls == [False]
+
+
+W_GLOBAL = torch.ones(3, dtype=torch.float64, requires_grad=True)
+
+
+def _reads_the_global(x: torch.Tensor) -> torch.Tensor:
+    return x * W_GLOBAL
+
+
+def test_a_rebound_closure_variable_is_read_anew_on_each_call() -> None:
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    f = remat.checkpoint(lambda x: (x * w).sin())
+    x = torch.ones(3, dtype=torch.float64)
+    f(x).sum().backward()
+    assert w.grad is not None
+    w = torch.full((3,), 2.0, dtype=torch.float64, requires_grad=True)
+    out = f(x)
+    torch.testing.assert_close(out, torch.full((3,), 2.0, dtype=torch.float64).sin())
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((3,), 2.0, dtype=torch.float64).cos())
+    assert f.cache_info().traces == 1  # same metadata: the trace is reused with the new tensor
+    w = torch.full((5,), 3.0, dtype=torch.float64)  # another shape, no grad: a new trace
+    torch.testing.assert_close(f(torch.ones(5, dtype=torch.float64)), torch.full((5,), 3.0, dtype=torch.float64).sin())
+
+
+def test_a_rebound_global_is_read_anew_on_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    f = remat.checkpoint(_reads_the_global)
+    x = torch.ones(3, dtype=torch.float64)
+    torch.testing.assert_close(f(x), torch.ones(3, dtype=torch.float64))
+    monkeypatch.setitem(globals(), "W_GLOBAL", torch.full((3,), 4.0, dtype=torch.float64, requires_grad=True))
+    torch.testing.assert_close(f(x), torch.full((3,), 4.0, dtype=torch.float64))
+
+
+def test_a_variable_rebound_to_a_non_tensor_raises_and_says_what_to_do() -> None:
+    w = torch.ones(3, dtype=torch.float64)
+    f = remat.checkpoint(lambda x: x * w)
+    f(torch.ones(3, dtype=torch.float64, requires_grad=True))
+    w = 2.0  # read by the lambda
+    with pytest.raises(RuntimeError, match=r"variable `w` .* is float now\. Call `\.cache_clear\(\)`"):
+        f(torch.ones(3, dtype=torch.float64, requires_grad=True))
