@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import pathlib
 import re
 
 import pytest
@@ -402,3 +403,9 @@ def test_report_str_has_decisions_and_a_summary():
     assert re.search(r"kept: 64 B from 1 calls?\b", kept), kept
     assert re.search(r"replayed in backward: 1 calls?\b", replayed), replayed
     assert f"{_trace()[1].flops:,} FLOPs" in replayed
+
+
+def test_docs_policies_md_lists_every_built_in_policy():
+    docs = (pathlib.Path(__file__).parent.parent / "docs" / "policies.md").read_text()
+    missing = [name for name in remat.policies.__all__ if name != "Policy" and f"`{name}" not in docs]
+    assert not missing, f"docs/policies.md does not list {missing}"
