@@ -64,8 +64,9 @@ class Call:
         index: position in the trace's list of calls (0-based).
         op: the `torch._ops.OpOverload` called, e.g. `torch.ops.aten.mm.default`.
         occurrence: how many earlier calls in the trace had the same `op`.
-        inputs: the arguments, with tensors as `TensorMeta` and other values as
-            themselves.
+        inputs: the positional arguments, with tensors as `TensorMeta` and
+            other values as themselves.
+        kwargs: the keyword arguments, as `(name, value)` pairs in the same form.
         outputs: `TensorMeta` of each tensor the call returns.
         tags: names given to its outputs with `remat.tag`.
         module: qualified path of the `nn.Module` whose forward issued the
@@ -83,6 +84,7 @@ class Call:
     occurrence: int
     inputs: tuple[Any, ...]
     outputs: tuple[TensorMeta, ...]
+    kwargs: tuple[tuple[str, Any], ...] = ()
     tags: frozenset[str] = frozenset()
     module: str | None = None
     scope: str | None = None

@@ -34,9 +34,8 @@ _DECISIONS = {
 # torchtitan's does, sees the same compute calls in the same order.
 # Tensors arrive as tensors on the `meta` device with the traced shape and dtype
 # (contiguous strides), so `args[1].shape` works but values cannot be read.
-# `Call.inputs` records the op's keyword arguments after its positional ones,
-# without their names, so keyword arguments (`gelu`'s `approximate`,
-# `clone`'s `memory_format`) arrive positionally and `kwargs` is empty.
+# Positional and keyword arguments arrive as the traced call received them
+# (`Call.inputs`, `Call.kwargs`).
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -50,8 +49,10 @@ class _FromSAC(Policy):
 
     def _decide(self, call: Call) -> Decision:
         context = SelectiveCheckpointContext(is_recompute=False, op_output=_op_output(call))
-        args = tuple(_as_meta(value) for value in call.inputs)  # See NOTE [what a SAC policy function sees under remat]
-        returned = self.policy_fn(context, call.op, *args)
+        # See NOTE [what a SAC policy function sees under remat]
+        args = tuple(_as_meta(value) for value in call.inputs)
+        kwargs = {name: _as_meta(value) for name, value in call.kwargs}
+        returned = self.policy_fn(context, call.op, *args, **kwargs)
         if isinstance(returned, bool):
             return Decision.SAVE if returned else Decision.RECOMPUTE
         if isinstance(returned, CheckpointPolicy) and returned in _DECISIONS:

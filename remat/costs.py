@@ -133,7 +133,7 @@ def estimate_seconds(call: Call, device: str | Device = "h100") -> float:
         Seconds.
     """
     resolved = resolve_device(device)
-    moved = _tensor_bytes(call.inputs) + call.nbytes
+    moved = _tensor_bytes(call.inputs) + _tensor_bytes(value for _, value in call.kwargs) + call.nbytes
     return max(call.flops / resolved.peak_flops(call), moved / resolved.bandwidth)
 
 

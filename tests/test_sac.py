@@ -320,3 +320,19 @@ def test_combines_with_builtin_policies() -> None:
     assert save_first_mm.plan(trace) == (S, R, R, R)
     save_sum_too = remat.policies.save_ops(aten.sum) | from_sac(lambda ctx, op, *args, **kwargs: op is aten.mm.default)
     assert save_sum_too.plan(trace) == (S, R, S, S)
+
+
+def test_keyword_arguments_arrive_by_name() -> None:
+    seen = []
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+        seen.append((op, len(args), kwargs))
+        return op is aten.gelu.default and kwargs.get("approximate") == "tanh"
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x, approximate="tanh") * 2
+
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    plan = from_sac(policy).plan(remat.trace(fn, x))
+    assert seen[0] == (aten.gelu.default, 1, {"approximate": "tanh"})
+    assert plan[0] is remat.SAVE

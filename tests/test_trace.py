@@ -384,3 +384,9 @@ def test_tracing_does_not_call_saved_tensors_hooks():
         remat.report(lambda x: x.sin().exp(), x, policy=remat.policies.save_everything)
     assert packed == []
     assert unpacked == []
+
+
+def test_keyword_arguments_are_kept_apart_with_their_names() -> None:
+    (gelu,) = remat.trace(lambda x: torch.nn.functional.gelu(x, approximate="tanh"), _randn(2, 3))
+    assert gelu.inputs == (_meta(2, 3),)
+    assert gelu.kwargs == (("approximate", "tanh"),)
