@@ -6,7 +6,6 @@ import os
 import pathlib
 import re
 
-import numpy as np
 import pytest
 import torch
 
@@ -174,6 +173,7 @@ def test_argument_leaf_that_is_an_object():
 
 
 def test_argument_leaf_that_is_a_numpy_array():
+    np = pytest.importorskip("numpy")  # not a dependency of remat's tests
     f = remat.checkpoint(lambda x, inputs: x * inputs["scale"][1])
     with pytest.raises(TypeError, match=r"the argument at args\[1\]\['scale'\]\[1\] is a ndarray"):
         f(_randn(3), {"scale": [1.0, np.ones(3)]})
@@ -329,3 +329,49 @@ def test_second_derivative_through_rrelu_is_refused_not_wrong():
     with pytest.raises(NotImplementedError, match=r"rrelu_with_noise_functional.*save this call"):
         (gradient,) = torch.autograd.grad(checkpointed(x).sum(), x, create_graph=True)
         gradient.sum().backward()
+
+
+# --- names, module paths, costs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [3, "", None, ("a",)], ids=["int", "empty", "none", "tuple"])
+def test_tag_with_a_name_that_is_not_a_non_empty_string(name):
+    with pytest.raises(TypeError, match=r"remat\.tag: expected a non-empty string as the name, but got"):
+        remat.tag(_randn(3), name)
+
+
+@pytest.mark.parametrize("make", [policies.save_tagged, policies.save_all_but_tagged], ids=["tagged", "all_but"])
+def test_tag_policies_with_a_name_that_is_not_a_string(make):
+    with pytest.raises(TypeError, match=r"expected the names given with `remat\.tag\(x, name\)` as non-empty strings"):
+        make("attn", 3)
+
+
+def test_save_modules_with_a_module_instead_of_its_path():
+    with pytest.raises(TypeError, match=r"save_modules: expected qualified module names or glob patterns as strings"):
+        policies.save_modules(torch.nn.Linear(2, 2))
+
+
+def test_unknown_device_for_costs():
+    with pytest.raises(ValueError, match=r"unknown device 'a100'; the named ones are \['cpu', 'h100', 'h200'\]"):
+        policies.save_by_cost(1e-12, device="a100")
+
+
+@pytest.mark.parametrize("threshold", [0, -1.0, float("nan")], ids=["zero", "negative", "nan"])
+def test_save_by_cost_with_a_threshold_that_is_not_positive(threshold):
+    with pytest.raises(ValueError, match=r"expected a positive, finite threshold in seconds per byte"):
+        policies.save_by_cost(threshold)
+
+
+def test_from_sac_with_a_policy_function_returning_a_string():
+    f = remat.checkpoint(matmul_sin_sum, policy=policies.from_sac(lambda ctx, op, *args, **kwargs: "save"))
+    with pytest.raises(TypeError, match=r"returned 'save' \(of type str\) for call #0 aten\.mm\.default.*must return"):
+        f(*_matmul_args())
+
+
+def test_a_rebound_variable_that_is_no_longer_a_tensor():
+    w = _randn(3)
+    f = remat.checkpoint(lambda x: x * w)
+    f(_randn(3))
+    w = None  # read by the lambda
+    with pytest.raises(RuntimeError, match=r"the variable `w` .* is NoneType now\. Call `\.cache_clear\(\)`"):
+        f(_randn(3))
