@@ -91,26 +91,30 @@ class StateSlot:
         return value
 
 
+def _variables(fn: Callable[..., Any]) -> Iterator[tuple[str, Any, Any]]:
+    """`(name, value, holder)` of each closure variable and global `fn` names; the holder
+    (a cell, or the globals dict) is where the value can be read again."""
+    code = getattr(fn, "__code__", None)  # a bound method passes its function's through
+    if code is None:
+        return
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False):
+        try:
+            yield name, cell.cell_contents, cell
+        except ValueError:  # an empty cell
+            continue
+    module_globals = getattr(fn, "__globals__", {})
+    for name in code.co_names:
+        if name in module_globals:
+            yield name, module_globals[name], module_globals
+
+
 def variable_slots(fn: Callable[..., Any]) -> dict[int, StateSlot]:
     """The slot of every tensor `fn` reads directly from a closure cell or a global, by tensor id:
     rebinding such a variable is seen by the next call, as in eager."""
-    fn = getattr(fn, "__func__", fn)  # a bound method reads its function's variables
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return {}
     slots: dict[int, StateSlot] = {}
-    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False):
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
+    for name, value, holder in _variables(fn):
         if isinstance(value, torch.Tensor):
-            slots.setdefault(id(value), StateSlot(None, name, None, cell))
-    module_globals = getattr(fn, "__globals__", {})
-    for name in code.co_names:
-        value = module_globals.get(name)
-        if isinstance(value, torch.Tensor):
-            slots.setdefault(id(value), StateSlot(None, name, None, module_globals))
+            slots.setdefault(id(value), StateSlot(None, name, None, holder))
     return slots
 
 
@@ -154,20 +158,7 @@ def find_module_roots(fn: Callable[..., Any]) -> ModuleRoots:
     is_method = isinstance(owner, nn.Module)
     if isinstance(owner, nn.Module):
         roots.append(("", owner))
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(value, nn.Module):
-                roots.append((name, value))
-        module_globals = getattr(fn, "__globals__", {})
-        for name in code.co_names:
-            value = module_globals.get(name)
-            if isinstance(value, nn.Module):
-                roots.append((name, value))
+    roots += [(name, value) for name, value, _ in _variables(fn) if isinstance(value, nn.Module)]
 
     paths: dict[int, str] = {}
     modules: list[nn.Module] = []

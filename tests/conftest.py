@@ -9,6 +9,7 @@ gradients and the `.grad` of module parameters.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import warnings
@@ -20,6 +21,7 @@ import optree
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # --- hypothesis profiles ---------------------------------------------------------------------------
 
@@ -196,6 +198,21 @@ def assert_same_outputs_and_grads(
         # Guard against a vacuous comparison: backward must have reached some input or parameter.
         assert any(g is not None for g in [*expected["input_grads"], *expected["param_grads"]]), "no gradients"
     return actual
+
+
+# --- counting dispatched ops ---------------------------------------------------------------------
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten (and custom) op overloads dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[Any] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
 
 
 # --- fixtures --------------------------------------------------------------------------------------

@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_outputs_and_grads
+from conftest import CountOps, assert_same_outputs_and_grads
 from models import DTYPE, randn
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import policies
@@ -29,24 +28,12 @@ aten = torch.ops.aten
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts every aten op overload dispatched while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[Any] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def backward_counts(fn: Callable[..., torch.Tensor], args: Sequence[torch.Tensor]) -> collections.Counter[Any]:
     """Run `fn(*args)` on fresh leaves, then count the ops dispatched by its backward only."""
     leaves = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
     out = fn(*leaves)
     loss = out.sum() if out.dim() else out
-    with OpCounter() as counter:
+    with CountOps() as counter:
         loss.backward()
     return counter.counts
 
@@ -222,7 +209,7 @@ def test_tags_cost_nothing_when_the_checkpointed_function_runs():
     for name, fn in [("untagged", untagged), ("tagged", tagged)]:
         checkpointed = remat.checkpoint(fn)  # save_nothing: tags change no decision
         checkpointed(x, w).backward()  # the first call traces
-        with OpCounter() as counter:
+        with CountOps() as counter:
             checkpointed(x, w).backward()
         counts[name] = counter.counts
     assert counts["tagged"][aten.alias.default] == 0

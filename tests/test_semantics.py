@@ -23,11 +23,10 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATOL, DEVICES, RTOL
+from conftest import ATOL, DEVICES, RTOL, CountOps
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import policies
@@ -80,18 +79,6 @@ def assert_grads_close(
         else:
             assert a is not None, f"{what} {i}: expected a gradient, got None"
             assert_close(a, e, f"{what} {i}")
-
-
-class CountOps(TorchDispatchMode):
-    """Counts the aten (and custom) op overloads dispatched while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[Any] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def backward_op_counts(outputs: Sequence[torch.Tensor]) -> collections.Counter[Any]:
