@@ -84,7 +84,7 @@ class _CheckpointFunction(torch.autograd.Function):
         if programs.pure_returns_outputs:  # traced under forward mode: for the jvp rule
             ctx.save_for_forward(*kept)
             ctx.remat_output_metas = [TensorMeta.of(o) for o in output]  # zeros where it finds no tangent
-        ctx.mark_dirty(*(primals[i] for i in executable.dirty))
+        ctx.mark_dirty(*_as_seen_by_autograd(ctx, [primals[i] for i in executable.dirty]))
         non_differentiable = [o for o, skip in zip(output, _without_grad(ctx, programs), strict=True) if skip]
         ctx.mark_non_differentiable(*_as_seen_by_autograd(ctx, non_differentiable))
         ctx.set_materialize_grads(False)
@@ -250,9 +250,9 @@ def _without_grad(ctx: Any, programs: Programs) -> Iterator[bool]:
 
 
 def _as_seen_by_autograd(ctx: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors autograd knows as `outputs`. Under `vmap`, `setup_context` sees batched
-    views of the Function's real outputs, which `mark_non_differentiable` (an identity
-    check) would silently ignore; unwrap them to the tensors autograd returned."""
+    """The tensors autograd knows as `outputs` (or inputs). Under `vmap`, `setup_context` sees
+    batched views of the Function's real inputs and outputs, which `mark_non_differentiable`
+    and `mark_dirty` (identity checks) would miss; unwrap them to the tensors autograd has."""
     if isinstance(ctx, CtxCustomSave):
         return list(unwrap_batched(tuple(outputs), ctx._pt_current_level)[0])
     return outputs

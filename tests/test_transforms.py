@@ -966,3 +966,25 @@ def test_grad_and_vmap_grad_share_the_trace_of_a_plain_call() -> None:
     info = checkpointed.cache_info()
     assert info.traces == 1, info
     assert info.hits == 4
+
+
+def test_regression_vmap_of_an_in_place_update_of_a_differentiable_input() -> None:
+    # Under vmap, setup_context marked the batched views of the updated input dirty, which autograd
+    # refused: "Some elements marked as dirty during the forward method were not returned as output".
+    update = remat.checkpoint(lambda y, b: y.add_(b.sin()))
+
+    def fn(update: Any, x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x.clone()
+        returned = update(y, b)
+        return returned * 2, y
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    eager = torch.func.vmap(functools.partial(fn, lambda y, b: y.add_(b.sin())))(x, b)
+    checkpointed = torch.func.vmap(functools.partial(fn, update))(x, b)
+    for actual, expected in zip(checkpointed, eager, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL)
+    grads = torch.autograd.grad(sum(o.sum() for o in checkpointed), (x, b))
+    expected_grads = torch.autograd.grad(sum(o.sum() for o in eager), (x, b))
+    for actual, expected in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL)
