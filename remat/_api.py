@@ -16,6 +16,7 @@ import torch
 from ._cache import CacheInfo, LRUCache, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
+from ._dataflow import with_dataflow
 from ._decide import decide_nested
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import partition
@@ -122,7 +123,7 @@ class Checkpointed(Generic[P, T]):
         if self._last_key is not None and logger.isEnabledFor(logging.INFO):
             logger.info("retracing %s: %s", self, "; ".join(explain_retrace(self._last_key, key, flat)))
         started = time.perf_counter()
-        joint = trace_joint(self.__wrapped__, flat, roots)
+        joint = with_dataflow(trace_joint(self.__wrapped__, flat, roots))
         lifted = [slot.fetch() for slot in joint.lifted]
         entry = _Entry(joint, _executable(joint, self.policy, forward_mode), _guard(joint, lifted))
         if logger.isEnabledFor(logging.DEBUG):
@@ -208,7 +209,7 @@ def _joint_of(
         return entry.joint, fn.policy
     if not callable(fn):
         raise TypeError(f"{api}: expected a function or nn.Module, but got {fn!r} of type {type(fn).__qualname__}.")
-    return trace_joint(fn, flat, find_module_roots(fn)), None
+    return with_dataflow(trace_joint(fn, flat, find_module_roots(fn))), None
 
 
 def trace(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Trace:

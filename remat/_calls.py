@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Call", "Decision", "TensorMeta", "Trace"]
+__all__ = ["Call", "Dataflow", "Decision", "TensorMeta", "Trace", "Value"]
 
 
 class Decision(enum.Enum):
@@ -110,6 +110,41 @@ def op_name(op: Any) -> str:
     return getattr(op, "__name__", str(op))
 
 
+Value = tuple[int, int]
+"""One output of a call: `(call index, output position)`; an input of the function that backward
+must read as a copy (it is overwritten) is `(-1 - input position, 0)`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataflow:
+    """What a whole-graph planner needs to know beyond the calls: who reads which value.
+
+    A SAVE call keeps the values (outputs) that backward or a replayed call reads; a
+    RECOMPUTE call is replayed when backward, or another replayed call, reads one of its
+    values. Reads go through views to the value whose memory they show; the function's
+    inputs are always at hand, so they are not values (except overwritten ones, kept as
+    copies).
+
+    Attributes:
+        reads: per call, the values its replay reads.
+        backward_reads: the values the gradient formulas read.
+        nbytes: the bytes one value costs when kept.
+        rng_state_nbytes: per call, the bytes of generator state kept to replay it (0 if
+            it draws no random numbers).
+        random_ancestors: for each value with a derivative (not returned by the function),
+            the random calls it is computed from: keeping it keeps their generator states
+            too, to differentiate it again.
+        input_ancestors: likewise, the overwritten inputs it is computed from, kept as copies.
+    """
+
+    reads: tuple[frozenset[Value], ...]
+    backward_reads: frozenset[Value]
+    nbytes: dict[Value, int]
+    rng_state_nbytes: tuple[int, ...]
+    random_ancestors: dict[Value, frozenset[int]]
+    input_ancestors: dict[Value, frozenset[Value]]
+
+
 class Trace(Sequence[Call]):
     """The ordered forward calls of one traced function.
 
@@ -123,8 +158,12 @@ class Trace(Sequence[Call]):
     ['aten.sin.default', 'aten.cos.default']
     """
 
-    def __init__(self, calls: Sequence[Call]):
+    def __init__(self, calls: Sequence[Call], dataflow: Dataflow | None = None):
         self._calls = tuple(calls)
+        self.dataflow = dataflow
+        """Who reads which value (for planners); None for a trace made of hand-picked calls."""
+        self.plans: dict[Any, Any] = {}
+        """Planners' results for this trace, by planner: computed once, with the trace."""
 
     def __len__(self) -> int:
         return len(self._calls)

@@ -98,15 +98,9 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
     primal_index = {node: i for i, node in enumerate(joint.primals)}
     returned = _returned_outputs(joint)
     overwritten = _overwritten(joint)
-    # Inputs the forward overwrites, and inputs the caller can overwrite through an output that is a
-    # view of them: whatever reads one later reads a copy of the value it had. See NOTE [kept inputs].
-    mutated = set(overwritten.values())
-    mutated |= {_view_base(joint.outputs[i]) for i in range(joint.n_user_outputs) if i not in returned}
-    mutated &= set(joint.primals)
+    mutated = mutated_inputs(joint, returned)
 
-    backward_nodes = [
-        n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in joint.forward_nodes
-    ]
+    backward_nodes = backward_nodes_of(joint)
     kept_values, replayed = _kept_and_replayed(joint, decisions, backward_nodes)
 
     # What the pure forward recomputes, and the inputs and random calls it reads: the
@@ -263,6 +257,21 @@ def _differentiable(node: fx.Node) -> bool:
     return True
 
 
+def backward_nodes_of(joint: JointGraph) -> list[fx.Node]:
+    """The nodes of the backward part of `joint`, in graph order."""
+    return [n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in joint.forward_nodes]
+
+
+def needed_by_backward(joint: JointGraph, backward_nodes: Sequence[fx.Node]) -> list[fx.Node]:
+    """The forward values (and inputs) backward's own nodes read, in order of first need."""
+    primals = set(joint.primals)
+    needed: list[fx.Node] = []
+    for user in backward_nodes:
+        needed.extend(n for n in user.all_input_nodes if n in joint.forward_nodes or n in primals)
+    needed.extend(g for g in joint.grads if g in joint.forward_nodes or g in primals)
+    return needed
+
+
 def _kept_and_replayed(
     joint: JointGraph, decisions: Sequence[Decision], backward_nodes: Sequence[fx.Node]
 ) -> tuple[dict[fx.Node, None], set[fx.Node]]:
@@ -279,11 +288,7 @@ def _kept_and_replayed(
             return is_kept(node.args[0])  # type: ignore[arg-type]
         return False  # a view: replaying it is free, keep its base instead
 
-    primals = set(joint.primals)
-    needed: list[fx.Node] = []
-    for user in backward_nodes:
-        needed.extend(n for n in user.all_input_nodes if n in joint.forward_nodes or n in primals)
-    needed.extend(g for g in joint.grads if g in joint.forward_nodes or g in primals)
+    needed = needed_by_backward(joint, backward_nodes)
     kept: dict[fx.Node, None] = {}
     replayed: set[fx.Node] = set()
     seen: set[fx.Node] = set()
@@ -366,6 +371,14 @@ def _dirty_as_inputs(joint: JointGraph, returned_nodes: Sequence[fx.Node]) -> li
     """The nodes the forward returns: a dirty input's new value is returned as the input itself."""
     dirty = {joint.outputs[joint.n_user_outputs + j]: joint.primals[i] for j, i in enumerate(joint.dirty)}
     return [dirty.get(node, node) for node in returned_nodes]
+
+
+def mutated_inputs(joint: JointGraph, returned: Sequence[int]) -> set[fx.Node]:
+    """Inputs the forward overwrites, and inputs the caller can overwrite through an output that is a
+    view of them: whatever reads one later reads a copy of the value it had. See NOTE [kept inputs]."""
+    mutated = set(_overwritten(joint).values())
+    mutated |= {_view_base(joint.outputs[i]) for i in range(joint.n_user_outputs) if i not in returned}
+    return mutated & set(joint.primals)
 
 
 def _nbytes(node: fx.Node) -> int:

@@ -22,11 +22,12 @@ from typing import Any, Union
 
 import torch
 
-from ._calls import Call, Decision, Trace, op_name
+from ._calls import Call, Decision, Trace, format_bytes, op_name
 from .costs import DEVICES, MATMUL_OPS, Device, estimate_seconds, resolve_device
 
 __all__ = [
     "Policy",
+    "budget",
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
     "from_sac",
@@ -422,6 +423,105 @@ def save_by_cost(seconds_per_byte: float, device: str | Device = "h100") -> Poli
             f"on an H100), but got {seconds_per_byte!r}."
         )
     return _SaveByCost(float(seconds_per_byte), resolve_device(device))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Budget(Policy):
+    max_bytes: int | None
+    fraction: float | None
+    cost: str
+    exact: bool
+
+    def plan(self, trace: Trace) -> tuple[Decision, ...]:
+        return self.solve(trace).decisions
+
+    def solve(self, trace: Trace) -> Any:
+        """The `Plan` for `trace`: decisions, bytes kept, replay cost, a lower bound on the
+        optimal cost (the gap), and the solve time. Cached with the trace."""
+        from ._budget import InfeasibleBudget, evaluate, solve
+
+        if trace.dataflow is None:
+            raise TypeError(
+                f"remat.policies.{self!r}: a budget plans over the dataflow of a whole trace, which this trace does "
+                "not carry (a budget inside a nested checkpoint, or a hand-made Trace). Use it on the outermost "
+                "checkpoint, or a per-call policy inside."
+            )
+        if self not in trace.plans:
+            budget = self.max_bytes
+            if budget is None:
+                everything = evaluate(trace.dataflow, set(range(len(trace))))[1]
+                budget = math.floor(self.fraction * everything)  # type: ignore[operator]
+            try:
+                trace.plans[self] = solve(trace, budget, self.cost, self.exact)
+            except InfeasibleBudget as error:
+                raise ValueError(
+                    f"remat.policies.{self!r}: no decisions keep as few as {format_bytes(budget)} ({budget:,} bytes) "
+                    f"for this trace; the fewest any keep is {format_bytes(error.minimum)} ({error.minimum:,} bytes: "
+                    "generator states of replayed random calls, and inputs the function overwrites). Raise the "
+                    "budget to at least that."
+                ) from None
+        return trace.plans[self]
+
+    def _decide(self, call: Call) -> Decision:
+        raise TypeError(
+            f"remat.policies.{self!r} plans for a whole trace; call `.plan(trace)`, not the policy on one call."
+        )
+
+    def __repr__(self) -> str:
+        limit = f"max_bytes={self.max_bytes}" if self.max_bytes is not None else f"fraction={self.fraction!r}"
+        cost = "" if self.cost == "flops" else f", cost={self.cost!r}"
+        return f"budget({limit}{cost}{', exact=True' if self.exact else ''})"
+
+
+def budget(
+    max_bytes: int | None = None, fraction: float | None = None, *, cost: str = "flops", exact: bool = False
+) -> Policy:
+    """Replay as little as possible while keeping at most a budget of bytes (a planner).
+
+    For each trace, chooses SAVE or RECOMPUTE for every call to minimize the replay
+    cost, subject to the bytes kept between forward and backward (activations and
+    generator states, exactly as `remat.report` counts them) staying within the
+    budget. The budget is `max_bytes`, or a `fraction` of what `save_everything`
+    keeps. A budget below what any decisions can keep raises `ValueError` with the
+    minimum. Plans are computed once per trace and cached with it.
+
+    Args:
+        max_bytes: the budget in bytes.
+        fraction: the budget as a fraction (0 to 1) of `save_everything`'s bytes.
+        cost: `"flops"` (the calls' FLOPs) or `"roofline:<device>"` (estimated seconds
+            on a device of `remat.costs.DEVICES`, such as `"roofline:h100"`).
+        exact: solve to optimality (a 0-1 program, with scipy's HiGHS); the default
+            solves its LP relaxation, rounds and repairs, and reports its largest
+            possible gap to the optimum (`policy.solve(trace).gap`).
+
+    Needs scipy (`pip install scipy`, or `remat[planner]`).
+
+    >>> import torch, remat
+    >>> def f(x):
+    ...     return x.sin().exp().cos().sum()
+    >>> x = torch.ones(1000, requires_grad=True)
+    >>> policy = remat.policies.budget(max_bytes=4000)
+    >>> remat.report(f, x, policy=policy).saved_bytes <= 4000
+    True
+    """
+    if (max_bytes is None) == (fraction is None):
+        raise TypeError("remat.policies.budget: give exactly one of `max_bytes` (bytes) and `fraction` (0 to 1).")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise ValueError(f"remat.policies.budget: `max_bytes` must be a non-negative integer, but got {max_bytes!r}.")
+    if fraction is not None and (
+        isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1
+    ):
+        raise ValueError(
+            f"remat.policies.budget: `fraction` is of what save_everything keeps, from 0 to 1, but got {fraction!r}."
+        )
+    if not isinstance(cost, str) or not (cost == "flops" or cost.startswith("roofline:")):
+        raise ValueError(
+            f"remat.policies.budget: `cost` must be 'flops' or 'roofline:<device>' (one of "
+            f"{', '.join(repr('roofline:' + name) for name in DEVICES)}), but got {cost!r}."
+        )
+    if cost != "flops":
+        resolve_device(cost.removeprefix("roofline:"))
+    return _Budget(max_bytes, None if fraction is None else float(fraction), cost, bool(exact))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

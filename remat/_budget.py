@@ -1,0 +1,284 @@
+"""`remat.policies.budget`: the cheapest replay that keeps at most a given number of bytes.
+
+See NOTE [the budget problem].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._calls import Dataflow, Decision, Trace, Value
+from .costs import estimate_seconds, resolve_device
+
+__all__ = ["InfeasibleBudget", "Plan", "evaluate", "minimum_bytes", "solve"]
+
+# NOTE [the budget problem]
+# Choose SAVE (s_c = 1) or RECOMPUTE per call. Backward reads some values; a value
+# read by backward, or by a replayed call, is either kept (its call is saved) or
+# its call is replayed (r_c = 1), which reads the call's own inputs, recursively.
+# A kept value costs its bytes; a replayed random call costs its generator state,
+# and so does every random call a kept differentiable value is computed from (the
+# partitioner keeps those states to differentiate it again). Minimize the replay
+# cost sum(cost_c * r_c) subject to the bytes kept <= budget. As a 0-1 program:
+#
+#   s_c + r_c <= 1                       a saved call is never replayed
+#   s_c + r_c >= 1, k_v >= s_c           for v = (c, i) backward reads
+#   r_u <= s_c + r_c, k_v >= s_c + r_u - 1   for v = (c, i) a replay of u reads
+#   g_c >= r_c, g_a >= k_v               generator states: replays, and ancestors of kept values
+#   k_w >= k_v                           overwritten inputs kept values are computed from
+#   sum(bytes_v k_v) + sum(state_c g_c) <= budget
+#
+# The exact mode solves it with HiGHS's branch and bound; the fast mode solves its
+# LP relaxation, rounds the saves, and repairs the result with `evaluate`, whose
+# accounting is the partitioner's own. The LP optimum bounds the exact optimum from
+# below, so the fast mode reports how far from optimal it can at most be.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Decisions for one trace under a byte budget, and what they cost."""
+
+    decisions: tuple[Decision, ...]
+    saved_bytes: int  # as the partitioner will keep them
+    cost: float  # replay cost, in the budget's cost unit
+    lower_bound: float  # no decisions within the budget replay for less
+    seconds: float  # solve time
+
+    @property
+    def gap(self) -> float:
+        """How far above the optimum `cost` can be, as a fraction of it (0 when proven optimal)."""
+        if self.cost <= self.lower_bound or self.cost == 0:
+            return 0.0
+        return (self.cost - self.lower_bound) / self.cost
+
+
+def evaluate(dataflow: Dataflow, saved: set[int]) -> tuple[set[int], int]:
+    """The calls the partitioner replays and the bytes it keeps when exactly `saved` are saved."""
+    replayed: set[int] = set()
+    kept: set[Value] = set()
+    stack = list(dataflow.backward_reads)
+    while stack:
+        value = stack.pop()
+        call = value[0]
+        if call < 0 or call in saved:
+            kept.add(value)
+        elif call not in replayed:
+            replayed.add(call)
+            stack.extend(dataflow.reads[call])
+    states = {c for c in replayed if dataflow.rng_state_nbytes[c]}
+    for value in list(kept):
+        states |= dataflow.random_ancestors.get(value, frozenset())
+        kept |= dataflow.input_ancestors.get(value, frozenset())
+    kept_bytes = sum(dataflow.nbytes.get(value, 0) for value in kept)
+    return replayed, kept_bytes + sum(dataflow.rng_state_nbytes[c] for c in states)
+
+
+def call_costs(trace: Trace, cost: str) -> list[float]:
+    """The replay cost of each call: FLOPs, or roofline seconds on a device (`"roofline:h100"`)."""
+    if cost == "flops":
+        return [float(call.flops) for call in trace]
+    device = resolve_device(cost.removeprefix("roofline:"))
+    return [estimate_seconds(call, device) for call in trace]
+
+
+class _Program:
+    """The 0-1 program of NOTE [the budget problem], as matrices for scipy."""
+
+    def __init__(self, dataflow: Dataflow, costs: Sequence[float]):
+        n = len(costs)
+        self.n = n
+        self.values = sorted(dataflow.nbytes)
+        self.states = [c for c in range(n) if dataflow.rng_state_nbytes[c]]
+        value_index = {v: 2 * n + i for i, v in enumerate(self.values)}
+        state_index = {c: 2 * n + len(self.values) + i for i, c in enumerate(self.states)}
+        self.size = 2 * n + len(self.values) + len(self.states)
+        rows: list[dict[int, float]] = []
+        upper: list[float] = []
+
+        def row(coefficients: dict[int, float], bound: float) -> None:
+            rows.append(coefficients)
+            upper.append(bound)
+
+        def s(c: int) -> int:
+            return c
+
+        def r(c: int) -> int:
+            return n + c
+
+        for c in range(n):
+            row({s(c): 1, r(c): 1}, 1)
+        for value in dataflow.backward_reads:
+            call = value[0]
+            if value not in value_index:
+                continue
+            if call >= 0:
+                row({s(call): -1, r(call): -1}, -1)
+                row({s(call): 1, value_index[value]: -1}, 0)
+            else:  # an overwritten input, always kept as a copy
+                row({value_index[value]: -1}, -1)
+        for user, reads in enumerate(dataflow.reads):
+            for value in reads:
+                call = value[0]
+                if value not in value_index:
+                    continue
+                if call >= 0:
+                    row({r(user): 1, s(call): -1, r(call): -1}, 0)
+                    row({s(call): 1, r(user): 1, value_index[value]: -1}, 1)
+                else:
+                    row({r(user): 1, value_index[value]: -1}, 0)
+        for c in self.states:
+            row({r(c): 1, state_index[c]: -1}, 0)
+        for value, ancestors in dataflow.random_ancestors.items():
+            if value in value_index:
+                for a in ancestors:
+                    if a in state_index:
+                        row({value_index[value]: 1, state_index[a]: -1}, 0)
+        for value, copies in dataflow.input_ancestors.items():
+            if value in value_index:
+                for copy in copies:
+                    row({value_index[value]: 1, value_index[copy]: -1}, 0)
+        self.budget_row = {value_index[v]: float(dataflow.nbytes[v]) for v in self.values}
+        self.budget_row.update({state_index[c]: float(dataflow.rng_state_nbytes[c]) for c in self.states})
+        self.rows, self.upper = rows, upper
+        scale = max(costs, default=0.0) or 1.0
+        # Replay cost first; among equal costs, fewer saves (a tiny tie-break, well below any real cost).
+        self.objective = np.zeros(self.size)
+        self.objective[n : 2 * n] = np.asarray(costs) / scale
+        self.objective[:n] = 1e-9
+        self.scale = scale
+
+    def constraints(self, budget: float) -> Any:
+        from scipy.optimize import LinearConstraint
+        from scipy.sparse import lil_array
+
+        matrix = lil_array((len(self.rows) + 1, self.size))
+        for i, coefficients in enumerate([*self.rows, self.budget_row]):
+            for j, a in coefficients.items():
+                matrix[i, j] = a
+        upper = np.asarray([*self.upper, budget], dtype=float)
+        return LinearConstraint(matrix.tocsr(), -np.inf, upper)
+
+    def solve(
+        self, budget: float, *, integral: bool, time_limit: float | None = None, objective: Any = None
+    ) -> tuple[np.ndarray | None, float]:
+        """A solution (None if none was found) and a lower bound on the objective's optimum."""
+        from scipy.optimize import Bounds, milp
+
+        options: dict[str, Any] = {"presolve": True, "mip_rel_gap": 1e-9}
+        if time_limit is not None:
+            options["time_limit"] = time_limit
+        result = milp(
+            self.objective if objective is None else objective,
+            constraints=self.constraints(budget),
+            integrality=np.ones(self.size) if integral else np.zeros(self.size),
+            bounds=Bounds(0, 1),
+            options=options,
+        )
+        bound = getattr(result, "mip_dual_bound", None) if integral else result.fun
+        return result.x, float(bound) if bound is not None and np.isfinite(bound) else -math.inf
+
+
+# How long the fast mode lets branch and bound improve on the rounded relaxation.
+FAST_TIME_LIMIT = 1.0
+
+
+def solve(trace: Trace, budget: int, cost: str, exact: bool) -> Plan:
+    """The cheapest decisions for `trace` whose kept bytes are at most `budget`.
+
+    Exact: branch and bound to optimality. Fast: the LP relaxation (a lower bound),
+    rounded and repaired, then improved by branch and bound for at most
+    `FAST_TIME_LIMIT` seconds (small traces finish, optimal, well within it).
+    """
+    dataflow = trace.dataflow
+    assert dataflow is not None
+    started = time.perf_counter()
+    costs = call_costs(trace, cost)
+    program = _Program(dataflow, costs)
+    candidates: list[set[int]] = []
+    if exact:
+        solution, bound = program.solve(budget, integral=True)
+    else:
+        relaxed, bound = program.solve(budget, integral=False)
+        if relaxed is None:
+            raise InfeasibleBudget(minimum_bytes(trace))
+        candidates.append(_round_and_repair(dataflow, costs, relaxed[: program.n], budget))
+        solution, milp_bound = program.solve(budget, integral=True, time_limit=FAST_TIME_LIMIT)
+        bound = max(bound, milp_bound)
+    if solution is not None:
+        candidates.append({c for c in range(program.n) if solution[c] > 0.5})
+    scored = []
+    for saved in candidates:
+        replayed, kept = evaluate(dataflow, saved)
+        if kept <= budget:
+            scored.append((sum(costs[c] for c in replayed), len(saved), sorted(saved), kept))
+    if not scored:
+        raise InfeasibleBudget(minimum_bytes(trace))
+    total, _, best, kept = min(scored)
+    return Plan(
+        decisions=tuple(Decision.SAVE if c in set(best) else Decision.RECOMPUTE for c in range(len(trace))),
+        saved_bytes=kept,
+        cost=total,
+        lower_bound=total if exact else min(total, bound * program.scale),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _round_and_repair(dataflow: Dataflow, costs: Sequence[float], fractions: np.ndarray, budget: int) -> set[int]:
+    """Saves from the LP relaxation: try thresholds from high to low and keep the cheapest
+    rounding within budget; then greedily add saves that lower the cost and still fit."""
+    best: set[int] | None = None
+    best_cost = math.inf
+    for threshold in sorted({0.5, *(float(f) for f in fractions if f > 1e-6)}, reverse=True):
+        saved = {c for c, f in enumerate(fractions) if f >= threshold - 1e-9}
+        replayed, kept = evaluate(dataflow, saved)
+        cost = sum(costs[c] for c in replayed)
+        if kept <= budget and cost < best_cost:
+            best, best_cost = saved, cost
+    if best is None:
+        best = set()
+        replayed, kept = evaluate(dataflow, best)
+        if kept > budget:
+            raise InfeasibleBudget(kept)
+        best_cost = sum(costs[c] for c in replayed)
+    improved = True
+    while improved:  # one more save at a time, the best cost per byte first
+        improved = False
+        replayed, _ = evaluate(dataflow, best)
+        options = []
+        for c in replayed:
+            candidate = best | {c}
+            new_replayed, kept = evaluate(dataflow, candidate)
+            cost = sum(costs[r] for r in new_replayed)
+            if kept <= budget and cost < best_cost:
+                options.append((cost, kept, c))
+        if options:
+            cost, _, c = min(options)
+            best, best_cost, improved = best | {c}, cost, True
+    return best
+
+
+def minimum_bytes(trace: Trace) -> int:
+    """The fewest bytes any decisions for `trace` keep."""
+    dataflow = trace.dataflow
+    assert dataflow is not None
+    program = _Program(dataflow, [0.0] * len(trace))
+    objective = np.zeros(program.size)
+    for j, a in program.budget_row.items():
+        objective[j] = a
+    solution, _ = program.solve(math.inf, integral=True, objective=objective)
+    assert solution is not None
+    return evaluate(dataflow, {c for c in range(program.n) if solution[c] > 0.5})[1]
+
+
+class InfeasibleBudget(ValueError):
+    """No decisions keep as few bytes as the budget; `minimum` is the fewest any keep."""
+
+    def __init__(self, minimum: int):
+        self.minimum = minimum
+        super().__init__(minimum)

@@ -1,0 +1,110 @@
+"""The dataflow of a traced joint graph, as plain data for planners (`remat.Dataflow`).
+
+It follows the partitioner's rules exactly (see `_partition`): which forward values
+backward reads, which values each replayed call reads, what keeping each one costs.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from torch import fx
+
+from . import _rng
+from ._calls import Dataflow, Value
+from ._partition import (
+    _returned_outputs,
+    _saved_bytes,
+    _varying,
+    backward_nodes_of,
+    mutated_inputs,
+    needed_by_backward,
+)
+from ._programs import device_of
+from ._trace import JointGraph
+
+__all__ = ["with_dataflow"]
+
+
+def with_dataflow(joint: JointGraph) -> JointGraph:
+    """`joint`, its trace carrying the graph's `Dataflow`."""
+    joint.trace.dataflow = dataflow_of(joint)
+    return joint
+
+
+def dataflow_of(joint: JointGraph) -> Dataflow:
+    call_index = {node: i for i, node in enumerate(joint.call_nodes)}
+    mutated = mutated_inputs(joint, _returned_outputs(joint))
+    primal_index = {node: i for i, node in enumerate(joint.primals)}
+    value_nodes: dict[Value, fx.Node] = {}
+    resolved: dict[fx.Node, frozenset[Value]] = {}
+
+    def values_read(node: fx.Node) -> frozenset[Value]:
+        """The values reading `node` reads: itself if it is one, else those it shows."""
+        if node in resolved:
+            return resolved[node]
+        found: frozenset[Value]
+        if node.op == "placeholder":
+            found = frozenset({(-1 - primal_index[node], 0)}) if node in mutated else frozenset()
+            if found:
+                value_nodes.setdefault(next(iter(found)), node)
+        elif node.op == "get_attr":
+            found = frozenset()
+        elif node in call_index:
+            outputs = node.meta.get("val")
+            if isinstance(outputs, (tuple, list)):  # the whole tuple of a multi-output call
+                found = frozenset((call_index[node], i) for i in range(len(outputs)))
+            else:
+                found = frozenset({(call_index[node], 0)})
+                value_nodes.setdefault((call_index[node], 0), node)
+        elif node.target is operator.getitem and node.args[0] in call_index:
+            found = frozenset({(call_index[node.args[0]], node.args[1])})  # type: ignore[arg-type, index]
+            value_nodes.setdefault(next(iter(found)), node)
+        else:  # a view, or a copy back into an input: replaying it reads what it reads
+            found = frozenset().union(*(values_read(n) for n in node.all_input_nodes))
+        resolved[node] = found
+        return found
+
+    reads = tuple(frozenset().union(*map(values_read, node.all_input_nodes)) for node in joint.call_nodes)
+    backward_reads = frozenset().union(*map(values_read, needed_by_backward(joint, backward_nodes_of(joint))))
+    # getitems the graph never reads still name values a replayed multi-output call makes
+    for node in joint.forward_nodes:
+        if node.target is operator.getitem and node.args[0] in call_index:
+            values_read(node)
+    nbytes = {
+        value: nbytes_of_input(joint, value) if node.op == "placeholder" else _saved_bytes([node], joint.primals)
+        for value, node in value_nodes.items()
+    }
+
+    # What differentiating a kept value again recomputes it from (see `partition`'s pure forward).
+    random_calls = {node: call_index[node] for node in joint.call_nodes if joint.trace[call_index[node]].is_random}
+    copied_inputs = {node: (-1 - primal_index[node], 0) for node in mutated}
+    for value in copied_inputs.values():
+        nbytes.setdefault(value, nbytes_of_input(joint, value))
+    random_ancestors: dict[fx.Node, frozenset[int]] = {}
+    input_ancestors: dict[fx.Node, frozenset[Value]] = {node: frozenset({v}) for node, v in copied_inputs.items()}
+    for node in joint.graph.nodes:
+        if node in joint.forward_nodes:
+            inputs = node.all_input_nodes
+            found = frozenset().union(*(random_ancestors.get(n, frozenset()) for n in inputs))
+            random_ancestors[node] = found | {random_calls[node]} if node in random_calls else found
+            input_ancestors[node] = frozenset().union(*(input_ancestors.get(n, frozenset()) for n in inputs))
+    varying = _varying(joint, forward_mode=False)
+    returned = {joint.outputs[i] for i in _returned_outputs(joint)}
+    differentiated = {v: node for v, node in value_nodes.items() if node in varying and node not in returned}
+    return Dataflow(
+        reads=reads,
+        backward_reads=backward_reads,
+        nbytes=nbytes,
+        rng_state_nbytes=tuple(
+            _rng.state_nbytes(device_of(node)) if node in random_calls else 0 for node in joint.call_nodes
+        ),
+        random_ancestors={v: random_ancestors[n] for v, n in differentiated.items() if random_ancestors.get(n)},
+        input_ancestors={v: input_ancestors[n] for v, n in differentiated.items() if input_ancestors.get(n)},
+    )
+
+
+def nbytes_of_input(joint: JointGraph, value: Value) -> int:
+    """Bytes of a copy of the input `value` names."""
+    node = joint.primals[-1 - value[0]]
+    return int(node.meta["val"].numel() * node.meta["val"].element_size())

@@ -1,0 +1,233 @@
+"""`remat.policies.budget`: the planner's accounting is the partitioner's, it never exceeds its
+budget, the exact mode is optimal, and cost falls as the budget grows."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import models
+import pytest
+import torch
+from conftest import assert_same_outputs_and_grads, examples
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import remat
+from remat import policies
+from remat._budget import evaluate
+from remat.testing import functions, inputs
+
+DTYPE = torch.float64
+
+
+@functools.cache
+def _block(attention: str = "sdpa") -> tuple[torch.nn.Module, torch.Tensor]:
+    block = models.GPT2Block(attention=attention).to(DTYPE)
+    return block, torch.randn(2, 8, 32, dtype=DTYPE, generator=torch.Generator().manual_seed(0))
+
+
+@functools.cache
+def _block_trace(attention: str = "sdpa") -> remat.Trace:
+    return remat.trace(*_block(attention))
+
+
+def _everything_bytes(trace: remat.Trace) -> int:
+    assert trace.dataflow is not None
+    return evaluate(trace.dataflow, set(range(len(trace))))[1]
+
+
+def _kept_bytes_seen_by_hooks(fn: Any, x: torch.Tensor, exclude: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd keeps for `fn(x)`, inputs and parameters excluded."""
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return sum(storages.values())
+
+
+# --- the accounting is the partitioner's ----------------------------------------------------------
+
+
+@examples(ci=40, soak=2_000)
+@given(st.data())
+def test_planner_accounting_equals_the_report_for_any_decisions(data: st.DataObject) -> None:
+    fn = data.draw(functions(), label="fn")
+    args = data.draw(inputs(fn), label="args")
+    trace = remat.trace(fn, *args)
+    saved = data.draw(st.sets(st.integers(0, max(len(trace) - 1, 0))) if len(trace) else st.just(set()))
+    report = remat.report(fn, *args, policy=policies.save_calls(*sorted(saved)))
+    replayed, kept = evaluate(trace.dataflow, saved)  # type: ignore[arg-type]
+    assert sorted(replayed) == list(report.replayed_calls)
+    # Exact, except that the planner counts the generator states of every random call a kept
+    # differentiable value comes from, where the partitioner may need fewer: never less.
+    assert kept >= report.saved_bytes
+    if not any(call.is_random for call in trace):
+        assert kept == report.saved_bytes
+
+
+def test_planner_accounting_equals_the_report_on_a_gpt2_block() -> None:
+    block, x = _block("softmax")
+    trace = _block_trace("softmax")
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        saved = {c for c in range(len(trace)) if torch.rand((), generator=generator) < 0.5}
+        report = remat.report(block, x, policy=policies.save_calls(*sorted(saved)))
+        assert evaluate(trace.dataflow, saved) == (set(report.replayed_calls), report.saved_bytes)  # type: ignore[arg-type]
+
+
+# --- never over budget ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.25, 0.5, 0.75, 1.0])
+def test_budget_is_never_exceeded_on_a_gpt2_block(fraction: float, exact: bool) -> None:
+    block, x = _block()
+    policy = policies.budget(fraction=fraction, exact=exact)
+    limit = math.floor(fraction * _everything_bytes(_block_trace()))
+    report = remat.report(block, x, policy=policy)
+    assert report.saved_bytes <= limit
+    checkpointed = remat.checkpoint(block, policy=policy)
+    checkpointed(x)  # trace first: the measurement below sees one cached call
+    measured = _kept_bytes_seen_by_hooks(checkpointed, x, [x, *block.parameters()])
+    assert measured == report.saved_bytes
+    assert_same_outputs_and_grads(block, checkpointed, (x,), params=list(block.parameters()))
+
+
+@examples(ci=30, soak=1_000)
+@given(st.data())
+def test_budget_is_never_exceeded_on_random_functions(data: st.DataObject) -> None:
+    fn = data.draw(functions(), label="fn")
+    args = data.draw(inputs(fn), label="args")
+    trace = remat.trace(fn, *args)
+    fraction = data.draw(st.floats(0, 1), label="fraction")
+    exact = data.draw(st.booleans(), label="exact")
+    limit = math.floor(fraction * _everything_bytes(trace))
+    policy = policies.budget(fraction=fraction, exact=exact)
+    try:
+        report = remat.report(fn, *args, policy=policy)
+    except ValueError as error:  # below what any decisions keep: the message gives the minimum
+        minimum = int(str(error).split("the fewest any keep is ")[1].split("(")[1].split(" bytes")[0].replace(",", ""))
+        assert minimum > limit
+        return
+    assert report.saved_bytes <= limit
+
+
+# --- optimal, and monotone ---------------------------------------------------------------------------
+
+
+@examples(ci=30, soak=1_000)
+@given(st.data())
+def test_the_exact_plan_costs_no_more_than_any_decisions_within_the_budget(data: st.DataObject) -> None:
+    fn = data.draw(functions(), label="fn")
+    args = data.draw(inputs(fn), label="args")
+    trace = remat.trace(fn, *args)
+    assume(len(trace) > 0)
+    saved = data.draw(st.sets(st.integers(0, len(trace) - 1)), label="saved")
+    other = remat.report(fn, *args, policy=policies.save_calls(*sorted(saved)))
+    # The planner's bytes for these decisions: the report's, or a little more for random calls
+    # (see test_planner_accounting_equals_the_report_for_any_decisions).
+    budget = evaluate(trace.dataflow, saved)[1]  # type: ignore[arg-type]
+    plan = policies.budget(max_bytes=budget, exact=True).solve(trace)  # type: ignore[attr-defined]
+    assert plan.cost <= other.recompute_flops
+    assert remat.report(fn, *args, policy=policies.budget(max_bytes=budget, exact=True)).saved_bytes <= budget
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("attention", ["sdpa", "softmax"])
+def test_cost_falls_as_the_budget_grows(attention: str, exact: bool) -> None:
+    trace = _block_trace(attention)
+    costs = [
+        policies.budget(fraction=fraction, exact=exact).solve(trace).cost  # type: ignore[attr-defined]
+        for fraction in [i / 20 for i in range(21)]
+    ]
+    assert costs == sorted(costs, reverse=True), costs
+    assert costs[0] > costs[-1] == 0
+
+
+def test_the_fast_plan_is_near_the_exact_one_on_a_gpt2_block() -> None:
+    trace = _block_trace("softmax")
+    for fraction in (0.1, 0.25, 0.5, 0.75):
+        fast = policies.budget(fraction=fraction).solve(trace)  # type: ignore[attr-defined]
+        exact = policies.budget(fraction=fraction, exact=True).solve(trace)  # type: ignore[attr-defined]
+        assert exact.cost <= fast.cost <= 1.02 * exact.cost + 1e-9
+        assert exact.gap == 0.0
+        assert fast.lower_bound <= exact.cost + 1e-6  # the relaxation bounds the optimum from below
+
+
+# --- errors, repr, caching ---------------------------------------------------------------------------
+
+
+def test_a_budget_below_every_plan_says_the_minimum() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x.sin(), 0.5).sum()
+
+    x = torch.randn(10_000, dtype=DTYPE, requires_grad=True)
+    trace = remat.trace(fn, x)
+    state = trace.dataflow.rng_state_nbytes  # type: ignore[union-attr]
+    minimum = max(state)  # replay the dropout: its generator state beats keeping its 10,000-byte mask
+    with pytest.raises(ValueError, match=rf"the fewest any keep is .*\({minimum:,} bytes.*Raise the budget"):
+        remat.checkpoint(fn, policy=policies.budget(max_bytes=100))(x)
+    report = remat.report(fn, x, policy=policies.budget(max_bytes=minimum))
+    assert report.saved_bytes == minimum
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({}, TypeError, "exactly one of `max_bytes`"),
+        ({"max_bytes": 10, "fraction": 0.5}, TypeError, "exactly one of `max_bytes`"),
+        ({"max_bytes": -1}, ValueError, "non-negative integer"),
+        ({"max_bytes": 1.5}, ValueError, "non-negative integer"),
+        ({"fraction": 1.5}, ValueError, "from 0 to 1"),
+        ({"fraction": 0.5, "cost": "time"}, ValueError, "'flops' or 'roofline:<device>'"),
+        ({"fraction": 0.5, "cost": "roofline:a100"}, ValueError, "unknown device 'a100'"),
+    ],
+)
+def test_bad_budget_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        policies.budget(**kwargs)
+
+
+def test_budget_repr_and_equality() -> None:
+    assert repr(policies.budget(fraction=0.25)) == "budget(fraction=0.25)"
+    assert repr(policies.budget(max_bytes=1024, cost="roofline:h100", exact=True)) == (
+        "budget(max_bytes=1024, cost='roofline:h100', exact=True)"
+    )
+    assert policies.budget(fraction=0.25) == policies.budget(fraction=0.25)
+    assert hash(policies.budget(fraction=0.25)) == hash(policies.budget(fraction=0.25))
+
+
+def test_plans_are_cached_with_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    import remat._budget
+
+    solves = []
+    solve = remat._budget.solve
+    monkeypatch.setattr(remat._budget, "solve", lambda *a, **k: solves.append(a) or solve(*a, **k))
+    block, x = _block()
+    checkpointed = remat.checkpoint(block, policy=policies.budget(fraction=0.5))
+    for _ in range(3):
+        checkpointed(x).sum().backward()
+    assert len(solves) == 1
+
+
+def test_roofline_cost_plans_by_estimated_time() -> None:
+    trace = _block_trace()
+    plan = policies.budget(fraction=0.5, cost="roofline:h100", exact=True).solve(trace)  # type: ignore[attr-defined]
+    assert plan.cost > 0
+    assert plan.cost < sum(remat.costs.estimate_seconds(call, "h100") for call in trace)
+
+
+def test_a_budget_inside_a_nested_checkpoint_is_refused() -> None:
+    inner = remat.checkpoint(lambda x: x.sin().cos(), policy=policies.budget(fraction=0.5))
+    outer = remat.checkpoint(lambda x: inner(x).exp().sum())
+    with pytest.raises(TypeError, match="a budget plans over the dataflow of a whole trace"):
+        outer(torch.randn(3, dtype=DTYPE, requires_grad=True))
