@@ -7,11 +7,14 @@ from ._api import report as report
 from ._api import trace as trace
 from ._cache import CacheInfo as CacheInfo
 from ._calls import Call as Call
+from ._calls import Dataflow as Dataflow
 from ._calls import Decision as Decision
 from ._calls import TensorMeta as TensorMeta
 from ._calls import Trace as Trace
 from ._errors import TraceError as TraceError
 from ._module import CheckpointedModule as CheckpointedModule
+from ._pareto import Pareto as Pareto
+from ._pareto import pareto as pareto
 from ._tag import tag as tag
 from .report import Report as Report
 
@@ -27,12 +30,15 @@ __all__ = [
     "Call",
     "Checkpointed",
     "CheckpointedModule",
+    "Dataflow",
     "Decision",
     "Report",
     "TensorMeta",
     "Trace",
     "TraceError",
+    "Pareto",
     "checkpoint",
+    "pareto",
     "policies",
     "report",
     "tag",

@@ -1,0 +1,141 @@
+"""`remat.pareto`: how replay cost falls as the memory budget grows, for one function."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._budget import evaluate
+from ._calls import Decision, Trace, format_bytes
+from .costs import estimate_seconds
+
+__all__ = ["Pareto", "ParetoPoint", "pareto"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParetoPoint:
+    """One plan: the bytes it keeps and what backward replays."""
+
+    label: str
+    saved_bytes: int
+    replay_flops: int
+    replay_seconds: float  # roofline estimate on the curve's device
+
+
+@dataclasses.dataclass(frozen=True)
+class Pareto:
+    """The budget planner's curve for one trace, and the built-in policies beside it.
+
+    Attributes:
+        curve: one point per budget, by growing budget: the exact planner's optimum.
+        policies: `save_nothing`, `dots_saveable` and `save_everything` on the same trace.
+        device: the device of the roofline time estimates.
+    """
+
+    curve: tuple[ParetoPoint, ...]
+    policies: tuple[ParetoPoint, ...]
+    device: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The curve and the policies' points as plain data."""
+        return {
+            "device": self.device,
+            "curve": [dataclasses.asdict(p) for p in self.curve],
+            "policies": [dataclasses.asdict(p) for p in self.policies],
+        }
+
+    def plot(self, *, time: bool = False) -> Any:
+        """A matplotlib figure: bytes kept against replay FLOPs (or estimated seconds with
+        `time=True`), the planner's curve as a line and the built-in policies as labeled
+        points. Save it with `figure.savefig(path)`. Needs matplotlib."""
+        import matplotlib.pyplot as plt
+
+        def y(point: ParetoPoint) -> float:
+            return point.replay_seconds * 1e6 if time else point.replay_flops
+
+        figure, axes = plt.subplots(figsize=(6, 4))
+        axes.step(
+            [p.saved_bytes / 2**20 for p in self.curve],
+            [y(p) for p in self.curve],
+            where="post",
+            marker="o",
+            markersize=3,
+            label="remat.policies.budget (exact)",
+        )
+        for point in self.policies:
+            axes.scatter([point.saved_bytes / 2**20], [y(point)], zorder=3)
+            axes.annotate(point.label, (point.saved_bytes / 2**20, y(point)), textcoords="offset points", xytext=(5, 5))
+        axes.set_xlabel("activation memory kept (MiB)")
+        axes.set_ylabel(f"replay time, roofline on {self.device} (µs)" if time else "replay FLOPs")
+        axes.grid(alpha=0.3)
+        axes.legend()
+        figure.tight_layout()
+        return figure
+
+    def __str__(self) -> str:
+        rows = [f"{'kept':>12}  {'replay FLOPs':>16}  {'replay time':>12}  plan"]
+        for point in (*self.curve, *self.policies):
+            rows.append(
+                f"{format_bytes(point.saved_bytes):>12}  {point.replay_flops:>16,}  "
+                f"{point.replay_seconds * 1e6:>10.2f}µs  {point.label}"
+            )
+        return "\n".join(rows)
+
+
+def _point(label: str, trace: Trace, saved: set[int], device: str) -> ParetoPoint:
+    replayed, kept = evaluate(trace.dataflow, saved)  # type: ignore[arg-type]
+    return ParetoPoint(
+        label,
+        kept,
+        sum(trace[c].flops for c in replayed),
+        sum(estimate_seconds(trace[c], device) for c in replayed),
+    )
+
+
+def pareto(
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    budgets: Sequence[int] | None = None,
+    device: str = "h100",
+    **kwargs: Any,
+) -> Pareto:
+    """The memory/recompute Pareto curve of `fn` at these arguments.
+
+    For each budget, the exact planner (`remat.policies.budget(max_bytes=b, exact=True)`)
+    gives the least replay FLOPs that keep at most `b` bytes; beside the curve, the points of
+    `save_nothing`, `dots_saveable` and `save_everything` show where the built-ins sit.
+
+    Args:
+        fn: a function or `nn.Module` (or a `remat.checkpoint` of one).
+        *args: example arguments.
+        budgets: byte budgets; by default 21, evenly spaced from what `save_nothing` keeps to
+            what `save_everything` keeps.
+        device: the device of the roofline time estimates (`remat.costs.DEVICES`).
+        **kwargs: example keyword arguments.
+
+    Returns:
+        A `remat.Pareto`: `.curve`, `.policies`, `.to_dict()`, `.plot()`.
+
+    >>> import torch, remat
+    >>> curve = remat.pareto(lambda x: x.sin().sin().sin().sum(), torch.ones(1000, requires_grad=True))
+    >>> [p.replay_flops for p in curve.curve][::10]  # 0, 4000 and 8000 bytes: two, one, no sins replayed
+    [2000, 1000, 0]
+    """
+    from . import policies
+    from ._api import trace as trace_of
+
+    trace = trace_of(fn, *args, **kwargs)
+    everything = _point("save_everything", trace, set(range(len(trace))), device)
+    nothing = _point("save_nothing", trace, set(), device)
+    if budgets is None:
+        low, high = nothing.saved_bytes, everything.saved_bytes
+        budgets = sorted({low + (high - low) * i // 20 for i in range(21)})
+    curve = []
+    for limit in budgets:
+        plan = policies.budget(max_bytes=int(limit), exact=True).solve(trace)  # type: ignore[attr-defined]
+        saved = {i for i, d in enumerate(plan.decisions) if d is Decision.SAVE}
+        curve.append(_point(f"budget(max_bytes={int(limit)})", trace, saved, device))
+    dots = {i for i, d in enumerate(policies.dots_saveable.plan(trace)) if d is Decision.SAVE}
+    return Pareto(tuple(curve), (nothing, _point("dots_saveable", trace, dots, device), everything), device)
