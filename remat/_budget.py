@@ -12,8 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import lil_array
 
-from ._calls import Dataflow, Decision, Trace, Value
+from ._calls import Dataflow, Decision, Trace
+from ._dataflow import evaluate
 from .costs import estimate_seconds, resolve_device
 
 __all__ = ["InfeasibleBudget", "Plan", "evaluate", "minimum_bytes", "solve"]
@@ -56,27 +59,6 @@ class Plan:
         if self.cost <= self.lower_bound or self.cost == 0:
             return 0.0
         return (self.cost - self.lower_bound) / self.cost
-
-
-def evaluate(dataflow: Dataflow, saved: set[int]) -> tuple[set[int], int]:
-    """The calls the partitioner replays and the bytes it keeps when exactly `saved` are saved."""
-    replayed: set[int] = set()
-    kept: set[Value] = set()
-    stack = list(dataflow.backward_reads)
-    while stack:
-        value = stack.pop()
-        call = value[0]
-        if call < 0 or call in saved:
-            kept.add(value)
-        elif call not in replayed:
-            replayed.add(call)
-            stack.extend(dataflow.reads[call])
-    states = {c for c in replayed if dataflow.rng_state_nbytes[c]}
-    for value in list(kept):
-        states |= dataflow.random_ancestors.get(value, frozenset())
-        kept |= dataflow.input_ancestors.get(value, frozenset())
-    kept_bytes = sum(dataflow.nbytes.get(value, 0) for value in kept)
-    return replayed, kept_bytes + sum(dataflow.rng_state_nbytes[c] for c in states)
 
 
 def call_costs(trace: Trace, cost: str) -> list[float]:
@@ -154,9 +136,6 @@ class _Program:
         self.scale = scale
 
     def constraints(self, budget: float) -> Any:
-        from scipy.optimize import LinearConstraint
-        from scipy.sparse import lil_array
-
         matrix = lil_array((len(self.rows) + 1, self.size))
         for i, coefficients in enumerate([*self.rows, self.budget_row]):
             for j, a in coefficients.items():
@@ -168,8 +147,6 @@ class _Program:
         self, budget: float, *, integral: bool, time_limit: float | None = None, objective: Any = None
     ) -> tuple[np.ndarray | None, float]:
         """A solution (None if none was found) and a lower bound on the objective's optimum."""
-        from scipy.optimize import Bounds, milp
-
         options: dict[str, Any] = {"presolve": True, "mip_rel_gap": 1e-9}
         if time_limit is not None:
             options["time_limit"] = time_limit
@@ -184,16 +161,17 @@ class _Program:
         return result.x, float(bound) if bound is not None and np.isfinite(bound) else -math.inf
 
 
-# How long the fast mode lets branch and bound improve on the rounded relaxation.
-FAST_TIME_LIMIT = 1.0
+# How long the fast mode lets branch and bound run before it settles for the rounded relaxation.
+FAST_TIME_LIMIT = 0.5
 
 
 def solve(trace: Trace, budget: int, cost: str, exact: bool) -> Plan:
     """The cheapest decisions for `trace` whose kept bytes are at most `budget`.
 
-    Exact: branch and bound to optimality. Fast: the LP relaxation (a lower bound),
-    rounded and repaired, then improved by branch and bound for at most
-    `FAST_TIME_LIMIT` seconds (small traces finish, optimal, well within it).
+    Exact: branch and bound to optimality. Fast: the LP relaxation (a lower bound on the
+    optimum), then branch and bound for at most `FAST_TIME_LIMIT` seconds (traces of a few
+    hundred calls finish, optimal, well within it); if that finds nothing, the relaxation
+    rounded and repaired.
     """
     dataflow = trace.dataflow
     assert dataflow is not None
@@ -207,9 +185,10 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool) -> Plan:
         relaxed, bound = program.solve(budget, integral=False)
         if relaxed is None:
             raise InfeasibleBudget(minimum_bytes(trace))
-        candidates.append(_round_and_repair(dataflow, costs, relaxed[: program.n], budget))
         solution, milp_bound = program.solve(budget, integral=True, time_limit=FAST_TIME_LIMIT)
         bound = max(bound, milp_bound)
+        if solution is None:
+            candidates.append(_round_and_repair(dataflow, costs, relaxed[: program.n], budget))
     if solution is not None:
         candidates.append({c for c in range(program.n) if solution[c] > 0.5})
     scored = []

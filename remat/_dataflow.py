@@ -23,7 +23,7 @@ from ._partition import (
 from ._programs import device_of
 from ._trace import JointGraph
 
-__all__ = ["with_dataflow"]
+__all__ = ["evaluate", "with_dataflow"]
 
 
 def with_dataflow(joint: JointGraph) -> JointGraph:
@@ -108,3 +108,24 @@ def nbytes_of_input(joint: JointGraph, value: Value) -> int:
     """Bytes of a copy of the input `value` names."""
     node = joint.primals[-1 - value[0]]
     return int(node.meta["val"].numel() * node.meta["val"].element_size())
+
+
+def evaluate(dataflow: Dataflow, saved: set[int]) -> tuple[set[int], int]:
+    """The calls the partitioner replays and the bytes it keeps when exactly `saved` are saved."""
+    replayed: set[int] = set()
+    kept: set[Value] = set()
+    stack = list(dataflow.backward_reads)
+    while stack:
+        value = stack.pop()
+        call = value[0]
+        if call < 0 or call in saved:
+            kept.add(value)
+        elif call not in replayed:
+            replayed.add(call)
+            stack.extend(dataflow.reads[call])
+    states = {c for c in replayed if dataflow.rng_state_nbytes[c]}
+    for value in list(kept):
+        states |= dataflow.random_ancestors.get(value, frozenset())
+        kept |= dataflow.input_ancestors.get(value, frozenset())
+    kept_bytes = sum(dataflow.nbytes.get(value, 0) for value in kept)
+    return replayed, kept_bytes + sum(dataflow.rng_state_nbytes[c] for c in states)

@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._budget import evaluate
 from ._calls import Decision, Trace, format_bytes
+from ._dataflow import evaluate
 from .costs import estimate_seconds
 
 __all__ = ["Pareto", "ParetoPoint", "pareto"]
@@ -134,7 +134,7 @@ def pareto(
         budgets = sorted({low + (high - low) * i // 20 for i in range(21)})
     curve = []
     for limit in budgets:
-        plan = policies.budget(max_bytes=int(limit), exact=True).solve(trace)  # type: ignore[attr-defined]
+        plan = policies.budget(max_bytes=int(limit), exact=True).solve(trace)
         saved = {i for i, d in enumerate(plan.decisions) if d is Decision.SAVE}
         curve.append(_point(f"budget(max_bytes={int(limit)})", trace, saved, device))
     dots = {i for i, d in enumerate(policies.dots_saveable.plan(trace)) if d is Decision.SAVE}

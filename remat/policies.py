@@ -18,14 +18,18 @@ import dataclasses
 import fnmatch
 import math
 from collections.abc import Callable
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
 from ._calls import Call, Decision, Trace, format_bytes, op_name
 from .costs import DEVICES, MATMUL_OPS, Device, estimate_seconds, resolve_device
 
+if TYPE_CHECKING:  # scipy, which solving needs, is imported on first use
+    from ._budget import Plan
+
 __all__ = [
+    "Budget",
     "Policy",
     "budget",
     "dots_saveable",
@@ -426,7 +430,9 @@ def save_by_cost(seconds_per_byte: float, device: str | Device = "h100") -> Poli
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _Budget(Policy):
+class Budget(Policy):
+    """A memory-budget planner: see `budget`."""
+
     max_bytes: int | None
     fraction: float | None
     cost: str
@@ -435,10 +441,11 @@ class _Budget(Policy):
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
         return self.solve(trace).decisions
 
-    def solve(self, trace: Trace) -> Any:
+    def solve(self, trace: Trace) -> Plan:
         """The `Plan` for `trace`: decisions, bytes kept, replay cost, a lower bound on the
         optimal cost (the gap), and the solve time. Cached with the trace."""
-        from ._budget import InfeasibleBudget, evaluate, solve
+        from ._budget import InfeasibleBudget, solve
+        from ._dataflow import evaluate
 
         if trace.dataflow is None:
             raise TypeError(
@@ -475,7 +482,7 @@ class _Budget(Policy):
 
 def budget(
     max_bytes: int | None = None, fraction: float | None = None, *, cost: str = "flops", exact: bool = False
-) -> Policy:
+) -> Budget:
     """Replay as little as possible while keeping at most a budget of bytes (a planner).
 
     For each trace, chooses SAVE or RECOMPUTE for every call to minimize the replay
@@ -491,8 +498,9 @@ def budget(
         cost: `"flops"` (the calls' FLOPs) or `"roofline:<device>"` (estimated seconds
             on a device of `remat.costs.DEVICES`, such as `"roofline:h100"`).
         exact: solve to optimality (a 0-1 program, with scipy's HiGHS); the default
-            solves its LP relaxation, rounds and repairs, and reports its largest
-            possible gap to the optimum (`policy.solve(trace).gap`).
+            gives branch and bound half a second, falls back on its LP relaxation
+            rounded and repaired, and reports its largest possible gap to the optimum
+            (`policy.solve(trace).gap`).
 
     Needs scipy (`pip install scipy`, or `remat[planner]`).
 
@@ -521,7 +529,7 @@ def budget(
         )
     if cost != "flops":
         resolve_device(cost.removeprefix("roofline:"))
-    return _Budget(max_bytes, None if fraction is None else float(fraction), cost, bool(exact))
+    return Budget(max_bytes, None if fraction is None else float(fraction), cost, bool(exact))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -79,6 +79,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         file.write(f"===== {report.nodeid} ({report.when}) =====\n{report.longreprtext}\n\n")
 
 
+# torch warns once at import when numpy is missing (a fresh `nox` venv); `-W` filter for subprocesses.
+NO_NUMPY_IS_FINE = "ignore:Failed to initialize NumPy:UserWarning"
+
 # --- tolerances ------------------------------------------------------------------------------------
 
 # float64: remat runs the same aten kernels as eager, in the same order for the

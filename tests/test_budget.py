@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import remat
 from remat import policies
-from remat._budget import evaluate
+from remat._dataflow import evaluate
 from remat.testing import functions, inputs
 
 DTYPE = torch.float64
@@ -136,7 +136,7 @@ def test_the_exact_plan_costs_no_more_than_any_decisions_within_the_budget(data:
     # The planner's bytes for these decisions: the report's, or a little more for random calls
     # (see test_planner_accounting_equals_the_report_for_any_decisions).
     budget = evaluate(trace.dataflow, saved)[1]  # type: ignore[arg-type]
-    plan = policies.budget(max_bytes=budget, exact=True).solve(trace)  # type: ignore[attr-defined]
+    plan = policies.budget(max_bytes=budget, exact=True).solve(trace)
     assert plan.cost <= other.recompute_flops
     assert remat.report(fn, *args, policy=policies.budget(max_bytes=budget, exact=True)).saved_bytes <= budget
 
@@ -146,8 +146,7 @@ def test_the_exact_plan_costs_no_more_than_any_decisions_within_the_budget(data:
 def test_cost_falls_as_the_budget_grows(attention: str, exact: bool) -> None:
     trace = _block_trace(attention)
     costs = [
-        policies.budget(fraction=fraction, exact=exact).solve(trace).cost  # type: ignore[attr-defined]
-        for fraction in [i / 20 for i in range(21)]
+        policies.budget(fraction=fraction, exact=exact).solve(trace).cost for fraction in [i / 20 for i in range(21)]
     ]
     assert costs == sorted(costs, reverse=True), costs
     assert costs[0] > costs[-1] == 0
@@ -156,8 +155,8 @@ def test_cost_falls_as_the_budget_grows(attention: str, exact: bool) -> None:
 def test_the_fast_plan_is_near_the_exact_one_on_a_gpt2_block() -> None:
     trace = _block_trace("softmax")
     for fraction in (0.1, 0.25, 0.5, 0.75):
-        fast = policies.budget(fraction=fraction).solve(trace)  # type: ignore[attr-defined]
-        exact = policies.budget(fraction=fraction, exact=True).solve(trace)  # type: ignore[attr-defined]
+        fast = policies.budget(fraction=fraction).solve(trace)
+        exact = policies.budget(fraction=fraction, exact=True).solve(trace)
         assert exact.cost <= fast.cost <= 1.02 * exact.cost + 1e-9
         assert exact.gap == 0.0
         assert fast.lower_bound <= exact.cost + 1e-6  # the relaxation bounds the optimum from below
@@ -221,7 +220,7 @@ def test_plans_are_cached_with_the_trace(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_roofline_cost_plans_by_estimated_time() -> None:
     trace = _block_trace()
-    plan = policies.budget(fraction=0.5, cost="roofline:h100", exact=True).solve(trace)  # type: ignore[attr-defined]
+    plan = policies.budget(fraction=0.5, cost="roofline:h100", exact=True).solve(trace)
     assert plan.cost > 0
     assert plan.cost < sum(remat.costs.estimate_seconds(call, "h100") for call in trace)
 

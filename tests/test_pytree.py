@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import optree
 import optree.dataclasses
 import torch
+from conftest import NO_NUMPY_IS_FINE
 
 import remat
 
@@ -337,7 +338,7 @@ def test_import_is_quiet_and_pulls_in_no_optional_dependency():
         """
     )
     result = subprocess.run(
-        [sys.executable, "-W", "error", "-c", script],
+        [sys.executable, "-W", "error", "-W", NO_NUMPY_IS_FINE, "-c", script],
         capture_output=True,
         text=True,
         timeout=120,
