@@ -5,6 +5,8 @@ from ._api import Checkpointed as Checkpointed
 from ._api import checkpoint as checkpoint
 from ._api import report as report
 from ._api import trace as trace
+from ._apply import checkpoint_modules as checkpoint_modules
+from ._apply import uncheckpoint_modules as uncheckpoint_modules
 from ._cache import CacheInfo as CacheInfo
 from ._calls import Call as Call
 from ._calls import Dataflow as Dataflow
@@ -38,9 +40,11 @@ __all__ = [
     "TraceError",
     "Pareto",
     "checkpoint",
+    "checkpoint_modules",
     "pareto",
     "policies",
     "report",
     "tag",
     "trace",
+    "uncheckpoint_modules",
 ]

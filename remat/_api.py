@@ -123,6 +123,9 @@ class Checkpointed(Generic[P, T]):
         if self._last_key is not None and logger.isEnabledFor(logging.INFO):
             logger.info("retracing %s: %s", self, "; ".join(explain_retrace(self._last_key, key, flat)))
         started = time.perf_counter()
+        # Parameters may have been replaced since the last trace (`load_state_dict(assign=True)`):
+        # find where each tensor lives anew, so no stale id points at a freed tensor's slot.
+        self._roots = roots = find_module_roots(self.__wrapped__)
         joint = with_dataflow(trace_joint(self.__wrapped__, flat, roots))
         lifted = [slot.fetch() for slot in joint.lifted]
         entry = _Entry(joint, _executable(joint, self.policy, forward_mode), _guard(joint, lifted))

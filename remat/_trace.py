@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import operator
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -87,6 +88,7 @@ def trace_joint(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots)
     try:
         with _ONE_TRACE_AT_A_TIME, explain_tracing_errors(fn), without_saved_tensors_hooks(), outside_functorch():
             discovery = _discover(fn, flat_args, roots, fake_mode, wants_grad)
+            _warn_about_hooks(discovery.reached_modules, roots)
             _regions.recorded = []
             return _trace(fn, flat_args, roots, fake_mode, discovery, wants_grad)
     finally:
@@ -153,6 +155,27 @@ def name_producer(tensor: torch.Tensor, name: str) -> None:
                 producer = producer.args[0]
             producer.meta["remat_tags"] = producer.meta.get("remat_tags", frozenset()) | {name}
         graph.erase_node(node)
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _warn_about_hooks(modules: Sequence[torch.nn.Module], roots: ModuleRoots) -> None:
+    """Hooks on modules that run inside the traced function run while tracing, on fake tensors,
+    and never again: say so rather than skip them silently."""
+    hooked = [m for m in modules if any(getattr(m, table, None) for table in _HOOK_TABLES)]
+    if hooked:
+        names = ", ".join(f"`{roots.paths.get(id(m), type(m).__name__) or type(m).__name__}`" for m in hooked[:5]) + (
+            " and others" if len(hooked) > 5 else ""
+        )
+        warnings.warn(
+            f"remat.checkpoint: {names} ha{'ve' if len(hooked) > 1 else 's'} forward or backward hooks, but runs "
+            "inside the checkpointed function, where hooks run once while tracing (on fake tensors) and not on "
+            "later calls or in backward. Register the hooks on a module outside the checkpoint, or checkpoint "
+            "the module's forward instead (`remat.checkpoint_modules(model, ...)` keeps its hooks running).",
+            UserWarning,
+            stacklevel=5,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,246 @@
+"""Checkpoint chosen submodules of a model in place: `checkpoint_modules` and `uncheckpoint_modules`.
+
+The module-level counterpart of `remat.checkpoint`, in the spirit of Hugging
+Face's `model.gradient_checkpointing_enable()` and torchtitan's `apply_ac`:
+pick the blocks of a model by class or by name, and each call of one of them
+runs `remat.checkpoint` of its `forward`. See NOTE [checkpointing a module in place].
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from torch import nn
+
+from ._api import DEFAULT_CACHE_SIZE, Checkpointed
+from ._cache import CacheInfo
+
+__all__ = ["checkpoint_modules", "uncheckpoint_modules"]
+
+M = TypeVar("M", bound=nn.Module)
+
+Which = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
+
+# NOTE [checkpointing a module in place]
+# A matched module gets an instance attribute `forward`: a `_CheckpointedForward`
+# that calls `remat.checkpoint` of the module's original bound `forward`. The
+# module keeps its class, parameters, buffers, submodules and names, and
+# `nn.Module.__call__` still runs around the checkpointed forward, so:
+#
+# * the module's own forward hooks and forward pre-hooks run once per call, on
+#   real tensors, with the arguments and outputs of eager execution;
+# * its full backward hooks (`register_full_backward_hook`,
+#   `register_full_backward_pre_hook`) wrap the checkpointed region from the
+#   outside and see the same gradients as without checkpointing;
+# * the traced function is a bound method, so remat takes its `__self__` as a
+#   root: parameters are fetched from their slots on every call (in-place
+#   `load_state_dict` and `load_state_dict(assign=True)` are both seen), and the
+#   `training` flags of the module and its submodules are part of the cache key
+#   (`train()` and `eval()` retrace when they change what runs).
+#
+# Modules *inside* a matched module run only while it is traced, on fake
+# tensors, as with any `remat.checkpoint`: their hooks run at trace time (once
+# per input signature), not on every call, and cannot see real values.
+#
+# The `_CheckpointedForward` is also the record of what was there before: the
+# instance attribute `forward` it replaced (usually none), which
+# `uncheckpoint_modules` puts back. Nothing else is added to the module.
+
+
+class _CheckpointedForward:
+    """The instance attribute `forward` of a module checkpointed by `checkpoint_modules`."""
+
+    def __init__(self, module: nn.Module, policy: Any, cache_size: int):
+        self.replaced: Any = module.__dict__.get("forward", _NOTHING)  # an instance `forward` set before us
+        self.checkpointed: Checkpointed[..., Any] = Checkpointed(module.forward, policy, cache_size)
+
+    @property
+    def policy(self) -> Any:
+        return self.checkpointed.policy
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.checkpointed(*args, **kwargs)
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses, traces and size of this module's trace cache."""
+        return self.checkpointed.cache_info()
+
+    def cache_clear(self) -> None:
+        """Forget every trace of this module."""
+        self.checkpointed.cache_clear()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward:
+        # A deep copy of a checkpointed model is checkpointed too, with the copy's own
+        # forward and a fresh trace cache (traces refer to the original's tensors).
+        new = _CheckpointedForward.__new__(_CheckpointedForward)
+        memo[id(self)] = new
+        new.replaced = copy.deepcopy(self.replaced, memo)
+        original = self.checkpointed.__wrapped__
+        new.checkpointed = Checkpointed(copy.deepcopy(original, memo), self.policy, self.checkpointed._cache.maxsize)
+        return new
+
+    def __repr__(self) -> str:
+        return f"<checkpointed forward, policy={self.policy!r}>"
+
+
+_NOTHING = object()
+
+
+def checkpoint_modules(model: M, which: Which, *, policy: Any = None, cache_size: int = DEFAULT_CACHE_SIZE) -> M:
+    """Checkpoint, in place, every submodule of `model` that `which` selects.
+
+    Calling a selected module then runs `remat.checkpoint` of its `forward`
+    with `policy`: its backward keeps only what the policy saves and replays
+    the rest. This is how a model is usually checkpointed, block by block
+    (Hugging Face's `gradient_checkpointing_enable()`, torchtitan's
+    `apply_ac`), without changing the model's code or its parameter names:
+    `state_dict()`, `named_parameters()` and `named_modules()` are exactly as
+    before, and optimizers, `load_state_dict` and `train()`/`eval()` work as
+    usual. `module.forward.cache_info()` and `module.forward.cache_clear()`
+    reach a selected module's trace cache.
+
+    A selected module's own forward hooks, forward pre-hooks and full backward
+    hooks run on every call with the values they see without checkpointing.
+    Hooks on modules *inside* a selected module run only while it is traced
+    (once per input signature, on fake tensors), as under `remat.checkpoint`.
+    A selected module's submodules are never selected themselves: the
+    outermost match wins. `model` itself is a candidate (its name is `""`).
+
+    Args:
+        model: the `nn.Module` to change in place.
+        which: a module class or a tuple of them (selects instances, by
+            `isinstance`), or a predicate `which(qualified_name, module) ->
+            bool` over `model.named_modules()`, for example
+            `lambda name, m: name.startswith("blocks.") and name.count(".") == 1`.
+        policy: the policy of every selected module, as for `remat.checkpoint`.
+        cache_size: how many input signatures each selected module keeps traced.
+
+    Returns:
+        `model` itself.
+
+    Raises:
+        TypeError: `model` is not an `nn.Module`, or `which` is not a class,
+            a tuple of classes or a predicate.
+        ValueError: nothing in `model` matches `which`, or `model` already has
+            checkpointed submodules (call `uncheckpoint_modules` first: a second
+            call is an error rather than a silent no-op, so that a different
+            `policy` is never ignored).
+
+    >>> import torch, remat
+    >>> from remat._apply import checkpoint_modules, uncheckpoint_modules
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+    >>> model = checkpoint_modules(model, torch.nn.Linear, policy=remat.policies.dots_saveable)
+    >>> model(torch.ones(3, 2)).sum().backward()
+    >>> model[0].weight.grad.shape
+    torch.Size([2, 2])
+    >>> [name for name, _ in model.named_parameters()]
+    ['0.weight', '0.bias', '2.weight', '2.bias']
+    >>> model is uncheckpoint_modules(model)
+    True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"remat.checkpoint_modules: expected an nn.Module as `model`, but got {model!r} of type "
+            f"{type(model).__qualname__}. To checkpoint a function, use `remat.checkpoint(fn, policy=...)`."
+        )
+    matches = _matcher(which)
+    already = [name or "<model>" for name, _ in _checkpointed(model)]
+    if already:
+        raise ValueError(
+            f"remat.checkpoint_modules: `model` already has checkpointed modules ({', '.join(already)}). "
+            "Call `remat.uncheckpoint_modules(model)` first to checkpoint it differently."
+        )
+    selected = list(_select(model, "", matches, set()))
+    if not selected:
+        raise ValueError(
+            f"remat.checkpoint_modules: no module of {type(model).__name__} matches `which`={which!r}. "
+            "Check the class (the type of a block, such as `type(model.layers[0])`) or, for a predicate, the "
+            f"qualified names it is given, which are those of `model.named_modules()`, e.g. {_some_names(model)}."
+        )
+    for module in selected:
+        module.__dict__["forward"] = _CheckpointedForward(module, policy, cache_size)
+    return model
+
+
+def uncheckpoint_modules(model: M) -> M:
+    """Undo `checkpoint_modules`: restore the original `forward` of every checkpointed submodule.
+
+    Each module is left exactly as it was before `checkpoint_modules` (with
+    whatever instance attribute `forward` it had then, usually none), and its
+    traces are dropped. A model with no checkpointed module is returned
+    unchanged.
+
+    Args:
+        model: the `nn.Module` to change in place.
+
+    Returns:
+        `model` itself.
+
+    >>> import torch
+    >>> from remat._apply import checkpoint_modules, uncheckpoint_modules
+    >>> model = checkpoint_modules(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Linear)
+    >>> "forward" in vars(model[0])
+    True
+    >>> "forward" in vars(uncheckpoint_modules(model)[0])
+    False
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"remat.uncheckpoint_modules: expected an nn.Module as `model`, but got {model!r} of type "
+            f"{type(model).__qualname__}."
+        )
+    for _, module in list(_checkpointed(model)):
+        wrapper = module.__dict__["forward"]
+        if wrapper.replaced is _NOTHING:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = wrapper.replaced
+    return model
+
+
+def _matcher(which: Any) -> Callable[[str, nn.Module], bool]:
+    """The predicate `which` stands for, or a TypeError that says what is accepted."""
+    accepted = (
+        "a subclass of nn.Module (such as `type(model.layers[0])`), a non-empty tuple of them, or a predicate "
+        "`which(qualified_name, module) -> bool`"
+    )
+    if isinstance(which, type) and issubclass(which, nn.Module):
+        return lambda name, module: isinstance(module, which)
+    if isinstance(which, tuple) and which and all(isinstance(c, type) and issubclass(c, nn.Module) for c in which):
+        return lambda name, module: isinstance(module, which)
+    if isinstance(which, nn.Module):
+        raise TypeError(
+            f"remat.checkpoint_modules: `which` must be {accepted}, but got the module instance "
+            f"{type(which).__name__}. To select this very module, pass `lambda name, m: m is module`."
+        )
+    if callable(which) and not isinstance(which, type):
+        return which  # type: ignore[no-any-return]
+    raise TypeError(f"remat.checkpoint_modules: `which` must be {accepted}, but got {which!r}.")
+
+
+def _select(
+    module: nn.Module, name: str, matches: Callable[[str, nn.Module], bool], seen: set[int]
+) -> Iterator[nn.Module]:
+    """The modules `matches` selects, in `named_modules()` order, not looking inside a selected one."""
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    if matches(name, module):
+        yield module
+        return
+    for child_name, child in module._modules.items():
+        if child is not None:
+            yield from _select(child, f"{name}.{child_name}" if name else child_name, matches, seen)
+
+
+def _checkpointed(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in model.named_modules():
+        if isinstance(module.__dict__.get("forward"), _CheckpointedForward):
+            yield name, module
+
+
+def _some_names(model: nn.Module, limit: int = 4) -> str:
+    names = [repr(name) for name, _ in model.named_modules()][:limit]
+    return ", ".join(names) + (", ..." if len(names) == limit else "")
