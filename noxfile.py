@@ -1,4 +1,4 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s doctest`, `nox -s soak`."""
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s doctest`, `nox -s soak`, `nox -s bench`, `nox -s docs`."""
 
 import nox
 
@@ -39,6 +39,23 @@ def soak(session: nox.Session) -> None:
         "python", "-m", "pytest", "-q", *(session.posargs or ["tests"]),
         env={"HYPOTHESIS_PROFILE": "soak"},
     )  # fmt: skip
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The benchmarks (docs/benchmarks.md): `nox -s bench -- --suite cpu --repeats 15`.
+
+    Arguments after `--` go to `python -m benchmarks`; results land in benchmarks/results/.
+    """
+    install(session, "bench")
+    session.run("python", "-m", "benchmarks", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs.yml), built with `mkdocs build --strict`: any warning fails it."""
+    install(session, "docs")
+    session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session
