@@ -281,4 +281,5 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
         rows=tuple(rows),
         trace=joint.trace,
         policy=policy if policy is not None else save_nothing,
+        nested_policies=tuple({id(p): p if p is not None else save_nothing for p, _ in joint.regions}.values()),
     )

@@ -135,6 +135,8 @@ class Dataflow:
             the random calls it is computed from: keeping it keeps their generator states
             too, to differentiate it again.
         input_ancestors: likewise, the overwritten inputs it is computed from, kept as copies.
+            Both may name more than the partitioner keeps (a kept value that needs no grad
+            stops the recomputation behind it), never less: a plan's bytes are an upper bound.
     """
 
     reads: tuple[frozenset[Value], ...]

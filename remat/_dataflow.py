@@ -19,6 +19,7 @@ from ._partition import (
     backward_nodes_of,
     mutated_inputs,
     needed_by_backward,
+    reads_any_value,
 )
 from ._programs import device_of
 from ._trace import JointGraph
@@ -65,7 +66,12 @@ def dataflow_of(joint: JointGraph) -> Dataflow:
         resolved[node] = found
         return found
 
-    reads = tuple(frozenset().union(*map(values_read, node.all_input_nodes)) for node in joint.call_nodes)
+    def replay_reads(node: fx.Node) -> frozenset[Value]:
+        # Inputs whose value the replay does not use are read as they are now: no copy is kept.
+        any_value = reads_any_value(node)
+        return frozenset().union(*(values_read(n) for n in node.all_input_nodes if n not in any_value))
+
+    reads = tuple(map(replay_reads, joint.call_nodes))
     backward_reads = frozenset().union(*map(values_read, needed_by_backward(joint, backward_nodes_of(joint))))
     # getitems the graph never reads still name values a replayed multi-output call makes
     for node in joint.forward_nodes:

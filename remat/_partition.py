@@ -101,22 +101,24 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
     mutated = mutated_inputs(joint, returned)
 
     backward_nodes = backward_nodes_of(joint)
-    kept_values, replayed = _kept_and_replayed(joint, decisions, backward_nodes)
+    kept_values, replayed, read_as_they_were = _kept_and_replayed(joint, decisions, backward_nodes)
 
     # What the pure forward recomputes, and the inputs and random calls it reads: the
     # kept values that depend on a differentiable input. Kept values that do not are
     # constants to any derivative, and stand for themselves.
     returned_nodes = [joint.outputs[i] for i in returned]
     activations = [n for n in kept_values if n.op != "placeholder" and n not in returned_nodes]
-    activations += [p for p in kept_values if p in mutated]  # kept as copies
+    activations += [p for p in kept_values if p in mutated and p in read_as_they_were]  # kept as copies
     varying = _varying(joint, forward_mode)
     constants = {n for n in kept_values if n.op != "placeholder" and n not in varying}
     targets = [*returned_nodes, *activations] if forward_mode else activations
-    recomputed = _ancestors([t for t in targets if t not in constants], joint.forward_nodes, stop=constants)
+    recomputed, recomputed_from = _ancestors(
+        [t for t in targets if t not in constants], joint.forward_nodes, stop=constants
+    )
     for primal in joint.primals:
         if primal in recomputed:
             kept_values.setdefault(primal, None)
-    activations += [p for p in joint.primals if p in recomputed and p in mutated and p not in activations]
+    activations += [p for p in joint.primals if p in recomputed_from and p in mutated and p not in activations]
     call_index = {node: i for i, node in enumerate(joint.call_nodes)}
     # A random call keeps its generator state if backward replays it or the pure forward
     # recomputes it. See NOTE [replaying random calls].
@@ -128,8 +130,9 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
 
     position = {node: p for p, node in reversed(list(enumerate(returned_nodes)))}
     kept: list[Kept] = []
+    copied = {a for a in activations if a.op == "placeholder"}
     for node in kept_values:
-        if node.op == "placeholder" and node not in mutated:
+        if node.op == "placeholder" and node not in copied:  # by reference: see NOTE [kept inputs]
             kept.append(Kept(node, primal=primal_index[node]))
         elif node in position:
             kept.append(Kept(node, output=position[node]))
@@ -274,9 +277,10 @@ def needed_by_backward(joint: JointGraph, backward_nodes: Sequence[fx.Node]) -> 
 
 def _kept_and_replayed(
     joint: JointGraph, decisions: Sequence[Decision], backward_nodes: Sequence[fx.Node]
-) -> tuple[dict[fx.Node, None], set[fx.Node]]:
+) -> tuple[dict[fx.Node, None], set[fx.Node], set[fx.Node]]:
     """The forward values backward reads without replaying (inputs, outputs of SAVE calls), in
-    order of first need, and the nodes it replays: the RECOMPUTE calls (and views) it needs."""
+    order of first need; the nodes it replays: the RECOMPUTE calls (and views) it needs; and the
+    inputs read for the value they had before `fn` ran (the others may be read as they are now)."""
     decision_of = dict(zip(joint.call_nodes, decisions, strict=True))
 
     def is_kept(node: fx.Node) -> bool:
@@ -291,10 +295,13 @@ def _kept_and_replayed(
     needed = needed_by_backward(joint, backward_nodes)
     kept: dict[fx.Node, None] = {}
     replayed: set[fx.Node] = set()
+    as_they_were: set[fx.Node] = set()
     seen: set[fx.Node] = set()
-    stack = list(reversed(needed))
+    stack = [(node, False) for node in reversed(needed)]
     while stack:
-        node = stack.pop()
+        node, any_value = stack.pop()
+        if node.op == "placeholder" and not any_value:
+            as_they_were.add(node)
         if node in seen:
             continue
         seen.add(node)
@@ -304,20 +311,37 @@ def _kept_and_replayed(
             kept[node] = None
         else:
             replayed.add(node)
-            stack.extend(reversed(node.all_input_nodes))
-    return kept, replayed
+            ignored = reads_any_value(node)
+            stack.extend((n, n in ignored) for n in reversed(node.all_input_nodes))
+    return kept, replayed, as_they_were
 
 
-def _ancestors(targets: Sequence[fx.Node], within: frozenset[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
-    """`targets` and the nodes of `within` (and primals) they are computed from, not looking past `stop`."""
+def reads_any_value(node: fx.Node) -> set[fx.Node]:
+    """Inputs of `node` whose value does not matter to what a replay of it uses: the running
+    statistics of a training-mode batch norm (the replay only needs the normalized output and
+    the batch statistics; the new running statistics it computes are dropped)."""
+    if node.target is aten._native_batch_norm_legit_functional.default and node.args[5] is True:
+        return {a for a in node.args[3:5] if isinstance(a, fx.Node)}
+    return set()
+
+
+def _ancestors(
+    targets: Sequence[fx.Node], within: frozenset[fx.Node], stop: set[fx.Node]
+) -> tuple[set[fx.Node], set[fx.Node]]:
+    """`targets` and the nodes of `within` (and primals) they are computed from, not looking past
+    `stop`; and the primals among them whose value matters (see `reads_any_value`)."""
     found: set[fx.Node] = set()
-    stack = list(targets)
+    value_read: set[fx.Node] = set()
+    stack = [(target, False) for target in targets]
     while stack:
-        node = stack.pop()
+        node, any_value = stack.pop()
+        if node.op == "placeholder" and not any_value:
+            value_read.add(node)
         if node not in found and node not in stop:
             found.add(node)
-            stack.extend(n for n in node.all_input_nodes if n in within or n.op == "placeholder")
-    return found
+            ignored = reads_any_value(node)
+            stack.extend((n, n in ignored) for n in node.all_input_nodes if n in within or n.op == "placeholder")
+    return found, value_read
 
 
 def _varying(joint: JointGraph, forward_mode: bool) -> set[fx.Node]:

@@ -333,6 +333,7 @@ def _trace(
         copy.replace_all_uses_with(copy.args[0])  # type: ignore[arg-type]
         graph.erase_node(copy)
     _use_reshape_for_view(graph)
+    _drop_unread_batch_norm_arguments(graph)
     graph.eliminate_dead_code()
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -416,6 +417,14 @@ def _use_reshape_for_view(graph: fx.Graph) -> None:
     for node in graph.nodes:
         if node.op == "call_function" and node.target is aten.view.default:
             node.target = aten.reshape.default
+
+
+def _drop_unread_batch_norm_arguments(graph: fx.Graph) -> None:
+    """A training-mode batch norm's backward takes the running statistics but does not read
+    them (it uses the batch statistics): pass None, so that backward does not keep them."""
+    for node in graph.nodes:
+        if node.target is aten.native_batch_norm_backward.default and node.args[7] is True:
+            node.args = (*node.args[:3], None, None, *node.args[5:])
 
 
 def _check_no_unlifted_parameters(constants: dict[str, Any]) -> None:

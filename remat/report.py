@@ -85,6 +85,8 @@ class Report:
         rows: one `ReportRow` per call of the trace.
         trace: the traced calls.
         policy: the policy reported on.
+        nested_policies: the policies of checkpointed functions called inside (such as modules
+            wrapped by `remat.checkpoint_modules`), which decide the calls they make.
 
     `str(report)` is a table in the spirit of JAX's `print_saved_residuals`;
     `report.to_dict()` gives the same as data.
@@ -97,6 +99,7 @@ class Report:
     rows: tuple[ReportRow, ...]
     trace: Trace
     policy: Any = None
+    nested_policies: tuple[Any, ...] = ()  # policies of nested checkpoints, which decide their own calls
 
     @property
     def forward_flops(self) -> int:
@@ -117,6 +120,7 @@ class Report:
         """The report as plain data (strings, numbers, lists and dicts), ready for `json.dumps`."""
         return {
             "policy": repr(self.policy),
+            "nested_policies": [repr(p) for p in self.nested_policies],
             "saved_bytes": self.saved_bytes,
             "rng_state_bytes": self.rng_state_bytes,
             "recompute_flops": self.recompute_flops,
@@ -147,7 +151,12 @@ class Report:
         rng = f" (of which {format_bytes(self.rng_state_bytes)} generator states)" if self.rng_state_bytes else ""
         lines = [
             format_table(header, body),
-            f"policy: {self.policy!r}",
+            f"policy: {self.policy!r}"
+            + (
+                f"; nested checkpoints decide their own calls with {', '.join(map(repr, self.nested_policies))}"
+                if self.nested_policies
+                else ""
+            ),
             f"kept: {format_bytes(self.saved_bytes)}{rng} from {sum(r.saved for r in self.rows)} calls",
             f"replayed in backward: {len(self.replayed_calls)} calls, {self.recompute_flops:,} FLOPs "
             f"({self.replayed_fraction:.0%} of the forward's {self.forward_flops:,})",

@@ -438,3 +438,12 @@ def test_hooks_on_modules_inside_a_checkpoint_are_warned_about() -> None:
     # checkpoint_modules checkpoints the forward, so the module's own hooks stay outside: no warning.
     checkpoint_modules(model, nn.Linear)
     model(torch.randn(2, 3, dtype=DTYPE, requires_grad=True))
+
+
+def test_report_of_a_model_with_checkpointed_modules_names_their_policies() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).to(DTYPE)
+    checkpoint_modules(model, nn.Linear, policy=remat.policies.save_everything)
+    report = remat.report(model, torch.randn(2, 4, dtype=DTYPE, requires_grad=True))
+    assert report.nested_policies == (remat.policies.save_everything,)
+    assert "nested checkpoints decide their own calls with save_everything" in str(report)
+    assert report.to_dict()["nested_policies"] == ["save_everything"]

@@ -1009,3 +1009,29 @@ def test_scaled_dot_product_attention(causal: bool, policy: Any, device: torch.d
         unmasked = attention_case(True, device)
         unmasked.fn.causal = False
         assert not torch.allclose(unmasked.fn(case.args[0]), case.fn(*case.args))
+
+
+def test_regression_training_batch_norm_keeps_no_copies_of_its_running_statistics() -> None:
+    # The backward of a training-mode batch norm takes the running statistics without reading them,
+    # and replaying it needs only the batch statistics: copies of the (overwritten) running
+    # statistics were kept anyway, 2 x channels values per batch norm, even under save_nothing.
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(8).to(torch.float64)
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    assert remat.report(norm, x, policy=policies.save_nothing).saved_bytes == 0
+    batch_statistics = 2 * 8 * 8  # the mean and inverse standard deviation backward reads, float64
+    assert remat.report(norm, x, policy=policies.save_everything).saved_bytes == batch_statistics
+    for policy in (policies.save_nothing, policies.save_everything):
+        eager, checkpointed = copy.deepcopy(norm), copy.deepcopy(norm)
+        wrapped = remat.checkpoint(checkpointed, policy=policy)
+        for _ in range(2):
+            eager(x).square().sum().backward()
+            wrapped(x).square().sum().backward()
+        assert torch.equal(eager.running_mean, checkpointed.running_mean)
+        assert torch.equal(eager.running_var, checkpointed.running_var)
+        torch.testing.assert_close(checkpointed.weight.grad, eager.weight.grad, rtol=RTOL, atol=ATOL)
+    # Twice differentiable again under save_nothing (the replay read running statistics that require no grad).
+    wrapped = remat.checkpoint(copy.deepcopy(norm))
+    (grad,) = torch.autograd.grad(wrapped(x).pow(3).sum(), x, create_graph=True)
+    (expected,) = torch.autograd.grad(copy.deepcopy(norm)(x).pow(3).sum(), x, create_graph=True)
+    torch.testing.assert_close(torch.autograd.grad(grad.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0])
