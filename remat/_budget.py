@@ -15,7 +15,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_array
 
-from ._calls import Dataflow, Decision, Trace
+from ._calls import Dataflow, Decision, Trace, Value
 from ._dataflow import evaluate
 from .costs import estimate_seconds, resolve_device
 
@@ -33,8 +33,12 @@ __all__ = ["InfeasibleBudget", "Plan", "evaluate", "minimum_bytes", "solve"]
 #   s_c + r_c <= 1                       a saved call is never replayed
 #   s_c + r_c >= 1, k_v >= s_c           for v = (c, i) backward reads
 #   r_u <= s_c + r_c, k_v >= s_c + r_u - 1   for v = (c, i) a replay of u reads
-#   g_c >= r_c, g_a >= k_v               generator states: replays, and ancestors of kept values
-#   k_w >= k_v                           overwritten inputs kept values are computed from
+#   k_v <= s_c, k_v <= [backward reads v] + sum(r_u for u reading v)   kept only if saved and read
+#   p_c >= k_v                           a kept differentiable value (not returned) is recomputed from
+#   p_d >= p_u (- k_v if v = (d, i) has no derivative)   its inputs, to differentiate it again,
+#                                        stopping at kept values without a derivative
+#   g_c >= r_c, g_c >= p_c               generator states of replayed and recomputed random calls
+#   k_w >= r_u, k_w >= p_u               copies of overwritten inputs w they read
 #   sum(bytes_v k_v) + sum(state_c g_c) <= budget
 #
 # The exact mode solves it with HiGHS's branch and bound; the fast mode solves its
@@ -77,9 +81,10 @@ class _Program:
         self.n = n
         self.values = sorted(dataflow.nbytes)
         self.states = [c for c in range(n) if dataflow.rng_state_nbytes[c]]
-        value_index = {v: 2 * n + i for i, v in enumerate(self.values)}
-        state_index = {c: 2 * n + len(self.values) + i for i, c in enumerate(self.states)}
-        self.size = 2 * n + len(self.values) + len(self.states)
+        # Variables: s (saved), r (replayed), p (recomputed to differentiate again), k (kept), g (states).
+        value_index = {v: 3 * n + i for i, v in enumerate(self.values)}
+        state_index = {c: 3 * n + len(self.values) + i for i, c in enumerate(self.states)}
+        self.size = 3 * n + len(self.values) + len(self.states)
         rows: list[dict[int, float]] = []
         upper: list[float] = []
 
@@ -93,6 +98,10 @@ class _Program:
         def r(c: int) -> int:
             return n + c
 
+        def p(c: int) -> int:
+            return 2 * n + c
+
+        readers: dict[Value, list[int]] = {v: [] for v in self.values}
         for c in range(n):
             row({s(c): 1, r(c): 1}, 1)
         for value in dataflow.backward_reads:
@@ -109,22 +118,29 @@ class _Program:
                 call = value[0]
                 if value not in value_index:
                     continue
+                readers[value].append(user)
                 if call >= 0:
                     row({r(user): 1, s(call): -1, r(call): -1}, 0)
                     row({s(call): 1, r(user): 1, value_index[value]: -1}, 1)
+                    # recomputing `user` to differentiate again reads `value`, unless it is a kept constant
+                    if value in dataflow.varying:
+                        row({p(user): 1, p(call): -1}, 0)
+                    else:
+                        row({p(user): 1, p(call): -1, value_index[value]: -1}, 0)
                 else:
                     row({r(user): 1, value_index[value]: -1}, 0)
+                    row({p(user): 1, value_index[value]: -1}, 0)
+        for value in self.values:  # kept only if saved and read (so no constant stops a walk for free)
+            call = value[0]
+            if call >= 0:
+                row({value_index[value]: 1, s(call): -1}, 0)
+                if value not in dataflow.backward_reads:
+                    row({value_index[value]: 1, **{r(u): -1 for u in readers[value]}}, 0)
+                if value in dataflow.varying and value not in dataflow.returned:
+                    row({value_index[value]: 1, p(call): -1}, 0)
         for c in self.states:
             row({r(c): 1, state_index[c]: -1}, 0)
-        for value, ancestors in dataflow.random_ancestors.items():
-            if value in value_index:
-                for a in ancestors:
-                    if a in state_index:
-                        row({value_index[value]: 1, state_index[a]: -1}, 0)
-        for value, copies in dataflow.input_ancestors.items():
-            if value in value_index:
-                for copy in copies:
-                    row({value_index[value]: 1, value_index[copy]: -1}, 0)
+            row({p(c): 1, state_index[c]: -1}, 0)
         self.budget_row = {value_index[v]: float(dataflow.nbytes[v]) for v in self.values}
         self.budget_row.update({state_index[c]: float(dataflow.rng_state_nbytes[c]) for c in self.states})
         self.rows, self.upper = rows, upper

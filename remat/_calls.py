@@ -131,20 +131,20 @@ class Dataflow:
         nbytes: the bytes one value costs when kept.
         rng_state_nbytes: per call, the bytes of generator state kept to replay it (0 if
             it draws no random numbers).
-        random_ancestors: for each value with a derivative (not returned by the function),
-            the random calls it is computed from: keeping it keeps their generator states
-            too, to differentiate it again.
-        input_ancestors: likewise, the overwritten inputs it is computed from, kept as copies.
-            Both may name more than the partitioner keeps (a kept value that needs no grad
-            stops the recomputation behind it), never less: a plan's bytes are an upper bound.
+        varying: the values with a derivative with respect to an input that requires grad.
+        returned: the values the checkpointed function returns.
+
+    Keeping a varying value that is not returned also keeps what recomputing it needs, so
+    that it can be differentiated again: the overwritten inputs and generator states behind
+    it, up to kept values without a derivative (see `partition`'s pure forward).
     """
 
     reads: tuple[frozenset[Value], ...]
     backward_reads: frozenset[Value]
     nbytes: dict[Value, int]
     rng_state_nbytes: tuple[int, ...]
-    random_ancestors: dict[Value, frozenset[int]]
-    input_ancestors: dict[Value, frozenset[Value]]
+    varying: frozenset[Value]
+    returned: frozenset[Value]
 
 
 class Trace(Sequence[Call]):

@@ -82,22 +82,12 @@ def dataflow_of(joint: JointGraph) -> Dataflow:
         for value, node in value_nodes.items()
     }
 
-    # What differentiating a kept value again recomputes it from (see `partition`'s pure forward).
-    random_calls = {node: call_index[node] for node in joint.call_nodes if joint.trace[call_index[node]].is_random}
-    copied_inputs = {node: (-1 - primal_index[node], 0) for node in mutated}
-    for value in copied_inputs.values():
+    random_calls = {node for node in joint.call_nodes if joint.trace[call_index[node]].is_random}
+    for node in mutated:
+        value = (-1 - primal_index[node], 0)
         nbytes.setdefault(value, nbytes_of_input(joint, value))
-    random_ancestors: dict[fx.Node, frozenset[int]] = {}
-    input_ancestors: dict[fx.Node, frozenset[Value]] = {node: frozenset({v}) for node, v in copied_inputs.items()}
-    for node in joint.graph.nodes:
-        if node in joint.forward_nodes:
-            inputs = node.all_input_nodes
-            found = frozenset().union(*(random_ancestors.get(n, frozenset()) for n in inputs))
-            random_ancestors[node] = found | {random_calls[node]} if node in random_calls else found
-            input_ancestors[node] = frozenset().union(*(input_ancestors.get(n, frozenset()) for n in inputs))
     varying = _varying(joint, forward_mode=False)
     returned = {joint.outputs[i] for i in _returned_outputs(joint)}
-    differentiated = {v: node for v, node in value_nodes.items() if node in varying and node not in returned}
     return Dataflow(
         reads=reads,
         backward_reads=backward_reads,
@@ -105,8 +95,8 @@ def dataflow_of(joint: JointGraph) -> Dataflow:
         rng_state_nbytes=tuple(
             _rng.state_nbytes(device_of(node)) if node in random_calls else 0 for node in joint.call_nodes
         ),
-        random_ancestors={v: random_ancestors[n] for v, n in differentiated.items() if random_ancestors.get(n)},
-        input_ancestors={v: input_ancestors[n] for v, n in differentiated.items() if input_ancestors.get(n)},
+        varying=frozenset(v for v, node in value_nodes.items() if node in varying),
+        returned=frozenset(v for v, node in value_nodes.items() if node in returned),
     )
 
 
@@ -130,8 +120,18 @@ def evaluate(dataflow: Dataflow, saved: set[int]) -> tuple[set[int], int]:
             replayed.add(call)
             stack.extend(dataflow.reads[call])
     states = {c for c in replayed if dataflow.rng_state_nbytes[c]}
-    for value in list(kept):
-        states |= dataflow.random_ancestors.get(value, frozenset())
-        kept |= dataflow.input_ancestors.get(value, frozenset())
-    kept_bytes = sum(dataflow.nbytes.get(value, 0) for value in kept)
+    # What differentiating the kept values again recomputes: see `partition`'s pure forward.
+    recomputed: set[int] = set()
+    stack = [v for v in kept if v[0] >= 0 and v in dataflow.varying and v not in dataflow.returned]
+    copies = {v for v in kept if v[0] < 0}
+    while stack:
+        value = stack.pop()
+        call = value[0]
+        if call < 0:
+            copies.add(value)
+        elif call not in recomputed:
+            recomputed.add(call)
+            stack.extend(v for v in dataflow.reads[call] if v not in kept or v in dataflow.varying or v[0] < 0)
+    states |= {c for c in recomputed if dataflow.rng_state_nbytes[c]}
+    kept_bytes = sum(dataflow.nbytes.get(value, 0) for value in kept | copies)
     return replayed, kept_bytes + sum(dataflow.rng_state_nbytes[c] for c in states)
