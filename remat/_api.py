@@ -60,6 +60,14 @@ class Checkpointed(Generic[P, T]):
 
     It traces the wrapped function once per signature (cached), and exposes
     `cache_info()` and `cache_clear()` like `functools.lru_cache`.
+
+    >>> import torch, remat
+    >>> f = remat.checkpoint(lambda x: x.sin().cos().sum(), policy=remat.policies.save_everything)
+    >>> f
+    remat.checkpoint(<lambda>, policy=save_everything)
+    >>> f(torch.ones(3, requires_grad=True)).backward()
+    >>> f.cache_info().traces
+    1
     """
 
     def __init__(self, fn: Callable[P, T], policy: Any, cache_size: int):

@@ -19,6 +19,13 @@ class CacheInfo(NamedTuple):
 
     `hits` and `misses` count calls; `traces` counts traces (a miss, or a hit
     whose closed-over tensors changed shape, dtype, device or requires_grad).
+
+    >>> import torch, remat
+    >>> f = remat.checkpoint(lambda x: x.sin().sum())
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> _ = f(x), f(x), f(torch.ones(5, requires_grad=True))  # the third call has a new shape
+    >>> f.cache_info()
+    CacheInfo(hits=1, misses=2, traces=2, size=2, maxsize=64)
     """
 
     hits: int

@@ -77,6 +77,13 @@ class Call:
         nbytes: bytes of its tensor outputs.
         is_random: whether it draws from a random number generator.
         source: `file:line` of the user code that issued it, when known.
+
+    >>> import torch, remat
+    >>> mm, relu = remat.trace(lambda a, b: (a @ b).relu(), torch.ones(2, 3), torch.ones(3, 4))
+    >>> mm.name, mm.flops, mm.nbytes
+    ('aten.mm.default', 48, 32)
+    >>> print(relu)
+    #1 aten.relu.default -> float32[2,4]
     """
 
     index: int
@@ -137,6 +144,13 @@ class Dataflow:
     Keeping a varying value that is not returned also keeps what recomputing it needs, so
     that it can be differentiated again: the overwritten inputs and generator states behind
     it, up to kept values without a derivative (see `partition`'s pure forward).
+
+    >>> import torch, remat
+    >>> flow = remat.trace(lambda x: x.sin().sin(), torch.ones(4, requires_grad=True)).dataflow
+    >>> flow.backward_reads  # the second sin's gradient reads the first sin's output
+    frozenset({(0, 0)})
+    >>> flow.reads[1], flow.nbytes[0, 0]  # replaying the second sin reads it too; keeping it costs 16 bytes
+    (frozenset({(0, 0)}), 16)
     """
 
     reads: tuple[frozenset[Value], ...]

@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from ._calls import Decision, Trace
+from ._calls import Call, Decision, Trace
 
-__all__ = ["decide", "decide_nested"]
+__all__ = ["decide", "decide_call", "decide_nested"]
 
 
 def decide(policy: Any, trace: Trace) -> tuple[Decision, ...]:
@@ -30,6 +30,18 @@ def decide(policy: Any, trace: Trace) -> tuple[Decision, ...]:
         f"remat.checkpoint: `policy` must be None, a callable `policy(call) -> remat.Decision | bool`, or a "
         f"planner with a `plan(trace)` method, but got {policy!r} of type {type(policy).__qualname__}."
     )
+
+
+def decide_call(policy: Any, call: Call) -> Decision:
+    """Ask a per-call `policy` (None, or a callable) about one call."""
+    if policy is None:
+        return Decision.RECOMPUTE
+    if not callable(policy):
+        raise TypeError(
+            f"remat.checkpoint: `policy` must be None, a callable `policy(call) -> remat.Decision | bool`, or a "
+            f"planner with a `plan(trace)` method, but got {policy!r} of type {type(policy).__qualname__}."
+        )
+    return _as_decision(policy, call, policy(call))
 
 
 def _as_decision(policy: Any, call: Any, value: Any) -> Decision:

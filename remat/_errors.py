@@ -24,6 +24,13 @@ class TraceError(RuntimeError):
 
     Raised by `remat.checkpoint`, `remat.trace` and `remat.report` with an
     explanation of what in `fn` prevented tracing and how to change it.
+
+    >>> import torch, remat
+    >>> try:
+    ...     remat.trace(lambda x: x if x.sum() > 0 else -x, torch.ones(3))  # branches on a tensor's value
+    ... except remat.TraceError as error:
+    ...     print(str(error).split(":")[0])
+    remat.checkpoint could not trace `<lambda>`
     """
 
 

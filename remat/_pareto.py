@@ -31,6 +31,14 @@ class Pareto:
         curve: one point per budget, by growing budget: the exact planner's optimum.
         policies: `save_nothing`, `dots_saveable` and `save_everything` on the same trace.
         device: the device of the roofline time estimates.
+
+    >>> import torch, remat
+    >>> x = torch.ones(1000, requires_grad=True)
+    >>> frontier = remat.pareto(lambda x: x.sin().sin().sin().sum(), x, budgets=[0, 4000, 8000])
+    >>> [(point.saved_bytes, point.replay_flops) for point in frontier.curve]
+    [(0, 2000), (4000, 1000), (8000, 0)]
+    >>> [point.label for point in frontier.policies]
+    ['save_nothing', 'dots_saveable', 'save_everything']
     """
 
     curve: tuple[ParetoPoint, ...]

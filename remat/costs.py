@@ -69,6 +69,13 @@ class Device:
             run at `vector_flops`.
         vector_flops: peak FLOP/s of every other call (float32 on the vector units).
         bandwidth: memory bandwidth in bytes per second.
+
+    >>> import torch, remat
+    >>> from remat.costs import Device, estimate_seconds
+    >>> slow = Device("slow", matmul_flops=((torch.float32, 1e9),), vector_flops=1e8, bandwidth=1e12)
+    >>> mm = remat.trace(lambda a, b: a @ b, torch.ones(10, 10), torch.ones(10, 10))[0]
+    >>> estimate_seconds(mm, slow)  # 2000 FLOPs at 1e9 FLOP/s take longer than 1200 bytes at 1e12 B/s
+    2e-06
     """
 
     name: str
@@ -131,6 +138,12 @@ def estimate_seconds(call: Call, device: str | Device = "h100") -> float:
 
     Returns:
         Seconds.
+
+    >>> import torch, remat
+    >>> from remat.costs import estimate_seconds
+    >>> relu = remat.trace(lambda x: x.relu(), torch.ones(1000))[0]
+    >>> estimate_seconds(relu, "cpu")  # 8000 bytes in and out at 200 GB/s; its 1000 FLOPs take 1e-09 s
+    4e-08
     """
     resolved = resolve_device(device)
     moved = _tensor_bytes(call.inputs) + _tensor_bytes(value for _, value in call.kwargs) + call.nbytes

@@ -53,7 +53,15 @@ PolicyLike = Union[Callable[[Call], Decision | bool], "Policy", None]
 
 
 class Policy:
-    """Base of the built-in policies: a planner that combines with `|`, `&` and `~`."""
+    """Base of the built-in policies: a planner that combines with `|`, `&` and `~`.
+
+    >>> import torch, remat
+    >>> policy = remat.policies.save_ops(torch.ops.aten.mm) | remat.policies.save_calls(1)
+    >>> isinstance(policy, remat.policies.Policy)
+    True
+    >>> policy.plan(remat.trace(lambda a, b: (a @ b).relu().sin(), torch.ones(2, 3), torch.ones(3, 4)))
+    (remat.SAVE, remat.SAVE, remat.RECOMPUTE)
+    """
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
         """One decision per call of `trace`."""
@@ -431,7 +439,15 @@ def save_by_cost(seconds_per_byte: float, device: str | Device = "h100") -> Poli
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Budget(Policy):
-    """A memory-budget planner: see `budget`."""
+    """A memory-budget planner: see `budget`.
+
+    >>> import torch, remat
+    >>> policy = remat.policies.budget(max_bytes=4000, exact=True)
+    >>> trace = remat.trace(lambda x: x.sin().sin().sin().sum(), torch.ones(1000, requires_grad=True))
+    >>> plan = policy.solve(trace)  # keep one sin's output (4000 bytes), replay the other
+    >>> plan.saved_bytes, plan.cost
+    (4000, 1000.0)
+    """
 
     max_bytes: int | None
     fraction: float | None
@@ -547,6 +563,11 @@ class _Combined(Policy):
             for i in range(len(trace))
         )
 
+    def _decide(self, call: Call) -> Decision:
+        combine = all if self.require_all else any
+        saves = combine(_decide_one(policy, call) is Decision.SAVE for policy in self.policies)
+        return Decision.SAVE if saves else Decision.RECOMPUTE
+
     def __repr__(self) -> str:
         name = "save_all_of" if self.require_all else "save_any_of"
         return f"{name}({', '.join(map(repr, self.policies))})"
@@ -583,8 +604,18 @@ class _Not(Policy):
 
         return tuple(Decision.RECOMPUTE if d is Decision.SAVE else Decision.SAVE for d in decide(self.policy, trace))
 
+    def _decide(self, call: Call) -> Decision:
+        return Decision.RECOMPUTE if _decide_one(self.policy, call) is Decision.SAVE else Decision.SAVE
+
     def __repr__(self) -> str:
         return f"~{self.policy!r}"
+
+
+def _decide_one(policy: PolicyLike, call: Call) -> Decision:
+    """What `policy` decides for one call (a planner over a whole trace cannot say: see `plan`)."""
+    from ._decide import decide_call
+
+    return decide_call(policy, call)
 
 
 def save_unless(policy: PolicyLike, unless: PolicyLike) -> Policy:

@@ -90,6 +90,13 @@ class Report:
 
     `str(report)` is a table in the spirit of JAX's `print_saved_residuals`;
     `report.to_dict()` gives the same as data.
+
+    >>> import torch, remat
+    >>> r = remat.report(lambda x: x.sin().sin().sum(), torch.ones(4, requires_grad=True))
+    >>> r.saved_bytes, r.replayed_calls  # save_nothing: backward replays the first sin
+    (0, (0,))
+    >>> [row.decision for row in r.rows]
+    [remat.RECOMPUTE, remat.RECOMPUTE, remat.RECOMPUTE]
     """
 
     saved_bytes: int

@@ -218,7 +218,15 @@ RANDOM_OPS = frozenset({"dropout", "bernoulli", "rand_like", "randn_like"})
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One op of a random function: `values[len(values)] = CATALOG[op](values[x], values[y])`."""
+    """One op of a random function: `values[len(values)] = CATALOG[op](values[x], values[y])`.
+
+    >>> import remat.testing
+    >>> step = remat.testing.Step("mul", 0, 1)
+    >>> step
+    Step(op='mul', x=0, y=1)
+    >>> remat.testing.CATALOG[step.op][0]  # how many operands the op reads (a unary op ignores `y`)
+    2
+    """
 
     op: str
     x: int
@@ -239,6 +247,15 @@ class RandomFunction:
         steps: the ops, in order.
         outputs: indices of the returned values (a tensor if one, else a tuple).
         seed: the seed of its closed-over constants.
+
+    >>> import torch, remat.testing
+    >>> from remat.testing import RandomFunction, Step
+    >>> fn = RandomFunction(shape=(2, 3), n_inputs=1, steps=(Step("sin", 0, 0), Step("mul", 0, 1)), outputs=(2,))
+    >>> fn
+    RandomFunction(shape=(2, 3), inputs=1, seed=0, ops=[v1 = sin(v0); v2 = mul(v0, v1)], outputs=(v2))
+    >>> x = torch.ones(2, 3)
+    >>> torch.equal(fn(x), x * x.sin())
+    True
     """
 
     shape: tuple[int, int]
