@@ -203,6 +203,27 @@ def assert_same_outputs_and_grads(
     return actual
 
 
+# --- bytes kept for backward -----------------------------------------------------------------------
+
+
+def bytes_seen_by_saved_tensors_hooks(fn: Callable[..., Any], x: torch.Tensor, exclude: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves during `fn(x)`, other than those of `exclude`
+    (inputs, parameters): what a user's `saved_tensors_hooks` sees kept for backward."""
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = fn(x)
+    out.sum().backward()  # the saved tensors were alive until here: their addresses were distinct
+    return sum(storages.values())
+
+
 # --- counting dispatched ops ---------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import models
 import pytest
 import torch
-from conftest import assert_same_outputs_and_grads, examples
+from conftest import assert_same_outputs_and_grads, bytes_seen_by_saved_tensors_hooks, examples
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -36,22 +36,6 @@ def _block_trace(attention: str = "sdpa") -> remat.Trace:
 def _everything_bytes(trace: remat.Trace) -> int:
     assert trace.dataflow is not None
     return evaluate(trace.dataflow, set(range(len(trace))))[1]
-
-
-def _kept_bytes_seen_by_hooks(fn: Any, x: torch.Tensor, exclude: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages autograd keeps for `fn(x)`, inputs and parameters excluded."""
-    excluded = {t.untyped_storage().data_ptr() for t in exclude}
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return sum(storages.values())
 
 
 # --- the accounting is the partitioner's ----------------------------------------------------------
@@ -93,7 +77,7 @@ def test_budget_is_never_exceeded_on_a_gpt2_block(fraction: float, exact: bool) 
     assert report.saved_bytes <= limit
     checkpointed = remat.checkpoint(block, policy=policy)
     checkpointed(x)  # trace first: the measurement below sees one cached call
-    measured = _kept_bytes_seen_by_hooks(checkpointed, x, [x, *block.parameters()])
+    measured = bytes_seen_by_saved_tensors_hooks(checkpointed, x, [x, *block.parameters()])
     assert measured == report.saved_bytes
     assert_same_outputs_and_grads(block, checkpointed, (x,), params=list(block.parameters()))
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import bytes_seen_by_saved_tensors_hooks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -458,30 +459,13 @@ def test_random_call_that_backward_does_not_read_keeps_no_state(device: torch.de
 # --- report.saved_bytes against an independent measurement ---------------------------------------
 
 
-def _bytes_seen_by_saved_tensors_hooks(fn: Callable[..., Any], x: torch.Tensor, exclude: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages autograd saves during `fn(x)`, other than those of `exclude`."""
-    excluded = {t.untyped_storage().data_ptr() for t in exclude}
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = fn(x)
-    out.sum().backward()  # the saved tensors were alive until here: their addresses were distinct
-    return sum(storages.values())
-
-
 @POLICIES
 def test_saved_bytes_equal_what_saved_tensors_hooks_see(policy: Any, device: torch.device) -> None:
     net = dropout_mlp(device)
     x = _randn(5, 8, device=device, seed=1)
     checkpointed = remat.checkpoint(net, policy=policy)
     report = remat.report(checkpointed, x)  # traces it (cached)
-    measured = _bytes_seen_by_saved_tensors_hooks(checkpointed, x, [x, *net.parameters()])
+    measured = bytes_seen_by_saved_tensors_hooks(checkpointed, x, [x, *net.parameters()])
     assert checkpointed.cache_info().traces == 1, "the measured call must not trace"
     assert measured == report.saved_bytes
     if policy is policies.save_nothing:
