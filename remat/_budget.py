@@ -34,6 +34,7 @@ __all__ = ["InfeasibleBudget", "Plan", "evaluate", "minimum_bytes", "solve"]
 #   s_c + r_c >= 1, k_v >= s_c           for v = (c, i) backward reads
 #   r_u <= s_c + r_c, k_v >= s_c + r_u - 1   for v = (c, i) a replay of u reads
 #   k_v <= s_c, k_v <= [backward reads v] + sum(r_u for u reading v)   kept only if saved and read
+#   r_c <= sum(r_u for u reading a value of c), unless backward reads one   replayed only if read
 #   p_c >= k_v                           a kept differentiable value (not returned) is recomputed from
 #   p_d >= p_u (- k_v if v = (d, i) has no derivative)   its inputs, to differentiate it again,
 #                                        stopping at kept values without a derivative
@@ -130,6 +131,14 @@ class _Program:
                 else:
                     row({r(user): 1, value_index[value]: -1}, 0)
                     row({p(user): 1, value_index[value]: -1}, 0)
+        # replayed only if backward or another replay reads one of its values (so no replay is
+        # spurious: a spurious one could claim a read that keeps a constant, stopping a walk for free)
+        values_of: dict[int, list[Value]] = {}
+        for value in self.values:
+            values_of.setdefault(value[0], []).append(value)
+        for c in range(n):
+            if not any(v in dataflow.backward_reads for v in values_of.get(c, [])):
+                row({r(c): 1, **{r(u): -1 for v in values_of.get(c, []) for u in readers[v] if u != c}}, 0)
         for value in self.values:  # kept only if saved and read (so no constant stops a walk for free)
             call = value[0]
             if call >= 0:

@@ -224,3 +224,17 @@ def test_regression_a_kept_value_without_a_derivative_stops_the_recomputation_be
     assert report.saved_bytes == 24
     plan = policies.budget(max_bytes=24, exact=True).solve(trace)
     assert plan.saved_bytes <= 24
+
+
+def test_regression_the_planner_cannot_claim_a_replay_nothing_needs() -> None:
+    # The 0-1 program could mark a call replayed that nothing reads, so that it "read" a kept value
+    # without a derivative and stopped a recomputation for free: the plan kept more than planned,
+    # and a feasible budget (save_nothing's own 5,056 bytes) was called infeasible.
+    fn = RandomFunction((1, 2), 1, (Step("abs", 0, 0), Step("rand_like", 1, 1), Step("abs", 2, 2)), (3,))
+    x = torch.tensor([[1.5410, -0.2934]], dtype=DTYPE, requires_grad=True)
+    trace = remat.trace(fn, x)
+    limit = remat.report(fn, x, policy=policies.save_nothing).saved_bytes
+    plan = policies.budget(max_bytes=limit, exact=True).solve(trace)
+    report = remat.report(fn, x, policy=policies.budget(max_bytes=limit, exact=True))
+    assert plan.saved_bytes == report.saved_bytes <= limit
+    assert plan.cost <= report.recompute_flops <= remat.report(fn, x).recompute_flops
