@@ -17,6 +17,7 @@ from scipy.sparse import lil_array
 
 from ._calls import Dataflow, Decision, Trace, Value
 from ._dataflow import evaluate
+from ._decide import is_collective
 from .costs import estimate_seconds, resolve_device
 
 __all__ = ["InfeasibleBudget", "Plan", "evaluate", "minimum_bytes", "solve"]
@@ -77,7 +78,7 @@ def call_costs(trace: Trace, cost: str) -> list[float]:
 class _Program:
     """The 0-1 program of NOTE [the budget problem], as matrices for scipy."""
 
-    def __init__(self, dataflow: Dataflow, costs: Sequence[float]):
+    def __init__(self, dataflow: Dataflow, costs: Sequence[float], forced: frozenset[int] = frozenset()):
         n = len(costs)
         self.n = n
         self.values = sorted(dataflow.nbytes)
@@ -105,6 +106,8 @@ class _Program:
         readers: dict[Value, list[int]] = {v: [] for v in self.values}
         for c in range(n):
             row({s(c): 1, r(c): 1}, 1)
+        for c in forced:  # collectives: see NOTE [collectives are never replayed]
+            row({s(c): -1}, -1)
         for value in dataflow.backward_reads:
             call = value[0]
             if value not in value_index:
@@ -202,7 +205,8 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool) -> Plan:
     assert dataflow is not None
     started = time.perf_counter()
     costs = call_costs(trace, cost)
-    program = _Program(dataflow, costs)
+    forced = frozenset(call.index for call in trace if is_collective(call))
+    program = _Program(dataflow, costs, forced)
     candidates: list[set[int]] = []
     if exact:
         solution, bound = program.solve(budget, integral=True)
@@ -213,7 +217,7 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool) -> Plan:
         solution, milp_bound = program.solve(budget, integral=True, time_limit=FAST_TIME_LIMIT)
         bound = max(bound, milp_bound)
         if solution is None:
-            candidates.append(_round_and_repair(dataflow, costs, relaxed[: program.n], budget))
+            candidates.append(forced | _round_and_repair(dataflow, costs, relaxed[: program.n], budget))
     if solution is not None:
         candidates.append({c for c in range(program.n) if solution[c] > 0.5})
     scored = []
@@ -271,7 +275,8 @@ def minimum_bytes(trace: Trace) -> int:
     """The fewest bytes any decisions for `trace` keep."""
     dataflow = trace.dataflow
     assert dataflow is not None
-    program = _Program(dataflow, [0.0] * len(trace))
+    forced = frozenset(call.index for call in trace if is_collective(call))
+    program = _Program(dataflow, [0.0] * len(trace), forced)
     objective = np.zeros(program.size)
     for j, a in program.budget_row.items():
         objective[j] = a

@@ -69,4 +69,20 @@ def decide_nested(policy: Any, trace: Trace, regions: Sequence[tuple[Any, Sequen
         )
         for i, decision in zip(indices, decide(inner_policy, inner), strict=True):
             decisions[i] = decision
+    for call in trace:  # See NOTE [collectives are never replayed].
+        if is_collective(call):
+            decisions[call.index] = Decision.SAVE
     return tuple(decisions)
+
+
+# NOTE [collectives are never replayed]
+# A collective (all_reduce, all_gather, ...) replayed in backward would run once more on every
+# rank, out of step with the collectives the ranks issue in their own backward (and cost a round
+# of communication). Whatever the policy says, remat saves every collective call (and its wait),
+# so backward reads their results instead.
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
+
+
+def is_collective(call: Call) -> bool:
+    """Whether `call` communicates with other ranks (a functional collective or its wait)."""
+    return getattr(call.op, "namespace", None) in _COLLECTIVE_NAMESPACES

@@ -62,7 +62,15 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "depends on the values of its inputs (such as `nonzero`, `masked_select` or boolean-mask "
             "indexing). Use a fixed-shape alternative such as `torch.where`."
         ) from error
-
+    except AssertionError as error:
+        if "Could not find a token for effect" not in str(error) or "c10d" not in str(error):
+            raise
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it calls an in-place collective{_at(error)} "
+            "(`torch.distributed.all_reduce` and friends), which cannot be traced. Use the functional "
+            "collectives of `torch.distributed._functional_collectives` (`all_reduce(tensor, 'sum', group)` "
+            "returns the result), which remat traces and always saves, so that backward never replays one."
+        ) from error
     except RuntimeError as error:
         if "leaf Variable that requires grad is being used in an in-place operation" not in str(error):
             raise

@@ -8,6 +8,7 @@ from typing import Any
 
 from ._calls import Decision, Trace, format_bytes
 from ._dataflow import evaluate
+from ._decide import is_collective
 from .costs import estimate_seconds
 
 __all__ = ["Pareto", "ParetoPoint", "pareto"]
@@ -92,6 +93,7 @@ class Pareto:
 
 
 def _point(label: str, trace: Trace, saved: set[int], device: str) -> ParetoPoint:
+    saved = saved | {call.index for call in trace if is_collective(call)}  # always saved
     replayed, kept = evaluate(trace.dataflow, saved)  # type: ignore[arg-type]
     return ParetoPoint(
         label,

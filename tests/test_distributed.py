@@ -109,3 +109,63 @@ def test_training_steps_match_the_model_without_checkpoints(wrapper: str, policy
     results = mp.Manager().dict()
     mp.spawn(_train, args=(_free_port(), wrapper, policy_name, results), nprocs=WORLD)
     assert dict(results) == {rank: "ok" for rank in range(WORLD)}
+
+
+def _collective_case(rank: int, port: int, results: Any) -> None:
+    import torch.distributed._functional_collectives as collectives
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            total = collectives.all_reduce(x.sin(), "sum", dist.group.WORLD)
+            return total.cos().sum()
+
+        x = torch.randn(4, dtype=DTYPE, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        trace = remat.trace(fn, x)
+        collective_calls = [call.index for call in trace if call.op.namespace == "_c10d_functional"]
+        assert len(collective_calls) == 2, trace  # the all_reduce and its wait
+        for policy in (policies.save_nothing, policies.budget(max_bytes=0 + 2 * 32, exact=True)):
+            report = remat.report(fn, x, policy=policy)
+            assert all(report.rows[i].decision is remat.SAVE for i in collective_calls), report
+            assert not set(collective_calls) & set(report.replayed_calls), report
+            (grad,) = torch.autograd.grad(remat.checkpoint(fn, policy=policy)(x), x)
+            (expected,) = torch.autograd.grad(fn(x), x)
+            torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+        results[rank] = "ok"
+    except BaseException as error:  # reported by the parent
+        results[rank] = repr(error)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_are_saved_whatever_the_policy_and_never_replayed() -> None:
+    results = mp.Manager().dict()
+    mp.spawn(_collective_case, args=(_free_port(), results), nprocs=WORLD)
+    assert dict(results) == {rank: "ok" for rank in range(WORLD)}
+
+
+def _in_place_collective_case(rank: int, port: int, results: Any) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            y = x.sin()
+            dist.all_reduce(y)
+            return y.sum()
+
+        with pytest.raises(remat.TraceError, match=r"in-place collective .* Use the functional collectives"):
+            remat.checkpoint(fn)(torch.randn(4, dtype=DTYPE, requires_grad=True))
+        results[rank] = "ok"
+    except BaseException as error:  # reported by the parent
+        results[rank] = repr(error)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_in_place_collective_is_a_trace_error_that_names_the_functional_one() -> None:
+    results = mp.Manager().dict()
+    mp.spawn(_in_place_collective_case, args=(_free_port(), results), nprocs=WORLD)
+    assert dict(results) == {rank: "ok" for rank in range(WORLD)}
