@@ -217,7 +217,7 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool) -> Plan:
         solution, milp_bound = program.solve(budget, integral=True, time_limit=FAST_TIME_LIMIT)
         bound = max(bound, milp_bound)
         if solution is None:
-            candidates.append(forced | _round_and_repair(dataflow, costs, relaxed[: program.n], budget))
+            candidates.append(set(forced) | _round_and_repair(dataflow, costs, relaxed[: program.n], budget))
     if solution is not None:
         candidates.append({c for c in range(program.n) if solution[c] > 0.5})
     scored = []
