@@ -130,6 +130,7 @@ def _run(steps: int, width: int, depth: int) -> None:
     dist.init_process_group(backend)
     try:
         train(steps, width, depth)
+        dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()
 

@@ -94,6 +94,7 @@ def _train(rank: int, port: int, wrapper: str, policy_name: str, results: Any) -
             torch.testing.assert_close(losses[step], plain_losses[step], rtol=1e-12, atol=0)
             for actual, expected in zip(grads[step], plain_grads[step], strict=True):
                 torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+        dist.barrier()  # no rank tears its connections down while another still uses them
         results[rank] = "ok"
     except BaseException as error:  # reported by the parent
         results[rank] = repr(error)
@@ -133,6 +134,7 @@ def _collective_case(rank: int, port: int, results: Any) -> None:
             (grad,) = torch.autograd.grad(remat.checkpoint(fn, policy=policy)(x), x)
             (expected,) = torch.autograd.grad(fn(x), x)
             torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+        dist.barrier()  # no rank tears its connections down while another still uses them
         results[rank] = "ok"
     except BaseException as error:  # reported by the parent
         results[rank] = repr(error)
@@ -158,6 +160,7 @@ def _in_place_collective_case(rank: int, port: int, results: Any) -> None:
 
         with pytest.raises(remat.TraceError, match=r"in-place collective .* Use the functional collectives"):
             remat.checkpoint(fn)(torch.randn(4, dtype=DTYPE, requires_grad=True))
+        dist.barrier()  # no rank tears its connections down while another still uses them
         results[rank] = "ok"
     except BaseException as error:  # reported by the parent
         results[rank] = repr(error)
