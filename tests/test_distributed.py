@@ -1,6 +1,6 @@
 """remat inside PyTorch's own data parallelism: DDP and FSDP2 (`fully_shard`), 2 CPU processes on gloo.
 
-Each case trains a few steps of a small residual stack whose blocks are checkpointed with
+Each case trains a few steps of a small GPT-2-style transformer whose blocks are checkpointed with
 `remat.checkpoint_modules`, and compares every rank's losses and gradients with the same model
 without checkpointing under the same wrapper.
 """
@@ -12,6 +12,7 @@ import os
 import socket
 from typing import Any
 
+import models
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,19 +27,9 @@ STEPS = 3
 DTYPE = torch.float64
 
 
-class Block(nn.Module):
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, 2 * width)
-        self.fc2 = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-
-
 def _mixed(call: remat.Call) -> bool:
-    """Save the first linear of every block, replay the rest."""
-    return call.module == "fc1"
+    """Save each block's attention input projection and first MLP matmul, replay the rest."""
+    return call.module in ("c_attn", "mlp.0")
 
 
 POLICIES = {"save_nothing": policies.save_nothing, "mixed": _mixed}
@@ -69,9 +60,9 @@ def _train(rank: int, port: int, wrapper: str, policy_name: str, results: Any) -
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         torch.manual_seed(0)
-        plain = nn.Sequential(*[Block() for _ in range(3)]).to(DTYPE)
+        plain = nn.Sequential(*[models.GPT2Block(seed=i) for i in range(2)]).to(DTYPE)
         checkpointed = copy.deepcopy(plain)
-        remat.checkpoint_modules(checkpointed, Block, policy=POLICIES[policy_name])
+        remat.checkpoint_modules(checkpointed, models.GPT2Block, policy=POLICIES[policy_name])
         runs = []
         for model in (_wrap(plain, wrapper), _wrap(checkpointed, wrapper)):
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -79,7 +70,7 @@ def _train(rank: int, port: int, wrapper: str, policy_name: str, results: Any) -
             losses, grads = [], []
             for _ in range(STEPS):
                 optimizer.zero_grad()
-                loss = model(torch.randn(4, 16, dtype=DTYPE, generator=generator)).square().mean()
+                loss = model(torch.randn(2, 8, 32, dtype=DTYPE, generator=generator)).square().mean()
                 loss.backward()
                 losses.append(loss.item())
                 grads.append([_full(p.grad).clone() for p in model.parameters()])
