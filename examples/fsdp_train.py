@@ -16,6 +16,7 @@ import argparse
 import copy
 import os
 import socket
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -123,6 +124,12 @@ def train(steps: int, width: int, depth: int) -> None:
 def _spawned(rank: int, world: int, port: int, steps: int, width: int, depth: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     _run(steps, width, depth)
+    # Leave without the interpreter's shutdown: now and then a gloo worker thread still being torn
+    # down aborts the process there ("terminate called without an active exception"), after the
+    # work is done and checked.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run(steps: int, width: int, depth: int) -> None:
