@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 
 from ._calls import Call, Decision, Trace, format_bytes, op_name
+from ._decide import decide, decide_call
 from .costs import DEVICES, MATMUL_OPS, Device, estimate_seconds, resolve_device
 
 if TYPE_CHECKING:  # scipy, which solving needs, is imported on first use
@@ -554,8 +555,6 @@ class _Combined(Policy):
     require_all: bool
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
-        from ._decide import decide
-
         plans = [decide(policy, trace) for policy in self.policies]
         combine = all if self.require_all else any
         return tuple(
@@ -565,7 +564,7 @@ class _Combined(Policy):
 
     def _decide(self, call: Call) -> Decision:
         combine = all if self.require_all else any
-        saves = combine(_decide_one(policy, call) is Decision.SAVE for policy in self.policies)
+        saves = combine(decide_call(policy, call) is Decision.SAVE for policy in self.policies)
         return Decision.SAVE if saves else Decision.RECOMPUTE
 
     def __repr__(self) -> str:
@@ -600,22 +599,13 @@ class _Not(Policy):
     policy: Any
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
-        from ._decide import decide
-
         return tuple(Decision.RECOMPUTE if d is Decision.SAVE else Decision.SAVE for d in decide(self.policy, trace))
 
     def _decide(self, call: Call) -> Decision:
-        return Decision.RECOMPUTE if _decide_one(self.policy, call) is Decision.SAVE else Decision.SAVE
+        return Decision.RECOMPUTE if decide_call(self.policy, call) is Decision.SAVE else Decision.SAVE
 
     def __repr__(self) -> str:
         return f"~{self.policy!r}"
-
-
-def _decide_one(policy: PolicyLike, call: Call) -> Decision:
-    """What `policy` decides for one call (a planner over a whole trace cannot say: see `plan`)."""
-    from ._decide import decide_call
-
-    return decide_call(policy, call)
 
 
 def save_unless(policy: PolicyLike, unless: PolicyLike) -> Policy:

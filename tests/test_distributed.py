@@ -11,6 +11,7 @@ import copy
 import os
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import models
@@ -36,12 +37,30 @@ def _mixed(call: remat.Call) -> bool:
 POLICIES = {"save_nothing": policies.save_nothing, "mixed": _mixed}
 
 
-def _leave() -> None:
-    """End a worker without the interpreter's shutdown, where a gloo thread still being torn down
-    now and then aborts the process after its result is in (see examples/fsdp_train.py)."""
+def _worker(rank: int, port: int, case: Callable[..., None], args: tuple[Any, ...], results: Any) -> None:
+    """Run `case(rank, *args)` in a process group of WORLD gloo ranks, reporting to `results`."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        case(rank, *args)
+        dist.barrier()  # no rank tears its connections down while another still uses them
+        results[rank] = "ok"
+    except BaseException as error:  # reported by the parent
+        results[rank] = repr(error)
+    finally:
+        dist.destroy_process_group()
+    # Leave without the interpreter's shutdown, where a gloo thread still being torn down now
+    # and then aborts the process after its result is in (see examples/fsdp_train.py).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _on_every_rank(case: Callable[..., None], *args: Any) -> None:
+    """Run `case` on WORLD processes and fail with what any rank raised."""
+    results = mp.Manager().dict()
+    mp.spawn(_worker, args=(_free_port(), case, args, results), nprocs=WORLD)
+    assert dict(results) == {rank: "ok" for rank in range(WORLD)}
 
 
 def _free_port() -> int:
@@ -64,43 +83,33 @@ def _full(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
 
 
-def _train(rank: int, port: int, wrapper: str, policy_name: str, results: Any) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(0)
-        plain = nn.Sequential(*[models.GPT2Block(seed=i) for i in range(2)]).to(DTYPE)
-        checkpointed = copy.deepcopy(plain)
-        remat.checkpoint_modules(checkpointed, models.GPT2Block, policy=POLICIES[policy_name])
-        runs = []
-        for model in (_wrap(plain, wrapper), _wrap(checkpointed, wrapper)):
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-            generator = torch.Generator().manual_seed(rank)
-            losses, grads = [], []
-            for _ in range(STEPS):
-                optimizer.zero_grad()
-                loss = model(torch.randn(2, 8, 32, dtype=DTYPE, generator=generator)).square().mean()
-                loss.backward()
-                losses.append(loss.item())
-                grads.append([_full(p.grad).clone() for p in model.parameters()])
-                optimizer.step()
-            runs.append((losses, grads))
-        (plain_losses, plain_grads), (losses, grads) = runs
-        # remat really ran inside the wrapper: every block was traced, and later steps hit its cache.
-        for block in checkpointed:
-            info = block.forward.cache_info()
-            assert info.traces >= 1 and info.hits >= STEPS - 1, info
-        for step in range(STEPS):
-            torch.testing.assert_close(losses[step], plain_losses[step], rtol=1e-12, atol=0)
-            for actual, expected in zip(grads[step], plain_grads[step], strict=True):
-                torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
-        dist.barrier()  # no rank tears its connections down while another still uses them
-        results[rank] = "ok"
-    except BaseException as error:  # reported by the parent
-        results[rank] = repr(error)
-    finally:
-        dist.destroy_process_group()
-    _leave()
+def _train(rank: int, wrapper: str, policy_name: str) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[models.GPT2Block(seed=i) for i in range(2)]).to(DTYPE)
+    checkpointed = copy.deepcopy(plain)
+    remat.checkpoint_modules(checkpointed, models.GPT2Block, policy=POLICIES[policy_name])
+    runs = []
+    for model in (_wrap(plain, wrapper), _wrap(checkpointed, wrapper)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        generator = torch.Generator().manual_seed(rank)
+        losses, grads = [], []
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            loss = model(torch.randn(2, 8, 32, dtype=DTYPE, generator=generator)).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            grads.append([_full(p.grad).clone() for p in model.parameters()])
+            optimizer.step()
+        runs.append((losses, grads))
+    (plain_losses, plain_grads), (losses, grads) = runs
+    # remat really ran inside the wrapper: every block was traced, and later steps hit its cache.
+    for block in checkpointed:
+        info = block.forward.cache_info()
+        assert info.traces >= 1 and info.hits >= STEPS - 1, info
+    for step in range(STEPS):
+        torch.testing.assert_close(losses[step], plain_losses[step], rtol=1e-12, atol=0)
+        for actual, expected in zip(grads[step], plain_grads[step], strict=True):
+            torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("policy_name", list(POLICIES))
@@ -108,70 +117,42 @@ def _train(rank: int, port: int, wrapper: str, policy_name: str, results: Any) -
 def test_training_steps_match_the_model_without_checkpoints(wrapper: str, policy_name: str) -> None:
     if not dist.is_available():
         pytest.fail("torch.distributed is not available in this build")
-    results = mp.Manager().dict()
-    mp.spawn(_train, args=(_free_port(), wrapper, policy_name, results), nprocs=WORLD)
-    assert dict(results) == {rank: "ok" for rank in range(WORLD)}
+    _on_every_rank(_train, wrapper, policy_name)
 
 
-def _collective_case(rank: int, port: int, results: Any) -> None:
+def _collective_case(rank: int) -> None:
     import torch.distributed._functional_collectives as collectives
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        total = collectives.all_reduce(x.sin(), "sum", dist.group.WORLD)
+        return total.cos().sum()
 
-        def fn(x: torch.Tensor) -> torch.Tensor:
-            total = collectives.all_reduce(x.sin(), "sum", dist.group.WORLD)
-            return total.cos().sum()
-
-        x = torch.randn(4, dtype=DTYPE, generator=torch.Generator().manual_seed(rank), requires_grad=True)
-        trace = remat.trace(fn, x)
-        collective_calls = [call.index for call in trace if call.op.namespace == "_c10d_functional"]
-        assert len(collective_calls) == 2, trace  # the all_reduce and its wait
-        for policy in (policies.save_nothing, policies.budget(max_bytes=0 + 2 * 32, exact=True)):
-            report = remat.report(fn, x, policy=policy)
-            assert all(report.rows[i].decision is remat.SAVE for i in collective_calls), report
-            assert not set(collective_calls) & set(report.replayed_calls), report
-            (grad,) = torch.autograd.grad(remat.checkpoint(fn, policy=policy)(x), x)
-            (expected,) = torch.autograd.grad(fn(x), x)
-            torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
-        dist.barrier()  # no rank tears its connections down while another still uses them
-        results[rank] = "ok"
-    except BaseException as error:  # reported by the parent
-        results[rank] = repr(error)
-    finally:
-        dist.destroy_process_group()
-    _leave()
+    x = torch.randn(4, dtype=DTYPE, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    trace = remat.trace(fn, x)
+    collective_calls = [call.index for call in trace if call.op.namespace == "_c10d_functional"]
+    assert len(collective_calls) == 2, trace  # the all_reduce and its wait
+    for policy in (policies.save_nothing, policies.budget(max_bytes=2 * 32, exact=True)):
+        report = remat.report(fn, x, policy=policy)
+        assert all(report.rows[i].decision is remat.SAVE for i in collective_calls), report
+        assert not set(collective_calls) & set(report.replayed_calls), report
+        (grad,) = torch.autograd.grad(remat.checkpoint(fn, policy=policy)(x), x)
+        (expected,) = torch.autograd.grad(fn(x), x)
+        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_collectives_are_saved_whatever_the_policy_and_never_replayed() -> None:
-    results = mp.Manager().dict()
-    mp.spawn(_collective_case, args=(_free_port(), results), nprocs=WORLD)
-    assert dict(results) == {rank: "ok" for rank in range(WORLD)}
+    _on_every_rank(_collective_case)
 
 
-def _in_place_collective_case(rank: int, port: int, results: Any) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+def _in_place_collective_case(rank: int) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        dist.all_reduce(y)
+        return y.sum()
 
-        def fn(x: torch.Tensor) -> torch.Tensor:
-            y = x.sin()
-            dist.all_reduce(y)
-            return y.sum()
-
-        with pytest.raises(remat.TraceError, match=r"in-place collective .* Use the functional collectives"):
-            remat.checkpoint(fn)(torch.randn(4, dtype=DTYPE, requires_grad=True))
-        dist.barrier()  # no rank tears its connections down while another still uses them
-        results[rank] = "ok"
-    except BaseException as error:  # reported by the parent
-        results[rank] = repr(error)
-    finally:
-        dist.destroy_process_group()
-    _leave()
+    with pytest.raises(remat.TraceError, match=r"in-place collective .* Use the functional collectives"):
+        remat.checkpoint(fn)(torch.randn(4, dtype=DTYPE, requires_grad=True))
 
 
 def test_an_in_place_collective_is_a_trace_error_that_names_the_functional_one() -> None:
-    results = mp.Manager().dict()
-    mp.spawn(_in_place_collective_case, args=(_free_port(), results), nprocs=WORLD)
-    assert dict(results) == {rank: "ok" for rank in range(WORLD)}
+    _on_every_rank(_in_place_collective_case)
