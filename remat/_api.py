@@ -16,8 +16,10 @@ import torch
 from ._cache import CacheInfo, LRUCache, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
+from ._compiled import compile_options, compile_programs
 from ._dataflow import with_dataflow
 from ._decide import decide_nested
+from ._dynamo import call_under_dynamo, register
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import partition
 from ._pytree import FlatArgs, flatten_args
@@ -70,18 +72,23 @@ class Checkpointed(Generic[P, T]):
     1
     """
 
-    def __init__(self, fn: Callable[P, T], policy: Any, cache_size: int):
+    def __init__(self, fn: Callable[P, T], policy: Any, cache_size: int, compile: Any = False):
         self.__wrapped__ = fn
         self.policy = policy
+        self.compile = compile
+        self._compile_options = compile_options(compile)
         self._cache: LRUCache[list[_Entry]] = LRUCache(cache_size)
         self._roots: ModuleRoots | None = None
         self._last_key: Any = None  # the signature last traced, to explain a retrace
         self._bound: weakref.WeakKeyDictionary[Any, Checkpointed[Any, Any]] = weakref.WeakKeyDictionary()
+        self._compile_key = register(self)
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> T:
         if not torch.is_grad_enabled():
             return self.__wrapped__(*args, **kwargs)
+        if torch.compiler.is_dynamo_compiling():  # see NOTE [checkpoints inside torch.compile]
+            return cast(T, call_under_dynamo(self, self._compile_key, args, kwargs))
         if is_tracing():  # inside another checkpointed function: see NOTE [nested checkpoints]
             with nested_checkpoint(self.policy):
                 return self.__wrapped__(*args, **kwargs)
@@ -96,13 +103,15 @@ class Checkpointed(Generic[P, T]):
             return self
         bound = self._bound.get(instance)
         if bound is None:
-            bound = Checkpointed(self.__wrapped__.__get__(instance, owner), self.policy, self._cache.maxsize)  # type: ignore[attr-defined]
+            method = self.__wrapped__.__get__(instance, owner)  # type: ignore[attr-defined]
+            bound = Checkpointed(method, self.policy, self._cache.maxsize, self.compile)
             self._bound[instance] = bound
         return bound
 
     def __repr__(self) -> str:
         name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__name__)
-        return f"remat.checkpoint({name}, policy={self.policy!r})"
+        compiled = "" if self._compile_options is None else f", compile={self.compile!r}"
+        return f"remat.checkpoint({name}, policy={self.policy!r}{compiled})"
 
     def cache_info(self) -> CacheInfo:
         """Hits, misses, traces and size of the trace cache."""
@@ -136,7 +145,8 @@ class Checkpointed(Generic[P, T]):
         self._roots = roots = find_module_roots(self.__wrapped__)
         joint = with_dataflow(trace_joint(self.__wrapped__, flat, roots))
         lifted = [slot.fetch() for slot in joint.lifted]
-        entry = _Entry(joint, _executable(joint, self.policy, forward_mode), _guard(joint, lifted))
+        executable = _executable(joint, self.policy, forward_mode, self._compile_options)
+        entry = _Entry(joint, executable, _guard(joint, lifted))
         if logger.isEnabledFor(logging.DEBUG):
             signature = describe_signature(flat, key[1])
             log_trace(repr(self), signature, time.perf_counter() - started, entry.executable.programs)
@@ -146,7 +156,9 @@ class Checkpointed(Generic[P, T]):
         return entry, lifted
 
 
-def _executable(joint: JointGraph, policy: Any, forward_mode: bool) -> Executable:
+def _executable(
+    joint: JointGraph, policy: Any, forward_mode: bool, compile_options: dict[str, Any] | None
+) -> Executable:
     programs = partition(joint, decide_nested(policy, joint.trace, joint.regions), forward_mode=forward_mode)
     return Executable(
         programs=programs,
@@ -156,16 +168,26 @@ def _executable(joint: JointGraph, policy: Any, forward_mode: bool) -> Executabl
         n_user_outputs=joint.n_user_outputs,
         dirty=joint.dirty,
         output_metas=tuple(TensorMeta.of(o.meta["val"]) for o in joint.outputs),
+        compiled=None if compile_options is None else compile_programs(programs, compile_options),
     )
 
 
 @overload
-def checkpoint(fn: Callable[P, T], /, *, policy: Any = None, cache_size: int = ...) -> Checkpointed[P, T]: ...
+def checkpoint(
+    fn: Callable[P, T], /, *, policy: Any = None, cache_size: int = ..., compile: Any = ...
+) -> Checkpointed[P, T]: ...
 @overload
 def checkpoint(
-    fn: None = None, /, *, policy: Any = None, cache_size: int = ...
+    fn: None = None, /, *, policy: Any = None, cache_size: int = ..., compile: Any = ...
 ) -> Callable[[Callable[P, T]], Checkpointed[P, T]]: ...
-def checkpoint(fn: Callable[P, T] | None = None, /, *, policy: Any = None, cache_size: int = DEFAULT_CACHE_SIZE) -> Any:
+def checkpoint(
+    fn: Callable[P, T] | None = None,
+    /,
+    *,
+    policy: Any = None,
+    cache_size: int = DEFAULT_CACHE_SIZE,
+    compile: Any = False,
+) -> Any:
     """Wrap `fn` so that its backward keeps only what `policy` saves.
 
     `fn` is traced (once per input signature) into a list of op calls; the
@@ -183,6 +205,15 @@ def checkpoint(fn: Callable[P, T] | None = None, /, *, policy: Any = None, cache
             `plan(trace)`; see `remat.policies`.
         cache_size: how many signatures to keep traced (least recently used
             are dropped).
+        compile: compile the forward and backward programs with
+            `torch.compile`: `True` (inductor), a backend (`"aot_eager"`, or
+            a callable), or a dict of `torch.compile` arguments (`backend`,
+            `mode`, `options`, `fullgraph`, `dynamic`). What is kept between
+            forward and backward stays exactly what `policy` saves. Under a
+            `torch.func` transform, and when backward is differentiated again,
+            the programs run uncompiled. Inside a model that is itself
+            compiled, the model's compilation takes over (see
+            docs/compile.md).
 
     Returns:
         A function with the same signature as `fn` (for an `nn.Module`, a
@@ -197,7 +228,7 @@ def checkpoint(fn: Callable[P, T] | None = None, /, *, policy: Any = None, cache
     True
     """
     if fn is None:
-        return functools.partial(checkpoint, policy=policy, cache_size=cache_size)
+        return functools.partial(checkpoint, policy=policy, cache_size=cache_size, compile=compile)
     if not callable(fn):
         raise TypeError(
             f"remat.checkpoint: expected a function or nn.Module to wrap, but got {fn!r} of type "
@@ -206,8 +237,8 @@ def checkpoint(fn: Callable[P, T] | None = None, /, *, policy: Any = None, cache
     if isinstance(fn, torch.nn.Module):
         from ._module import CheckpointedModule
 
-        return CheckpointedModule(fn, policy, cache_size)
-    return Checkpointed(fn, policy, cache_size)
+        return CheckpointedModule(fn, policy, cache_size, compile)
+    return Checkpointed(fn, policy, cache_size, compile)
 
 
 def _joint_of(

@@ -52,9 +52,9 @@ Which = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module
 class _CheckpointedForward:
     """The instance attribute `forward` of a module checkpointed by `checkpoint_modules`."""
 
-    def __init__(self, module: nn.Module, policy: Any, cache_size: int):
+    def __init__(self, module: nn.Module, policy: Any, cache_size: int, compile: Any):
         self.replaced: Any = module.__dict__.get("forward", _NOTHING)  # an instance `forward` set before us
-        self.checkpointed: Checkpointed[..., Any] = Checkpointed(module.forward, policy, cache_size)
+        self.checkpointed: Checkpointed[..., Any] = Checkpointed(module.forward, policy, cache_size, compile)
 
     @property
     def policy(self) -> Any:
@@ -78,7 +78,9 @@ class _CheckpointedForward:
         memo[id(self)] = new
         new.replaced = copy.deepcopy(self.replaced, memo)
         original = self.checkpointed.__wrapped__
-        new.checkpointed = Checkpointed(copy.deepcopy(original, memo), self.policy, self.checkpointed._cache.maxsize)
+        new.checkpointed = Checkpointed(
+            copy.deepcopy(original, memo), self.policy, self.checkpointed._cache.maxsize, self.checkpointed.compile
+        )
         return new
 
     def __repr__(self) -> str:
@@ -88,7 +90,9 @@ class _CheckpointedForward:
 _NOTHING = object()
 
 
-def checkpoint_modules(model: M, which: Which, *, policy: Any = None, cache_size: int = DEFAULT_CACHE_SIZE) -> M:
+def checkpoint_modules(
+    model: M, which: Which, *, policy: Any = None, cache_size: int = DEFAULT_CACHE_SIZE, compile: Any = False
+) -> M:
     """Checkpoint, in place, every submodule of `model` that `which` selects.
 
     Calling a selected module then runs `remat.checkpoint` of its `forward`
@@ -116,6 +120,8 @@ def checkpoint_modules(model: M, which: Which, *, policy: Any = None, cache_size
             `lambda name, m: name.startswith("blocks.") and name.count(".") == 1`.
         policy: the policy of every selected module, as for `remat.checkpoint`.
         cache_size: how many input signatures each selected module keeps traced.
+        compile: compile each selected module's programs, as for
+            `remat.checkpoint`.
 
     Returns:
         `model` itself.
@@ -160,7 +166,7 @@ def checkpoint_modules(model: M, which: Which, *, policy: Any = None, cache_size
             f"qualified names it is given, which are those of `model.named_modules()`, e.g. {_some_names(model)}."
         )
     for module in selected:
-        module.__dict__["forward"] = _CheckpointedForward(module, policy, cache_size)
+        module.__dict__["forward"] = _CheckpointedForward(module, policy, cache_size, compile)
     return model
 
 

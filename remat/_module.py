@@ -31,13 +31,13 @@ class CheckpointedModule(nn.Module):
 
     checkpointed: Checkpointed[..., Any]
 
-    def __init__(self, module: nn.Module, policy: Any, cache_size: int):
+    def __init__(self, module: nn.Module, policy: Any, cache_size: int, compile: Any = False):
         super().__init__()
         # Share the wrapped module's tables rather than registering it as a child,
         # so that every name is the wrapped module's own.
         for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
             object.__setattr__(self, table, getattr(module, table))
-        object.__setattr__(self, "checkpointed", Checkpointed(module, policy, cache_size))
+        object.__setattr__(self, "checkpointed", Checkpointed(module, policy, cache_size, compile))
         self.training = module.training
 
     @property

@@ -13,6 +13,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._functorch.vmap import unwrap_batched
 
 from ._calls import TensorMeta
+from ._compiled import CompiledPrograms
 from ._contexts import autocast_disabled
 from ._partition import Programs
 
@@ -30,6 +31,21 @@ class Executable:
     n_user_outputs: int
     dirty: tuple[int, ...]  # primals fn updates in place that require grad: returned marked dirty
     output_metas: tuple[TensorMeta, ...]
+    compiled: CompiledPrograms | None = None  # see NOTE [compiling remat's programs]
+
+    def forward(self, *primals: torch.Tensor) -> Sequence[torch.Tensor]:
+        if self.compiled is not None and not torch._C._are_functorch_transforms_active():
+            return self.compiled.forward(*primals)  # type: ignore[no-any-return]
+        return self.programs.forward.forward(*primals)  # type: ignore[no-any-return]
+
+    def backward(self, *kept_and_tangents: torch.Tensor) -> Sequence[torch.Tensor]:
+        if (
+            self.compiled is not None
+            and not torch.is_grad_enabled()
+            and not torch._C._are_functorch_transforms_active()
+        ):
+            return self.compiled.backward(*kept_and_tangents)  # type: ignore[no-any-return]
+        return self.programs.backward.forward(*kept_and_tangents)  # type: ignore[no-any-return]
 
 
 def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -63,7 +79,7 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(executable: Executable, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         with autocast_disabled():
-            return tuple(executable.programs.forward.forward(*primals))
+            return tuple(executable.forward(*primals))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -106,7 +122,7 @@ class _CheckpointFunction(torch.autograd.Function):
                 grad = grad_of_output.get(i)
                 tangents.append(_zeros(executable.output_metas[i]) if grad is None else grad)
             with autocast_disabled():
-                computed = programs.backward.forward(*kept, *tangents)
+                computed = executable.backward(*kept, *tangents)
             for primal, grad in zip(executable.grad_of, computed, strict=True):
                 grad_inputs[primal] = grad
         activation_grads = grads[n_returned : n_returned + programs.n_activations]

@@ -1,0 +1,187 @@
+"""A checkpointed function met by `torch.compile`: remat's decisions, as the partitioner's recompute tags.
+
+See NOTE [checkpoints inside torch.compile].
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
+
+from ._calls import Call, Decision
+from ._errors import TraceError
+from ._pytree import _is_static, flatten_args
+
+if TYPE_CHECKING:
+    from ._api import Checkpointed
+
+__all__ = ["call_under_dynamo", "register"]
+
+# NOTE [checkpoints inside torch.compile]
+# Dynamo cannot trace remat's own tracing (make_fx inside a frame it compiles),
+# so while Dynamo traces a model, a checkpointed call becomes a call of
+# `torch.utils.checkpoint.checkpoint` on the wrapped function, which Dynamo
+# turns into its activation-checkpoint region and AOTAutograd traces with a
+# selective-checkpoint context. That context asks us about every aten call of
+# the region, in order, as AOTAutograd records it: we answer MUST_SAVE or
+# MUST_RECOMPUTE with remat's decision for the same call, and the min-cut
+# partitioner obeys both. remat's decisions come from its ordinary trace of
+# the wrapped function, made at that moment on empty tensors of the
+# signature Dynamo saw (shapes are specialized), outside every tracing mode:
+# the same trace and the same decisions as the eager call, cached with it.
+# The two op sequences are matched call by call, views and aliases left
+# aside as a Trace leaves them; if they ever differ, the region is not
+# guessed at: tracing stops with an error.
+
+_CHECKPOINTED: weakref.WeakValueDictionary[int, Checkpointed[Any, Any]] = weakref.WeakValueDictionary()
+_keys = itertools.count()
+
+_VIEW_OPS = frozenset(
+    {torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default, torch.ops.aten.alias.default}
+)
+
+
+def register(checkpointed: Checkpointed[Any, Any]) -> int:
+    """A key under which the selective-checkpoint context finds `checkpointed` again."""
+    key = next(_keys)
+    _CHECKPOINTED[key] = checkpointed
+    return key
+
+
+def call_under_dynamo(
+    checkpointed: Checkpointed[Any, Any], key: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """What Dynamo traces in place of a checkpointed call. See NOTE [checkpoints inside torch.compile]."""
+    signature = _signature((args, kwargs))
+    if signature is None:  # a container Dynamo cannot hand over as constants: run remat outside the graph
+        return _outside_the_graph(checkpointed, *args, **kwargs)
+    fn = checkpointed.__wrapped__
+
+    def region(*positional: Any) -> Any:
+        return fn(*positional, **kwargs)
+
+    context_fn = functools.partial(_selective_contexts, key, signature)
+    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn)
+
+
+@torch.compiler.disable
+def _outside_the_graph(checkpointed: Checkpointed[Any, Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpointed(*args, **kwargs)
+
+
+def _signature(tree: Any) -> tuple[Any, ...] | None:
+    """`tree` as nested tuples of constants (tensors by their metadata), or None if it holds
+    something else. Traced by Dynamo: every size is specialized to an int."""
+    if isinstance(tree, torch.Tensor):
+        return (
+            "tensor",
+            tuple(int(s) for s in tree.shape),
+            tuple(int(s) for s in tree.stride()),
+            tree.dtype,
+            str(tree.device),
+            tree.requires_grad,
+        )
+    if isinstance(tree, list):
+        return _sequence_signature("list", tree)
+    if type(tree) is tuple:
+        return _sequence_signature("tuple", tree)
+    if type(tree) is dict:
+        items = []
+        for name, value in tree.items():
+            item = _signature(value)
+            if item is None or not isinstance(name, str):
+                return None
+            items.append((name, item))
+        return ("dict", tuple(items))
+    if _is_static(tree):
+        return ("static", tree)
+    return None
+
+
+def _sequence_signature(kind: str, values: Sequence[Any]) -> tuple[Any, ...] | None:
+    items = []
+    for value in values:
+        item = _signature(value)
+        if item is None:
+            return None
+        items.append(item)
+    return (kind, tuple(items))
+
+
+def _example(signature: tuple[Any, ...]) -> Any:
+    """A value of this signature: empty tensors, the same static values."""
+    kind, *rest = signature
+    if kind == "tensor":
+        shape, stride, dtype, device, requires_grad = rest
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(requires_grad)
+    if kind == "list":
+        return [_example(item) for item in rest[0]]
+    if kind == "tuple":
+        return tuple(_example(item) for item in rest[0])
+    if kind == "dict":
+        return {name: _example(item) for name, item in rest[0]}
+    return rest[0]
+
+
+def _selective_contexts(key: int, signature: tuple[Any, ...]) -> tuple[Any, Any]:
+    """Called by torch's checkpoint while AOTAutograd traces the region."""
+    checkpointed = _CHECKPOINTED.get(key)
+    if checkpointed is None:
+        raise RuntimeError("remat: a checkpointed function was garbage collected while torch.compile traced it.")
+    # Out of AOTAutograd's fake, functional and proxy modes: the trace is remat's own.
+    with _disable_current_modes(), unset_fake_temporarily(), torch.enable_grad():
+        args, kwargs = _example(signature)
+        entry, _ = checkpointed._lookup(flatten_args("remat.checkpoint", args, kwargs))
+    decisions = entry.executable.programs.decisions
+    return create_selective_checkpoint_contexts(_RecomputeTags(checkpointed, tuple(entry.joint.trace), decisions))
+
+
+class _RecomputeTags:
+    """The selective-checkpoint policy that answers with remat's decision for each call."""
+
+    def __init__(self, checkpointed: Any, calls: Sequence[Call], decisions: Sequence[Decision]):
+        self.checkpointed = checkpointed
+        self.calls = calls
+        self.decisions = decisions
+        self.position = 0
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if _is_free(op):
+            return CheckpointPolicy.PREFER_RECOMPUTE  # a view follows its base, as in a Trace
+        if self.position >= len(self.calls) or _functional(self.calls[self.position].op) != _functional(op):
+            expected = self.calls[self.position].name if self.position < len(self.calls) else "the end of the trace"
+            raise TraceError(
+                f"{self.checkpointed!r} under torch.compile: call {self.position} of the compiled region is {op}, "
+                f"but remat's trace of the function has {expected} there, so remat cannot tell the compiler which "
+                "calls to save. Call the function outside the compiled region "
+                "(`torch.compiler.disable`), or compile remat's own programs with "
+                "`remat.checkpoint(fn, policy=..., compile=True)`."
+            )
+        decision = self.decisions[self.position]
+        self.position += 1
+        return CheckpointPolicy.MUST_SAVE if decision is Decision.SAVE else CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _functional(op: Any) -> tuple[str, str]:
+    """An op's name with in-place ops named as their functional form: the region is seen
+    before functionalization (`relu_`), remat's trace after it (`relu`)."""
+    name, overload = op._schema.name, op._overloadname
+    if name.endswith("_") and not name.endswith("__"):
+        name = name[:-1]
+    return name, overload
+
+
+def _is_free(op: Callable[..., Any]) -> bool:
+    return op in SAC_IGNORED_OPS or op in _VIEW_OPS or bool(getattr(op, "is_view", False))

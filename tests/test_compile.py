@@ -1,0 +1,338 @@
+"""remat inside `torch.compile`: checkpointed functions and modules in a compiled model."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import models
+import optree
+import pytest
+import torch
+from conftest import assert_same_outputs_and_grads, bytes_seen_by_saved_tensors_hooks, run_and_backprop
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+import remat
+from remat import policies
+
+pytestmark = [
+    # Warnings torch's compiler stack raises about itself.
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+POLICIES = {
+    "save_nothing": None,
+    "dots_saveable": policies.dots_saveable,
+    "save_everything": policies.save_everything,
+    "per_call": policies.save_calls(0, 3, 9),
+    "budget": policies.budget(fraction=0.5, exact=True),
+}
+
+
+def _mixed(block: models.GPT2Block) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A model around a checkpointed block, with work on both sides of it."""
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        return (block(x.tanh()) * 2).sin()
+
+    return model
+
+
+class SavedGraphs:
+    """A capturing backend (AOTAutograd with the min-cut partitioner): the forward graphs it compiled."""
+
+    def __init__(self) -> None:
+        self.forward: list[torch.fx.GraphModule] = []
+        self.backend = aot_autograd(
+            fw_compiler=self._forward,
+            bw_compiler=lambda gm, _: make_boxed_func(gm),
+            partition_fn=min_cut_rematerialization_partition,
+        )
+
+    def _forward(self, gm: torch.fx.GraphModule, _: Any) -> torch.fx.GraphModule:
+        self.forward.append(gm)
+        return make_boxed_func(gm)
+
+    def saved_activation_bytes(self, n_outputs: int) -> int:
+        """Bytes of the distinct tensors the forward graph hands to backward that are not
+        graph inputs (parameters and the model's input), nor generator states."""
+        (graph,) = self.forward
+        output = next(n for n in graph.graph.nodes if n.op == "output")
+        bases: dict[torch.fx.Node, int] = {}
+        for node in output.args[0][n_outputs:]:
+            base = _base(node)
+            if base.op == "placeholder" or base.target is torch.ops.higher_order.run_and_save_rng_state:
+                continue  # the compiler keeps a generator state to replay attention: see docs/compile.md
+            bases[base] = base.meta["val"].untyped_storage().nbytes()
+        return sum(bases.values())
+
+
+def _base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose memory `node` views (an output of a multi-output call is its own)."""
+    while node.op == "call_function" and getattr(node.target, "is_view", False):
+        node = node.args[0]  # type: ignore[assignment]
+    if node.target is operator.getitem and node.args[0].target is torch.ops.higher_order.run_and_save_rng_state:
+        return node.args[0]  # type: ignore[return-value]
+    return node
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_a_checkpointed_block_in_a_compiled_model_has_eager_gradients(policy: Any) -> None:
+    block = models.GPT2Block()
+    checkpointed = remat.checkpoint(block, policy=policy)
+    compiled = torch.compile(_mixed(checkpointed), backend="aot_eager", fullgraph=True)
+    assert_same_outputs_and_grads(_mixed(block), compiled, [models.gpt2_input()], params=block.parameters())
+    assert checkpointed.cache_info().traces == 1  # remat's own trace gave the decisions
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_the_compiled_program_saves_what_remat_keeps(policy: Any) -> None:
+    block = models.GPT2Block()
+    checkpointed = remat.checkpoint(block, policy=policy)
+    captured = SavedGraphs()
+    x = models.gpt2_input()
+    torch.compile(lambda x: checkpointed(x) * 2, backend=captured.backend, fullgraph=True)(x)
+    assert captured.saved_activation_bytes(n_outputs=1) == remat.report(checkpointed, x).saved_bytes
+
+
+def test_the_compiled_program_recomputes_what_remat_replays() -> None:
+    block = models.GPT2Block()
+    checkpointed = remat.checkpoint(block, policy=policies.dots_saveable)
+    captured = SavedGraphs()
+    x = models.gpt2_input()
+    torch.compile(lambda x: checkpointed(x) * 2, backend=captured.backend, fullgraph=True)(x).sum().backward()
+    (graph,) = captured.forward
+    output = next(n for n in graph.graph.nodes if n.op == "output")
+    saved_ops = {_base(n).target for n in output.args[0][1:]} - {None}
+    assert torch.ops.aten.gelu.default not in saved_ops  # replayed, as remat replays it
+    assert torch.ops.aten.addmm.default in saved_ops
+
+
+def test_inductor_compiles_a_model_with_a_checkpointed_block() -> None:
+    block = models.GPT2Block().float()
+    checkpointed = remat.checkpoint(block, policy=policies.dots_saveable)
+    x = models.gpt2_input().float().detach().requires_grad_()
+    compiled = torch.compile(_mixed(checkpointed), fullgraph=True)
+    out = compiled(x)
+    grads = torch.autograd.grad(out.sum(), [x, *block.parameters()])
+    expected = torch.autograd.grad(_mixed(block)(x).sum(), [x, *block.parameters()])
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_recomputed_dropout_draws_the_mask_forward_drew(backend: str) -> None:
+    dropped = remat.checkpoint(lambda x: torch.nn.functional.dropout(x * 2, p=0.5).exp())
+    x = torch.randn(1000, requires_grad=True)
+    y = torch.compile(dropped, backend=backend, fullgraph=True)(x)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    kept = y != 1  # exp(0) where the mask dropped
+    assert 0.3 < kept.float().mean() < 0.7
+    torch.testing.assert_close(grad, torch.where(kept, 4 * y, torch.zeros_like(y)))
+
+
+def test_checkpoint_modules_train_under_torch_compile() -> None:
+    def stack() -> torch.nn.Sequential:
+        return torch.nn.Sequential(models.GPT2Block(seed=0), models.GPT2Block(seed=1))
+
+    eager, model = stack(), stack()
+    remat.checkpoint_modules(model, models.GPT2Block, policy=policies.dots_saveable)
+    compiled = torch.compile(model, backend="aot_eager")
+    for opt_model, reference in ((compiled, eager),):
+        for step in range(2):
+            x = models.gpt2_input(seed=step)
+            for m in (opt_model, reference):
+                loss = m(x).square().mean()
+                loss.backward()
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p -= 0.1 * p.grad
+                        p.grad = None
+    for got, want in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+    assert all(block.forward.cache_info().traces == 1 for block in model)  # type: ignore[operator, union-attr]
+
+
+def test_nested_checkpoints_compile_with_each_policy() -> None:
+    w = models.randn(8, 8)
+    inner = remat.checkpoint(lambda x: (x @ w).sin() @ w, policy=policies.save_everything)
+    outer = remat.checkpoint(lambda x: inner(x.cos()).exp() @ w, policy=policies.dots_saveable)
+    x = models.randn(3, 8, seed=2)
+    captured = SavedGraphs()
+    compiled = torch.compile(outer, backend=captured.backend, fullgraph=True)
+    assert_same_outputs_and_grads(lambda x: ((x.cos() @ w).sin() @ w).exp() @ w, compiled, [x], params=[w])
+    torch._dynamo.reset()
+    captured = SavedGraphs()
+    torch.compile(outer, backend=captured.backend, fullgraph=True)(x)
+    assert captured.saved_activation_bytes(n_outputs=1) == remat.report(outer, x).saved_bytes
+
+
+def test_a_graph_break_inside_the_function_keeps_the_gradients() -> None:
+    w = models.randn(8, 8)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = (x @ w).sin()
+        torch._dynamo.graph_break()
+        return (y @ w).cos()
+
+    checkpointed = remat.checkpoint(fn, policy=policies.dots_saveable)
+    compiled = torch.compile(lambda x: checkpointed(x.exp()), backend="aot_eager")
+    assert_same_outputs_and_grads(lambda x: fn(x.exp()), compiled, [models.randn(3, 8, seed=2)], params=[w])
+
+
+@dataclasses.dataclass
+class Pair:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+optree.register_pytree_node(
+    Pair, lambda p: ((p.a, p.b), None, None), lambda _, children: Pair(*children), namespace=remat._pytree.NAMESPACE
+)
+
+
+def test_arguments_dynamo_cannot_describe_run_remat_outside_the_graph() -> None:
+    w = models.randn(8, 8)
+
+    def fn(pair: Pair) -> torch.Tensor:
+        return ((pair.a @ w).sin() * pair.b).sum()
+
+    checkpointed = remat.checkpoint(fn, policy=policies.dots_saveable)
+
+    def model(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return checkpointed(Pair(a.cos(), b))
+
+    args = [models.randn(3, 8, seed=2), models.randn(3, 8, seed=3)]
+    assert_same_outputs_and_grads(
+        lambda a, b: fn(Pair(a.cos(), b)), torch.compile(model, backend="aot_eager"), args, params=[w]
+    )
+    assert checkpointed.cache_info().traces == 1  # ran by remat itself, between two graphs
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(*args)
+
+
+def test_a_region_that_compiles_to_other_calls_is_an_error() -> None:
+    w = models.randn(8, 8)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_dynamo_compiling():  # not while remat traces it
+            return (x @ w).cos()
+        return (x @ w).sin()
+
+    checkpointed = remat.checkpoint(fn, policy=policies.dots_saveable)
+    with pytest.raises(Exception, match=r"aten\.cos\.default.*aten\.sin\.default"):
+        torch.compile(checkpointed, backend="aot_eager", fullgraph=True)(models.randn(3, 8, seed=2))
+
+
+# --- remat's own programs compiled: remat.checkpoint(..., compile=...) ---------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_compiled_programs_give_eager_gradients_and_keep_what_the_policy_saves(policy: Any) -> None:
+    block = models.GPT2Block()
+    counter = CompileCounterWithBackend("aot_eager")
+    checkpointed = remat.checkpoint(block, policy=policy, compile=counter)
+    x = models.gpt2_input()
+    assert_same_outputs_and_grads(block, checkpointed, [x], params=block.parameters())
+    assert counter.frame_count == 2  # the forward and the backward program, each compiled once
+    kept = bytes_seen_by_saved_tensors_hooks(checkpointed, x, [x, *block.parameters()])
+    assert kept == remat.report(checkpointed, x).saved_bytes
+    assert kept == bytes_seen_by_saved_tensors_hooks(
+        remat.checkpoint(block, policy=policy), x, [x, *block.parameters()]
+    )
+
+
+def test_inductor_compiles_remat_programs() -> None:
+    block = models.GPT2Block().float()
+    checkpointed = remat.checkpoint(block, policy=policies.dots_saveable, compile=True)
+    x = models.gpt2_input().float().detach().requires_grad_()
+    grads = torch.autograd.grad(checkpointed(x).sum(), [x, *block.parameters()])
+    expected = torch.autograd.grad(block(x).sum(), [x, *block.parameters()])
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_programs_replay_the_numbers_random_calls_drew() -> None:
+    w = models.randn(8, 8)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout((x @ w).sin(), p=0.5) @ w
+
+    x = models.randn(16, 8, seed=2)
+    compiled = remat.checkpoint(fn, compile=CompileCounterWithBackend("aot_eager"))
+    torch.manual_seed(0)
+    expected = run_and_backprop(fn, [x], params=[w])
+    torch.manual_seed(0)
+    actual = run_and_backprop(compiled, [x], params=[w])
+    torch.testing.assert_close(actual["flat_out"], expected["flat_out"])
+    torch.testing.assert_close(actual["input_grads"], expected["input_grads"])
+    torch.testing.assert_close(actual["param_grads"], expected["param_grads"])
+
+
+def test_under_torch_func_and_double_backward_the_programs_run_uncompiled() -> None:
+    w = models.randn(8, 8)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return ((x @ w).tanh() @ w).sin().sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = remat.checkpoint(fn, policy=policies.dots_saveable, compile=counter)
+    x = models.randn(3, 8, seed=2)
+    torch.testing.assert_close(torch.func.grad(compiled)(x), torch.func.grad(fn)(x))
+    compiled.cache_clear()
+    torch._dynamo.reset()
+    counter.frame_count = 0
+    (grad,) = torch.autograd.grad(compiled(x), x, create_graph=True)
+    (second,) = torch.autograd.grad(grad.sum(), x)
+    (grad_expected,) = torch.autograd.grad(fn(x), x, create_graph=True)
+    torch.testing.assert_close(second, torch.autograd.grad(grad_expected.sum(), x)[0])
+    assert counter.frame_count == 1  # the forward; backward ran uncompiled to be differentiated
+
+
+def test_checkpoint_modules_compiles_each_selected_module() -> None:
+    model = torch.nn.Sequential(models.GPT2Block(seed=0), models.GPT2Block(seed=1))
+    reference = copy.deepcopy(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    remat.checkpoint_modules(model, models.GPT2Block, policy=policies.dots_saveable, compile=counter)
+    x = models.gpt2_input()
+    assert_same_outputs_and_grads(reference, model, [x], params=[])
+    torch.testing.assert_close([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
+    assert counter.frame_count == 4
+
+
+@pytest.mark.parametrize(
+    ("compile", "error", "message"),
+    [
+        (3, TypeError, r"compile=3 is not understood.*backend"),
+        ({"backend": "aot_eager", "fullgrahp": True}, ValueError, r"'fullgrahp'.*keys among"),
+    ],
+)
+def test_a_bad_compile_argument_says_what_is_accepted(compile: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        remat.checkpoint(torch.sin, compile=compile)
+
+
+def test_the_repr_shows_compilation() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.sin()
+
+    assert repr(remat.checkpoint(f, compile="aot_eager")) == (
+        "remat.checkpoint(test_the_repr_shows_compilation.<locals>.f, policy=None, compile='aot_eager')"
+    )
+    assert repr(remat.checkpoint(f)) == "remat.checkpoint(test_the_repr_shows_compilation.<locals>.f, policy=None)"
