@@ -69,6 +69,12 @@ def compile_options(compile: Any) -> dict[str, Any] | None:
 
 
 def compile_programs(programs: Programs, options: Mapping[str, Any]) -> CompiledPrograms:
+    if options.get("fullgraph") and programs.rng_state_calls:
+        raise ValueError(
+            "remat.checkpoint: compile={..., 'fullgraph': True} cannot compile a function with random calls that "
+            "are replayed: remat runs them outside the compiled graphs, with the generator states it keeps. "
+            "Leave fullgraph unset, or save the random calls (e.g. `policy | (lambda call: call.is_random)`)."
+        )
     return CompiledPrograms(
         forward=torch.compile(_random_calls_eager(programs.forward), **options),
         backward=torch.compile(_random_calls_eager(programs.backward), **options),

@@ -182,6 +182,16 @@ def test_nested_checkpoints_compile_with_each_policy() -> None:
     assert captured.saved_activation_bytes(n_outputs=1) == remat.report(outer, x).saved_bytes
 
 
+def test_dynamic_shapes_are_specialized_per_signature() -> None:
+    w = models.randn(8, 8)
+    checkpointed = remat.checkpoint(lambda x: (x @ w).sin() @ w, policy=policies.dots_saveable)
+    compiled = torch.compile(lambda x: checkpointed(x).sum(), backend="aot_eager", dynamic=True)
+    for rows in (3, 5, 7):
+        x = models.randn(rows, 8, seed=rows)
+        assert_same_outputs_and_grads(lambda x: ((x @ w).sin() @ w).sum(), compiled, [x], params=[w])
+    assert checkpointed.cache_info().traces == 3
+
+
 def test_a_graph_break_inside_the_function_keeps_the_gradients() -> None:
     w = models.randn(8, 8)
 
@@ -336,3 +346,17 @@ def test_the_repr_shows_compilation() -> None:
         "remat.checkpoint(test_the_repr_shows_compilation.<locals>.f, policy=None, compile='aot_eager')"
     )
     assert repr(remat.checkpoint(f)) == "remat.checkpoint(test_the_repr_shows_compilation.<locals>.f, policy=None)"
+
+
+def test_fullgraph_compilation_of_replayed_random_calls_is_an_error() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x.sin(), p=0.5).exp()
+
+    x = models.randn(8, seed=2)
+    with pytest.raises(ValueError, match=r"fullgraph.*random calls"):
+        remat.checkpoint(fn, compile={"backend": "aot_eager", "fullgraph": True})(x)
+    saved_dropout = policies.save_nothing | (lambda call: call.is_random)
+    y = remat.checkpoint(fn, policy=saved_dropout, compile={"backend": "aot_eager", "fullgraph": True})(x)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    kept = y != 1
+    torch.testing.assert_close(grad, torch.where(kept, 2 * y * x.cos(), torch.zeros_like(y)))
