@@ -36,6 +36,7 @@ from torch import nn
 
 import remat
 
+from .measure import kept_for_backward
 from .planner import GPT2Block, gpt2_stack, stack_input
 
 RESULTS = Path(__file__).parent / "results"
@@ -44,20 +45,9 @@ BISECTION_STEPS = 6
 
 def saved_bytes(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, model: nn.Module) -> int:
     """Bytes of the distinct storages autograd keeps for backward during one step."""
-    excluded = {t.untyped_storage().data_ptr() for t in [x, *model.parameters()]}
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = step(x)
-    out.sum().backward()
+    kept = kept_for_backward(lambda: step(x), [x, *model.parameters()])
     model.zero_grad(set_to_none=True)
-    return sum(storages.values())
+    return kept
 
 
 def timed(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -38,7 +38,14 @@ def saved_bytes(workload: Workload, units: list[Unit]) -> int:
     hide what they keep from an outer hook (the innermost hook wins), so this figure is only
     comparable between remat and eager; `live_bytes` below is the one to compare across methods.
     """
-    excluded = {t.untyped_storage().data_ptr() for t in _external(workload)}
+    workload.zero_grad()
+    return kept_for_backward(lambda: workload.step(units), _external(workload))
+
+
+def kept_for_backward(forward: Callable[[], torch.Tensor], exclude: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while `forward()` runs (then
+    backpropagated from its result), other than those of `exclude`."""
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -47,10 +54,9 @@ def saved_bytes(workload: Workload, units: list[Unit]) -> int:
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    workload.zero_grad()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = workload.step(units)
-    loss.backward()
+        loss = forward()
+    loss.sum().backward()  # the saved tensors were alive until here: their addresses were distinct
     return sum(storages.values())
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +23,7 @@ from torch.utils.checkpoint import (
 from ._calls import Call, Decision
 from ._errors import TraceError
 from ._pytree import _is_static, flatten_args
+from ._trace import is_free_op
 
 if TYPE_CHECKING:
     from ._api import Checkpointed
@@ -158,7 +159,7 @@ class _RecomputeTags:
         self.position = 0
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if _is_free(op):
+        if op in SAC_IGNORED_OPS or is_free_op(op):
             return CheckpointPolicy.PREFER_RECOMPUTE  # a view follows its base, as in a Trace
         if self.position >= len(self.calls) or _functional(self.calls[self.position].op) != _functional(op):
             expected = self.calls[self.position].name if self.position < len(self.calls) else "the end of the trace"
@@ -181,7 +182,3 @@ def _functional(op: Any) -> tuple[str, str]:
     if name.endswith("_") and not name.endswith("__"):
         name = name[:-1]
     return name, overload
-
-
-def _is_free(op: Callable[..., Any]) -> bool:
-    return op in SAC_IGNORED_OPS or op in _VIEW_OPS or bool(getattr(op, "is_view", False))

@@ -469,12 +469,12 @@ def is_free(node: fx.Node) -> bool:
     """Whether `node` only names (part of) the memory of another node."""
     if node.op == "get_attr":
         return True
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if target is operator.getitem or target in _ALIASING_OPS:
-        return True
-    return bool(getattr(target, "is_view", False))
+    return node.op == "call_function" and is_free_op(node.target)
+
+
+def is_free_op(target: Any) -> bool:
+    """Whether calls of `target` only name (part of) the memory of their first argument."""
+    return target is operator.getitem or target in _ALIASING_OPS or bool(getattr(target, "is_view", False))
 
 
 def is_call(node: fx.Node) -> bool:
