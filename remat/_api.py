@@ -88,7 +88,7 @@ class Checkpointed(Generic[P, T]):
         if not torch.is_grad_enabled():
             return self.__wrapped__(*args, **kwargs)
         if torch.compiler.is_dynamo_compiling():  # see NOTE [checkpoints inside torch.compile]
-            return cast(T, call_under_dynamo(self, self._compile_key, args, kwargs))
+            return cast(T, call_under_dynamo(self, args, kwargs))
         if is_tracing():  # inside another checkpointed function: see NOTE [nested checkpoints]
             with nested_checkpoint(self.policy):
                 return self.__wrapped__(*args, **kwargs)

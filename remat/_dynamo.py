@@ -61,9 +61,7 @@ def register(checkpointed: Checkpointed[Any, Any]) -> int:
     return key
 
 
-def call_under_dynamo(
-    checkpointed: Checkpointed[Any, Any], key: int, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def call_under_dynamo(checkpointed: Checkpointed[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What Dynamo traces in place of a checkpointed call. See NOTE [checkpoints inside torch.compile]."""
     signature = _signature((args, kwargs))
     if signature is None:  # a container Dynamo cannot hand over as constants: run remat outside the graph
@@ -73,7 +71,7 @@ def call_under_dynamo(
     def region(*positional: Any) -> Any:
         return fn(*positional, **kwargs)
 
-    context_fn = functools.partial(_selective_contexts, key, signature)
+    context_fn = functools.partial(_selective_contexts, checkpointed._compile_key, signature)
     return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn)
 
 

@@ -118,7 +118,7 @@ def test_the_compiled_program_recomputes_what_remat_replays() -> None:
     torch.compile(lambda x: checkpointed(x) * 2, backend=captured.backend, fullgraph=True)(x).sum().backward()
     (graph,) = captured.forward
     output = next(n for n in graph.graph.nodes if n.op == "output")
-    saved_ops = {_base(n).target for n in output.args[0][1:]} - {None}
+    saved_ops = {_base(n).target for n in output.args[0][1:]}
     assert torch.ops.aten.gelu.default not in saved_ops  # replayed, as remat replays it
     assert torch.ops.aten.addmm.default in saved_ops
 
@@ -153,16 +153,14 @@ def test_checkpoint_modules_train_under_torch_compile() -> None:
     eager, model = stack(), stack()
     remat.checkpoint_modules(model, models.GPT2Block, policy=policies.dots_saveable)
     compiled = torch.compile(model, backend="aot_eager")
-    for opt_model, reference in ((compiled, eager),):
-        for step in range(2):
-            x = models.gpt2_input(seed=step)
-            for m in (opt_model, reference):
-                loss = m(x).square().mean()
-                loss.backward()
-                with torch.no_grad():
-                    for p in m.parameters():
-                        p -= 0.1 * p.grad
-                        p.grad = None
+    for step in range(2):
+        x = models.gpt2_input(seed=step)
+        for m in (compiled, eager):
+            m(x).square().mean().backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
     for got, want in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(got, want)
     assert all(block.forward.cache_info().traces == 1 for block in model)  # type: ignore[operator, union-attr]
