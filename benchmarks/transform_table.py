@@ -459,7 +459,8 @@ per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)    # {name: (8
 
 Under `vmap`, remat traces the function at the per-example shape, outside the transforms, and runs the
 traced programs on the batched tensors: the trace is the one the function has outside `vmap` at that
-shape, and shares its cache entry. [`examples/per_sample_grads.py`](../examples/per_sample_grads.py) does
+shape, and shares its cache entry (unless it applies dropout to a non-contiguous tensor: see Randomness
+under vmap below). [`examples/per_sample_grads.py`](../examples/per_sample_grads.py) does
 this for a small transformer and checks the result against the unwrapped model.
 
 ## Randomness under vmap
@@ -470,11 +471,21 @@ the forward kept, so the mask of the gradient is the mask of the forward. Under 
 - `randomness="different"` works: each example gets its own mask, the same ones (and the same gradients)
   as without checkpointing for the same seed, and the random stream ends where it would without
   checkpointing.
-- `randomness="same"` fails for dropout on batched inputs: remat's trace decomposes dropout into
-  `aten.bernoulli` on a tensor shaped like its (batched) input, and functorch refuses a random call on a
-  batched tensor under same randomness ("Vmap does not currently support same randomness with a batched
-  tensor input"). Draw the mask outside `vmap` and pass it in, or use `"different"`.
+- `randomness="same"` works for random calls on contiguous tensors (dropout of a contiguous input
+  included): remat runs an in-place random fill (`bernoulli_`, `normal_`, dropout's mask) as eager does,
+  in place on a tensor of eager's layout, so functorch's rule for in-place random ops draws one mask for
+  the whole batch. It fails for dropout of a non-contiguous input: there eager draws the mask from an
+  unbatched tensor, remat into one shaped like the (batched) input, and functorch refuses a random call on
+  a batched tensor under same randomness ("Vmap does not currently support same randomness with a batched
+  tensor input"). Make the input contiguous, draw the mask outside `vmap`, or use `"different"`.
 - `randomness="error"` (the default) raises for any random call, as it does without checkpointing.
+
+Random calls draw eager's numbers whatever the layout of the tensor they fill: a transposed, permuted or
+strided tensor is filled in its own memory order, as eager fills it (NOTE [random fills draw in eager's
+layout] in `remat/_fidelity.py`). Under a transform (`grad`, `vmap`) torch's dropout functions draw their
+mask out of place, into a contiguous tensor; for a non-contiguous input that gives other numbers than
+without a transform, so remat traces such a function separately for calls under a transform, and each
+trace draws what eager draws in its setting (NOTE [dropout under torch.func]).
 
 ## Higher-order derivatives
 
@@ -486,6 +497,14 @@ flows through them is carried to the inputs by differentiating a pure program th
 from the inputs (random calls replayed from their kept generator states, in-place updates of inputs
 skipped). Forward mode (`jvp`, `jacfwd`, `hessian`) takes its tangents from the same program. See NOTE
 [differentiating the forward again] in `remat/_programs.py`.
+
+Forward mode sees through `torch.no_grad()`, as in eager (a value computed under `no_grad` still carries
+a tangent), and not through `.detach()`. An input that the function updates in place has its tangent
+updated in place too, under `torch.autograd.forward_ad`; under `torch.func.jvp` (and `jacfwd`,
+`hessian`) torch does not let a custom `autograd.Function` do that, and remat raises
+`NotImplementedError` saying so: update a copy of the input instead. One difference remains: an update of
+an input through `.detach()` keeps the input's old tangent in eager (beside its new value), while remat
+gives it the new value's tangent, zero.
 
 For most functions this keeps nothing beyond what the policy keeps. When a kept value depends on an input
 that requires grad, the pure program may need two more kinds of values, and they are kept whether or not a

@@ -46,7 +46,10 @@ class _Entry:
     guard: tuple[Any, ...]  # see _guard
 
     def fetch_if_valid(self) -> list[torch.Tensor] | None:
-        """The closed-over tensors to call with, or None if the trace no longer fits them."""
+        """The closed-over tensors to call with, or None if the trace no longer fits them (or, where
+        it depends on it, whether a torch.func transform runs: see NOTE [dropout under torch.func])."""
+        if self.joint.under_functorch not in (None, torch._C._are_functorch_transforms_active()):
+            return None
         lifted = [slot.fetch() for slot in self.joint.lifted]
         return lifted if _guard(self.joint, lifted) == self.guard else None
 
@@ -143,7 +146,7 @@ class Checkpointed(Generic[P, T]):
         # Parameters may have been replaced since the last trace (`load_state_dict(assign=True)`):
         # find where each tensor lives anew, so no stale id points at a freed tensor's slot.
         self._roots = roots = find_module_roots(self.__wrapped__)
-        joint = with_dataflow(trace_joint(self.__wrapped__, flat, roots))
+        joint = with_dataflow(trace_joint(self.__wrapped__, flat, roots, forward_mode=forward_mode))
         lifted = [slot.fetch() for slot in joint.lifted]
         executable = _executable(joint, self.policy, forward_mode, self._compile_options)
         entry = _Entry(joint, executable, _guard(joint, lifted))

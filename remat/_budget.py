@@ -208,7 +208,10 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool) -> Plan:
     forced = frozenset(call.index for call in trace if is_collective(call))
     program = _Program(dataflow, costs, forced)
     candidates: list[set[int]] = []
-    if exact:
+    solution: np.ndarray | None
+    if not len(trace):  # nothing to decide (a function of views only); HiGHS refuses empty programs
+        solution, bound = np.zeros(0), 0.0
+    elif exact:
         solution, bound = program.solve(budget, integral=True)
     else:
         relaxed, bound = program.solve(budget, integral=False)
@@ -276,6 +279,8 @@ def minimum_bytes(trace: Trace) -> int:
     dataflow = trace.dataflow
     assert dataflow is not None
     forced = frozenset(call.index for call in trace if is_collective(call))
+    if not len(trace):
+        return evaluate(dataflow, set())[1]
     program = _Program(dataflow, [0.0] * len(trace), forced)
     objective = np.zeros(program.size)
     for j, a in program.budget_row.items():

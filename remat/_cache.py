@@ -9,7 +9,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-__all__ = ["CacheInfo", "LRUCache", "ambient_key", "tensor_key"]
+__all__ = ["CacheInfo", "LRUCache", "ambient_key", "requires_grad_at_any_level", "tensor_key"]
 
 V = TypeVar("V")
 
@@ -37,7 +37,24 @@ class CacheInfo(NamedTuple):
 
 def tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     """Everything about a tensor but its values that can change a trace."""
-    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad, tensor.layout)
+    return (
+        tensor.shape,
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device,
+        requires_grad_at_any_level(tensor),
+        tensor.layout,
+    )
+
+
+def requires_grad_at_any_level(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` requires grad at this level or at any level of torch.func transforms
+    below it: a checkpointed function's gradient formulas serve every level that runs it."""
+    while not tensor.requires_grad:
+        if not torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+            return False
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return True
 
 
 def ambient_key(modules: Sequence[torch.nn.Module]) -> tuple[Any, ...]:

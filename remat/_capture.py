@@ -216,11 +216,11 @@ class _CaptureMode(TorchFunctionMode):
             site = CallSite(self._module_path(), *_source_and_scope())
             # What autograd must not see through when the graph is differentiated
             # again: see NOTE [differentiating the forward again].
-            stops_gradient = func in _DETACHES or not torch.is_grad_enabled()
+            stops_gradient = "detach" if func in _DETACHES else None if torch.is_grad_enabled() else _no_grad_kind(func)
             for node, _ in zip(reversed(graph.nodes), range(new_nodes), strict=False):
                 node.meta.setdefault("remat_site", site)
                 if stops_gradient:
-                    node.meta["remat_stops_gradient"] = True
+                    node.meta["remat_stops_gradient"] = stops_gradient
         return result
 
     def record_closed_over(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -245,6 +245,16 @@ class _CaptureMode(TorchFunctionMode):
 
 
 _DETACHES = (torch.Tensor.detach, torch.detach, torch.Tensor.detach_)
+
+
+def _no_grad_kind(func: Any) -> str:
+    """ "no_grad_update" for an in-place method run under no_grad (the tensor keeps its history,
+    as in eager), else "no_grad"."""
+    name = getattr(func, "__name__", "")
+    in_place = (name.endswith("_") and not name.startswith("_")) or (name.startswith("__i") and name.endswith("__"))
+    return "no_grad_update" if in_place else "no_grad"
+
+
 _FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
 
 

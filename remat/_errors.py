@@ -13,6 +13,8 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from ._fidelity import OverlappingWrite
+
 __all__ = ["TraceError", "explain_tracing_errors", "user_line"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -70,6 +72,13 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "(`torch.distributed.all_reduce` and friends), which cannot be traced. Use the functional "
             "collectives of `torch.distributed._functional_collectives` (`all_reduce(tensor, 'sum', group)` "
             "returns the result), which remat traces and always saves, so that backward never replays one."
+        ) from error
+    except OverlappingWrite as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it updates in place{_at(error)} a tensor whose "
+            f"elements share memory (`{error.op}` into shape {error.shape}, strides {error.strides}: a broadcast "
+            "`expand` or an overlapping `unfold`). Eager writes such elements one after another, which a traced "
+            "graph cannot express. Write into a copy (`.clone()` the view first) or into the tensor it views."
         ) from error
     except RuntimeError as error:
         if "leaf Variable that requires grad is being used in an in-place operation" not in str(error):

@@ -24,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import _rng
 from ._calls import Decision
 from ._programs import backward_program, device_of, epilogue, forward_program, pure_forward
-from ._trace import JointGraph, is_call, is_free
+from ._trace import JointGraph, is_call, is_free, stops_gradient
 
 __all__ = ["Kept", "Programs", "partition"]
 
@@ -156,6 +156,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         backward=backward_program(joint, kept_pairs, backward_nodes),
         pure=pure_forward(
             joint,
+            forward_mode,
             kept_pairs,
             {**{p: p for p in holder}, **{c: c for c in constants}},
             [*returned_nodes, *activations] if forward_mode else activations,  # copies of inputs included
@@ -175,7 +176,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             ),
             None,
         ),
-        without_tangent=_without_tangent(joint, returned, activations, len(random_states), forward_mode),
+        without_tangent=_without_tangent(joint, returned, activations, constants, len(random_states), forward_mode),
         output_sources=(
             *_output_sources(joint, returned),
             *([frozenset(range(len(joint.primals)))] * len(activations)),  # kept values: never marked here
@@ -229,18 +230,25 @@ _NOT_TWICE_DIFFERENTIABLE = {
 
 
 def _without_tangent(
-    joint: JointGraph, returned: Sequence[int], activations: Sequence[fx.Node], n_states: int, forward_mode: bool
+    joint: JointGraph,
+    returned: Sequence[int],
+    activations: Sequence[fx.Node],
+    constants: set[fx.Node],
+    n_states: int,
+    forward_mode: bool,
 ) -> tuple[bool, ...]:
     """For each output of the Function, whether it is marked non-differentiable.
 
     As in eager, an output that depends on no input requiring grad does not require grad
     (under forward mode, where inputs need not require grad, only non-float ones are
-    marked); nor do kept values that autograd does not differentiate, nor generator states.
+    marked); nor do kept values that autograd does not differentiate or that have no
+    derivative at all (`constants`: a view of one rebuilt outside the Function must not
+    require grad), nor generator states.
     """
     differentiable = set(joint.differentiable_outputs)
     return (
         *(not _is_float(joint.outputs[i]) or (i not in differentiable and not forward_mode) for i in returned),
-        *(not _is_float(a) or not _differentiable(a) for a in activations),
+        *(not _is_float(a) or not _differentiable(a) or a in constants for a in activations),
         *([True] * n_states),
     )
 
@@ -348,15 +356,15 @@ def _varying(joint: JointGraph, forward_mode: bool) -> set[fx.Node]:
     """Forward nodes whose value has a derivative with respect to some differentiable input.
 
     Differentiable inputs are those requiring grad (any floating input under forward
-    mode). Derivatives stop at detaches and no_grad regions of `fn`, and at random
-    draws, whose outputs have none.
+    mode). Derivatives stop at detaches and no_grad regions of `fn` (forward mode sees
+    through the latter), and at random draws, whose outputs have none.
     """
     if forward_mode:
         varying = {p for p in joint.primals if p.meta["val"].is_floating_point() or p.meta["val"].is_complex()}
     else:
         varying = {joint.primals[i] for i in joint.grad_of}
     for node in joint.graph.nodes:
-        if node not in joint.forward_nodes or node.meta.get("remat_stops_gradient"):
+        if node not in joint.forward_nodes or stops_gradient(node, forward_mode=forward_mode):
             continue
         if node.target is operator.getitem and (node.args[0] not in varying or not _differentiable(node)):
             continue
@@ -367,17 +375,23 @@ def _varying(joint: JointGraph, forward_mode: bool) -> set[fx.Node]:
 
 
 def _output_sources(joint: JointGraph, returned: Sequence[int]) -> tuple[frozenset[int], ...]:
-    """For each returned output, the primals it has a derivative from, as eager sees it: those
-    reaching it through differentiable calls (derivatives stop at detaches, no_grad regions
-    and random draws), and those whose gradient backward computes from its tangent (which
+    """For each returned output, the primals it has a derivative from, as eager's autograd sees
+    it: those reaching it through differentiable calls (derivatives stop at detaches, no_grad
+    regions and random factories; a random draw such as `bernoulli` has a zero derivative, which
+    autograd still records), and those whose gradient backward computes from its tangent (which
     sees through custom Functions, whose forwards run under no_grad)."""
     forward: dict[fx.Node, frozenset[int]] = {p: frozenset({i}) for i, p in enumerate(joint.primals)}
     for node in joint.graph.nodes:
-        if node not in joint.forward_nodes or node.meta.get("remat_stops_gradient"):
+        if node not in joint.forward_nodes:
+            continue
+        if node.meta.get("remat_stops_gradient") == "no_grad_update" and isinstance(node.args[0], fx.Node):
+            forward[node] = forward.get(node.args[0], frozenset())  # the updated tensor keeps its history
+            continue
+        if stops_gradient(node):
             continue
         if node.target is operator.getitem and not _differentiable(node):
             continue
-        if node.op == "call_function" and not _rng.has_zero_derivative(node):
+        if node.op == "call_function" and not _rng.is_random_factory(node):
             forward[node] = frozenset().union(*(forward.get(arg, frozenset()) for arg in node.all_input_nodes))
 
     from_tangent: dict[fx.Node, frozenset[int]] = {t: frozenset({k}) for k, t in enumerate(joint.tangents)}
@@ -427,8 +441,11 @@ def _producer(node: fx.Node) -> fx.Node:
 
 
 def _view_base(node: fx.Node) -> fx.Node:
-    """Follow views (not getitems) down to the node whose memory they show."""
-    while node.op == "call_function" and is_free(node) and node.target is not operator.getitem:
+    """Follow views down to the node whose memory they show: through the views of a multi-output
+    view op (`unbind`, `split`, `chunk`), not through the outputs of other multi-output calls."""
+    while node.op == "call_function" and is_free(node):
+        if node.target is operator.getitem and not getattr(node.args[0].target, "is_view", False):  # type: ignore[union-attr]
+            break
         node = node.args[0]  # type: ignore[assignment]
     return node
 

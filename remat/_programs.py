@@ -13,7 +13,8 @@ import torch
 from torch import fx
 
 from . import _rng
-from ._trace import JointGraph
+from ._fidelity import fill_in_eager_layout, runnable
+from ._trace import JointGraph, stops_gradient
 
 __all__ = ["backward_program", "device_of", "epilogue", "forward_program", "pure_forward"]
 
@@ -48,14 +49,14 @@ def forward_program(
                 kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
                 drawn = graph.call_function(
                     _rng.run_keeping_state,
-                    (device_of(node), node.target, *args),  # type: ignore[arg-type]
+                    (device_of(node), runnable(node), *args),  # type: ignore[arg-type]
                     kwargs,
                 )
                 states[node] = graph.call_function(operator.getitem, (drawn, 0))
                 env[node] = graph.call_function(operator.getitem, (drawn, 1))
                 env[node].meta = dict(node.meta)
             else:
-                env[node] = graph.node_copy(node, lambda n: env[n])
+                env[node] = _copy(graph, node, env)
     graph.output(
         (
             *(env[node] for node in returned),
@@ -78,7 +79,7 @@ def backward_program(
     env, states = _kept_placeholders(graph, kept)
     for tangent in joint.tangents:
         env[tangent] = graph.placeholder(tangent.name)
-    emit = _emitter(graph, env, states)
+    emit = _emitter(graph, env, states, forward_mode=False)
     for node in backward_nodes:
         emit(node)
     graph.output(tuple(emit(g) for g in joint.grads))
@@ -95,6 +96,7 @@ def backward_program(
 
 def pure_forward(
     joint: JointGraph,
+    forward_mode: bool,
     kept: Sequence[tuple[fx.Node, bool]],
     inputs: Mapping[fx.Node, fx.Node],
     targets: Sequence[fx.Node],
@@ -109,7 +111,7 @@ def pure_forward(
     graph = fx.Graph()
     holders, states = _kept_placeholders(graph, kept)
     env = {primal: holders[holder] for primal, holder in inputs.items()}
-    emit = _emitter(graph, env, states)
+    emit = _emitter(graph, env, states, forward_mode)
     graph.output(tuple(emit(target) for target in targets))
     return _module(joint, graph)
 
@@ -164,11 +166,12 @@ def _kept_placeholders(
 
 
 def _emitter(
-    graph: fx.Graph, env: dict[fx.Node, fx.Node], states: Mapping[fx.Node, fx.Node]
+    graph: fx.Graph, env: dict[fx.Node, fx.Node], states: Mapping[fx.Node, fx.Node], forward_mode: bool
 ) -> Callable[[fx.Node], fx.Node]:
     """A function that copies a node of the joint graph into `graph` (and, first, the nodes
     it reads that are not there yet), replaying random calls from their kept states, so
-    that autograd can differentiate the copy. See NOTE [differentiating the forward again]."""
+    that autograd (forward-mode AD, with `forward_mode`) can differentiate the copy. See
+    NOTE [differentiating the forward again]."""
 
     def emit(node: fx.Node) -> fx.Node:
         if node in env:
@@ -180,15 +183,15 @@ def _emitter(
             kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
             copy = graph.call_function(
                 _rng.replay_with_rng_state,
-                (states[node], device_of(node), node.target, *args),  # type: ignore[arg-type]
+                (states[node], device_of(node), runnable(node), *args),  # type: ignore[arg-type]
                 kwargs,
             )
             copy.meta = dict(node.meta)
-        elif node.target is aten.detach.default and not node.meta.get("remat_stops_gradient"):
+        elif node.target is aten.detach.default and not stops_gradient(node):
             copy = env[node.args[0]]  # type: ignore[index]  # autograd's own detach of a saved value
         else:
-            copy = graph.node_copy(node, lambda n: env[n])
-            if _stops_gradient(node):
+            copy = _copy(graph, node, env)
+            if _stops_gradient(node, forward_mode):
                 copy = graph.call_function(aten.detach.default, (copy,))
         env[node] = copy
         return copy
@@ -196,12 +199,21 @@ def _emitter(
     return emit
 
 
-def _stops_gradient(node: fx.Node) -> bool:
-    """Whether `fn` computed the tensor `node` where autograd does not see (under no_grad, or a detach)."""
+def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.Node:
+    """A copy of `node` in `graph` that runs as eager ran it. See NOTE [random fills draw in eager's layout]."""
+    copy = graph.node_copy(node, lambda n: env[n])
+    fill = node.meta.get("remat_fill")
+    if fill is not None:  # a NamedTuple prints as an argument, not as a target
+        copy.target, copy.args = fill_in_eager_layout, (fill, *copy.args)
+    return copy
+
+
+def _stops_gradient(node: fx.Node, forward_mode: bool) -> bool:
+    """Whether `fn` computed the tensor `node` where autograd does not see (see `stops_gradient`)."""
     producer = node.args[0] if node.target is operator.getitem else node
     if node is producer and not isinstance(node.meta.get("val"), torch.Tensor):
         return False  # a multi-output call: its getitems are detached one by one
-    return bool(isinstance(producer, fx.Node) and producer.meta.get("remat_stops_gradient"))
+    return isinstance(producer, fx.Node) and stops_gradient(producer, forward_mode=forward_mode)
 
 
 def _module(joint: JointGraph, graph: fx.Graph) -> fx.GraphModule:

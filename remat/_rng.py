@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["has_zero_derivative", "replay_with_rng_state", "run_keeping_state", "state_nbytes"]
+__all__ = ["has_zero_derivative", "is_random_factory", "replay_with_rng_state", "run_keeping_state", "state_nbytes"]
 
 # NOTE [replaying random calls]
 # A random call that backward needs but the policy does not save is replayed
@@ -37,10 +37,25 @@ _ZERO_DERIVATIVE = frozenset(
 )  # fmt: skip
 
 
+# Among those, the factories: they read only the shape of a tensor argument, and autograd gives
+# their output no history. The others (`bernoulli`, `normal`, `uniform_` ...) carry a zero
+# derivative, so their outputs require grad when an input does, as in eager.
+_FACTORIES = frozenset({"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm"})
+
+
 def has_zero_derivative(node: fx.Node) -> bool:
     """Whether the random call `node` is a plain draw, with no derivative to carry."""
+    return _random_name(node) in _ZERO_DERIVATIVE
+
+
+def is_random_factory(node: fx.Node) -> bool:
+    """Whether `node` draws a new tensor that autograd connects to no input (`rand_like`)."""
+    return _random_name(node) in _FACTORIES
+
+
+def _random_name(node: fx.Node) -> str | None:
     packet = getattr(node.target, "overloadpacket", None)
-    return packet is not None and packet.__name__.removesuffix("_") in _ZERO_DERIVATIVE
+    return None if packet is None else packet.__name__.removesuffix("_")
 
 
 def _resolve(device: torch.device, generator: torch.Generator | None) -> torch.Generator:

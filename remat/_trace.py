@@ -20,20 +20,20 @@ from typing import Any
 import optree
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import (
-    FakeTensorMode,
-)
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
+from ._cache import requires_grad_at_any_level
 from ._calls import Call, TensorMeta, Trace
 from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode, variable_slots
 from ._contexts import autocast_disabled, outside_functorch, without_saved_tensors_hooks
 from ._costs import estimate_flops, output_nbytes
 from ._errors import TraceError, explain_tracing_errors
+from ._fidelity import EagerLayoutFakeMode, eager_fidelity
 from ._pytree import FlatArgs, flatten_outputs
 
-__all__ = ["JointGraph", "is_tracing", "nested_checkpoint", "trace_joint"]
+__all__ = ["JointGraph", "is_tracing", "nested_checkpoint", "stops_gradient", "trace_joint"]
 
 aten = torch.ops.aten
 
@@ -75,22 +75,24 @@ class JointGraph:
     lifted: tuple[StateSlot, ...]
     reached_modules: tuple[torch.nn.Module, ...]
     regions: tuple[tuple[Any, tuple[int, ...]], ...]  # (policy, call indices) of nested checkpoints
+    under_functorch: bool | None  # traced for calls under a torch.func transform, or not; None: for both
 
 
-def trace_joint(fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots) -> JointGraph:
-    """Trace `fn` at the signature of `flat_args` into a `JointGraph`."""
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+def trace_joint(
+    fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, *, forward_mode: bool = False
+) -> JointGraph:
+    """Trace `fn` at the signature of `flat_args` into a `JointGraph` (for forward-mode AD too,
+    with `forward_mode`: see NOTE [in-place updates of differentiable inputs])."""
+    fake_mode = EagerLayoutFakeMode(allow_non_fake_inputs=True)  # NOTE [kernels that choose their output layout]
+    under_functorch = torch._C._are_functorch_transforms_active()  # see NOTE [dropout under torch.func]
     outer_regions = _regions.recorded
     _regions.recorded = []
-    # Under a torch.func transform, whether an input requires grad at this level says nothing
-    # of the levels below, which run the same Function: differentiate every float input.
-    wants_grad = _all_floats if torch._C._are_functorch_transforms_active() else _requires_grad
     try:
         with _ONE_TRACE_AT_A_TIME, explain_tracing_errors(fn), without_saved_tensors_hooks(), outside_functorch():
-            discovery = _discover(fn, flat_args, roots, fake_mode, wants_grad)
+            discovery = _discover(fn, flat_args, roots, fake_mode, forward_mode)
             _warn_about_hooks(discovery.reached_modules, roots)
             _regions.recorded = []
-            return _trace(fn, flat_args, roots, fake_mode, discovery, wants_grad)
+            return _trace(fn, flat_args, roots, fake_mode, discovery, under_functorch)
     finally:
         _regions.recorded = outer_regions
 
@@ -189,7 +191,14 @@ class _Discovery:
 
 # NOTE [in-place updates of differentiable inputs]
 # Eager lets `fn` update in place an input that requires grad when that input
-# is not a leaf (`x += self.mlp(x)` in a residual block). Tracing would see a
+# is not a leaf (`x += self.mlp(x)` in a residual block). (An update autograd
+# does not record, under `no_grad` or through `.detach()`, is allowed on leaves
+# too and changes no history: it is written back like any input's.) Forward-mode
+# AD sees through `no_grad`, so an input's tangent changes with such an update:
+# traced for forward mode, every float input updated in place is dirty, and the
+# jvp rule updates its tangent in place, as autograd asks of a Function that
+# updates an input. (Through `.detach()`, eager keeps the old tangent beside
+# the new value; remat gives the new value's, zero: a documented limitation.) Tracing would see a
 # leaf, so the argument is passed to `fn` as a fresh non-leaf copy; the copy is
 # removed from the graph afterwards (the graph is functional, so reads of the
 # copy are reads of the input). The input's new value becomes an extra output
@@ -211,23 +220,24 @@ def _discover(
     flat_args: FlatArgs,
     roots: ModuleRoots,
     fake_mode: FakeTensorMode,
-    wants_grad: Callable[[torch.Tensor], bool],
+    forward_mode: bool,
 ) -> _Discovery:
     """Run `fn` once on fake tensors to find closed-over tensors and the output structure."""
     fakes = []
     for tensor in flat_args.tensors:
         fake = _fake_like(fake_mode, tensor)
-        if wants_grad(tensor):
+        if _requires_grad(tensor):
             with fake_mode, torch.enable_grad():
                 fake = fake.requires_grad_().clone()  # not a leaf: see NOTE [in-place updates of ...]
         fakes.append(fake)
     versions = [fake._version for fake in fakes]
+    histories = [fake.grad_fn for fake in fakes]
     reached: dict[int, torch.nn.Module] = {}
 
     def fakeify(tensor: torch.Tensor) -> torch.Tensor:
         # Called while `fn` runs, maybe inside a torch.func transform of its own.
         with outside_functorch():
-            return _fake_like(fake_mode, tensor).requires_grad_(wants_grad(tensor))
+            return _fake_like(fake_mode, tensor).requires_grad_(_requires_grad(tensor))
 
     tracing_thread = threading.get_ident()
 
@@ -244,10 +254,13 @@ def _discover(
         hook.remove()
     outputs, output_spec = flatten_outputs(out)
     outputs = [mode.record_closed_over(o) for o in outputs]  # a closed-over tensor returned as is
+    # An update autograd does not see (under no_grad, or through `.detach()`) leaves the input's
+    # history alone, as in eager: it is written back like an update of an input without grad.
     dirty = tuple(
         i
-        for i, (fake, version) in enumerate(zip(fakes, versions, strict=True))
-        if fake.requires_grad and fake._version != version
+        for i, (fake, version, history) in enumerate(zip(fakes, versions, histories, strict=True))
+        if fake._version != version
+        and ((fake.requires_grad and fake.grad_fn is not history) or (forward_mode and _all_floats(fake)))
     )
     return _Discovery(tuple(mode.closed_over.values()), output_spec, tuple(outputs), tuple(reached.values()), dirty)
 
@@ -257,7 +270,9 @@ def _all_floats(tensor: torch.Tensor) -> bool:
 
 
 def _requires_grad(tensor: torch.Tensor) -> bool:
-    return tensor.requires_grad and _all_floats(tensor)
+    """Whether the trace differentiates `tensor`. Under a torch.func transform the levels below
+    this one run the same Function, so a float input that requires grad at any of them is."""
+    return _all_floats(tensor) and requires_grad_at_any_level(tensor)
 
 
 def _trace(
@@ -266,23 +281,24 @@ def _trace(
     roots: ModuleRoots,
     fake_mode: FakeTensorMode,
     discovery: _Discovery,
-    wants_grad: Callable[[torch.Tensor], bool],
+    under_functorch: bool,
 ) -> JointGraph:
     real_primals = [*flat_args.tensors, *discovery.closed_over]
     n_args = len(flat_args.tensors)
-    differentiated = [wants_grad(t) for t in real_primals]
+    differentiated = [_requires_grad(t) for t in real_primals]
     n_user_outputs = len(discovery.output_fakes)
     dirty = discovery.dirty
     differentiable = (
         *(i for i, o in enumerate(discovery.output_fakes) if o.requires_grad),
-        *range(n_user_outputs, n_user_outputs + len(dirty)),
+        *(n_user_outputs + j for j, i in enumerate(dirty) if differentiated[i]),  # others: forward mode only
     )
     fake_primals = [_fake_like(fake_mode, t) for t in real_primals]
     with fake_mode:
         fake_tangents = [torch.empty_like(o) for o in discovery.output_fakes if o.requires_grad]
-        fake_tangents += [torch.empty_like(fake_primals[i]) for i in dirty]
+        fake_tangents += [torch.empty_like(fake_primals[i]) for i in dirty if differentiated[i]]
 
     ran_in_fn: set[fx.Node] = set()  # the graph's nodes when fn returned (some may be dead code later)
+    dropout_layout_matters = False  # see NOTE [dropout under torch.func]
     grad_of: list[int] = []
     copies: list[fx.Node] = []  # the non-leaf copies of dirty inputs, removed after tracing
 
@@ -299,11 +315,13 @@ def _trace(
                 for i in dirty:
                     arguments[i] = inputs[i].clone()
                     copies.append(next(iter(reversed(graph.nodes))))
-                with capture_mode(roots, substitutes) as mode:
+                with capture_mode(roots, substitutes) as mode, eager_fidelity(under_functorch) as fidelity:
                     args, kwargs = flat_args.rebuild(arguments)
                     outputs, _ = flatten_outputs(fn(*args, **kwargs))
                 outputs = [mode.substitute(o) for o in outputs] + [arguments[i] for i in dirty]
                 ran_in_fn.update(graph.nodes)
+                nonlocal dropout_layout_matters
+                dropout_layout_matters = fidelity.dropout_layout_matters
                 wrt = [i for i, grad in enumerate(differentiated) if grad]
                 diff_outputs = [outputs[i] for i in differentiable]
                 grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
@@ -333,6 +351,7 @@ def _trace(
         copy.replace_all_uses_with(copy.args[0])  # type: ignore[arg-type]
         graph.erase_node(copy)
     _use_reshape_for_view(graph)
+    _end_slices_at_the_size(graph)
     _drop_unread_batch_norm_arguments(graph)
     graph.eliminate_dead_code()
 
@@ -379,6 +398,7 @@ def _trace(
         ),
         lifted=lifted,
         reached_modules=discovery.reached_modules,
+        under_functorch=under_functorch if dropout_layout_matters else None,
     )
 
 
@@ -417,6 +437,27 @@ def _use_reshape_for_view(graph: fx.Graph) -> None:
     for node in graph.nodes:
         if node.op == "call_function" and node.target is aten.view.default:
             node.target = aten.reshape.default
+
+
+# NOTE [slices end at the size]
+# `t[:, ::2]` traces as `slice(t, 1, 0, 9223372036854775807, 2)`, and an in-place
+# update of it as a `slice_scatter` with the same end, which functorch's batching
+# rule for `slice_scatter` refuses ("invalid size, possible overflow?") under
+# `vmap`. An end past the size means the size: the graph says so.
+_SLICE_DIMENSION = {aten.slice.Tensor: 1, aten.slice_scatter.default: 2}
+
+
+def _end_slices_at_the_size(graph: fx.Graph) -> None:
+    for node in graph.nodes:
+        position = _SLICE_DIMENSION.get(node.target)  # type: ignore[arg-type]
+        if position is None or len(node.args) <= position + 2:
+            continue
+        base = node.args[0].meta.get("val")  # type: ignore[union-attr]
+        dim, end = node.args[position], node.args[position + 2]
+        if isinstance(base, torch.Tensor) and isinstance(dim, int) and isinstance(end, int):
+            size = base.shape[dim]
+            if isinstance(size, int) and end > size:
+                node.args = (*node.args[: position + 2], size, *node.args[position + 3 :])
 
 
 def _drop_unread_batch_norm_arguments(graph: fx.Graph) -> None:
@@ -458,6 +499,13 @@ def _forward_nodes(
         stack.extend(node.all_input_nodes)
     alive = set(graph.nodes)  # some nodes of `fn` may have been removed as dead code
     return frozenset(n for n in forward if n in alive and n.op != "placeholder")
+
+
+def stops_gradient(node: fx.Node, *, forward_mode: bool = False) -> bool:
+    """Whether `fn` computed `node` where autograd does not see: through a `detach()`, or under
+    `no_grad`, which forward-mode AD sees through (as it does in eager)."""
+    why = node.meta.get("remat_stops_gradient")
+    return why == "detach" if forward_mode else why is not None
 
 
 # NOTE [free ops follow their base]

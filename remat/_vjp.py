@@ -141,7 +141,23 @@ class _CheckpointFunction(torch.autograd.Function):
             tangent = primal_tangents[primal]
             if tangent is not None:
                 chosen.append((i, tangent))
-        output_tangents = _pure_jvp(programs, ctx.saved_tensors, chosen)
+        if executable.dirty and torch._C._are_functorch_transforms_active():
+            raise NotImplementedError(
+                "remat.checkpoint: under torch.func.jvp (or jacfwd, hessian) the function updates an input in place, "
+                "whose tangent must then be updated in place too, which torch.func does not allow a custom "
+                "autograd.Function to do. Update a copy of the input (`x = x.clone()` first), or use "
+                "torch.autograd.forward_ad, where this works."
+            )
+        output_tangents = list(_pure_jvp(programs, ctx.saved_tensors, chosen))
+        # An input the forward updated in place keeps its tangent tensor, updated in place too (as
+        # autograd asks of a Function that marks an input dirty).
+        for j, primal in enumerate(executable.dirty):
+            position = programs.returned.index(executable.n_user_outputs + j)
+            given, new = primal_tangents[primal], output_tangents[position]
+            if given is not None:
+                if new is not given:
+                    given.copy_(new) if new is not None else given.zero_()
+                output_tangents[position] = given
         n_states = sum(k.rng_state for k in programs.kept)
         return tuple(
             None if skip else _zeros(meta) if tangent is None else tangent
@@ -160,6 +176,8 @@ def _pure_jvp(
     """Tangents of the pure forward's outputs for tangents on some of its inputs."""
     _check_pure_differentiable(programs)
     positions = [i for i, _ in chosen]
+    if not positions:  # no input the pure forward reads has a tangent (or it reads none)
+        return [None] * (len(programs.returned) + programs.n_activations)
     if torch.autograd.forward_ad._current_level < 0:  # under torch.func.jvp: forward mode of our own
 
         def pure(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -254,15 +272,17 @@ def _zeros(meta: TensorMeta) -> torch.Tensor:
 
 def _without_grad(ctx: Any, programs: Programs) -> Iterator[bool]:
     """For each output of the Function, whether it is marked non-differentiable: as traced,
-    and, as in eager, when it has a derivative from no input that requires grad here.
+    and, under torch.func transforms, also when it has a derivative from no input that
+    requires grad at this level.
 
-    The second part matters under torch.func transforms, which trace with every floating
-    input differentiable (see `trace_joint`), and never under forward mode, where inputs
-    carry tangents without requiring grad.
+    The trace differentiates the inputs that require grad at any level (see `trace_joint`),
+    so its answer is eager's outside transforms; never under forward mode, where inputs carry
+    tangents without requiring grad.
     """
+    per_level = not programs.pure_returns_outputs and torch._C._are_functorch_transforms_active()
     needs_grad = ctx.needs_input_grad[1:]
     for skip, sources in zip(programs.without_tangent, programs.output_sources, strict=True):
-        yield skip or (not programs.pure_returns_outputs and not any(needs_grad[i] for i in sources))
+        yield skip or (per_level and not any(needs_grad[i] for i in sources))
 
 
 def _as_seen_by_autograd(ctx: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:

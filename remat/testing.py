@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -129,6 +130,43 @@ def _cat_split(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return a * b
 
 
+def _normal_in_strided_view(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin()
+    t[:, ::2].normal_()  # an in-place random fill of a non-contiguous view
+    return t * x
+
+
+def _exponential_in_row_view(x: torch.Tensor) -> torch.Tensor:
+    t = x.cos()
+    t[::2].exponential_()
+    return t * x
+
+
+def _batch_norm_transposed(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    channels_first = torch.stack([x, y]).transpose(1, 2)  # (2, cols, rows): a non-contiguous input
+    out = F.batch_norm(channels_first, None, None, training=True)
+    # The CPU kernel returns a contiguous tensor whatever its input's layout: `view` relies on it.
+    return out.view(-1)[: x.numel()].view(x.shape[1], x.shape[0]).t()
+
+
+def _scale_without_grad(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # an update autograd does not record, of whatever `x` is (an input too)
+        x.mul_(0.5)
+    return x
+
+
+def _neg_split_output(x: torch.Tensor) -> torch.Tensor:
+    head, tail = x.detach().sin().split([1, x.shape[1] - 1], dim=1)
+    tail.neg_()  # in place on an output of a multi-output view op
+    return x * torch.cat([head, tail], dim=1)
+
+
+def _fill_through_expand(x: torch.Tensor) -> torch.Tensor:
+    t = x * 1.0
+    t.expand(*t.shape).uniform_(-1.0, 1.0)  # an `expand` that expands nothing: a plain alias
+    return t * x
+
+
 # Each entry maps (x, y, constants) -> a tensor shaped like x; y is another value of the same shape.
 # Every one is well-defined and differentiable almost everywhere on random float inputs.
 _Op = Callable[[torch.Tensor, torch.Tensor, Constants], torch.Tensor]
@@ -209,11 +247,31 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     "bernoulli": (1, lambda x, y, c: x * torch.bernoulli(torch.full_like(x, 0.7))),
     "rand_like": (1, lambda x, y, c: x + 0.1 * torch.rand_like(x)),
     "randn_like": (1, lambda x, y, c: x * (1.0 + 0.1 * torch.randn_like(x))),
+    # random ops on non-contiguous tensors, and in place: they draw in memory order
+    "dropout_transposed": (1, lambda x, y, c: F.dropout(x.t(), 0.3, training=True).t()),
+    "bernoulli_transposed_": (1, lambda x, y, c: x * x.t().sin().bernoulli_(0.5).t()),
+    "normal_strided_": (1, lambda x, y, c: _normal_in_strided_view(x)),
+    "exponential_rows_": (1, lambda x, y, c: _exponential_in_row_view(x)),
+    "uniform_through_expand_": (1, lambda x, y, c: _fill_through_expand(x)),
+    # random ops whose derivative is zero: their outputs still require grad, as in eager
+    "normal_of_bernoulli": (1, lambda x, y, c: torch.normal(torch.bernoulli(x.sigmoid()), 0.5)),
+    # a kernel that chooses its output's layout (CPU batch norm: contiguous)
+    "batch_norm_transposed": (2, lambda x, y, c: _batch_norm_transposed(x, y)),
+    # views of the operand (an input, maybe) through multi-output view ops, and updates of them
+    "split_view": (1, lambda x, y, c: x.split(x.shape[0])[0]),
+    "unbind_expand_view": (1, lambda x, y, c: x.unbind(0)[0].expand(x.shape)),
+    "chunk_view": (1, lambda x, y, c: x.chunk(1, dim=1)[0]),
+    "scale_without_grad_": (1, lambda x, y, c: _scale_without_grad(x)),
+    "neg_split_output_": (1, lambda x, y, c: _neg_split_output(x)),
 }
 
-# Catalog ops that remat currently gets wrong, with what goes wrong; `functions()` leaves them out
-# unless asked for by name.
-RANDOM_OPS = frozenset({"dropout", "bernoulli", "rand_like", "randn_like"})
+# Catalog ops that draw random numbers; `functions(random_ops=False)` leaves them out.
+RANDOM_OPS = frozenset(
+    {
+        "dropout", "bernoulli", "rand_like", "randn_like", "dropout_transposed", "bernoulli_transposed_",
+        "normal_strided_", "exponential_rows_", "uniform_through_expand_", "normal_of_bernoulli",
+    }
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,8 +521,9 @@ def policies(trace: Trace) -> st.SearchStrategy[Any]:
     """Draw random policies for the calls of `trace`.
 
     Mixes the constant policies, `remat.policies.save_calls` of random subsets
-    of the calls, and plain callables that answer per call (with `bool`s or
-    `remat.Decision`s), so that every save/recompute split is reachable.
+    of the calls, plain callables that answer per call (with `bool`s or
+    `remat.Decision`s), so that every save/recompute split is reachable, and,
+    where scipy is installed, the planner `remat.policies.budget`.
 
     Args:
         trace: the `remat.Trace` of the function the policies are for.
@@ -483,11 +542,14 @@ def policies(trace: Trace) -> st.SearchStrategy[Any]:
     """
     n = len(trace)
     subsets = st.lists(st.integers(0, n - 1), unique=True, max_size=n) if n else st.just([])
-    return st.one_of(
+    choices = [
         st.sampled_from([None, _policies.save_nothing, _policies.save_everything]),
         subsets.map(lambda indices: _policies.save_calls(*sorted(indices))),
         st.builds(_PerCallPolicy, st.lists(st.booleans(), min_size=n, max_size=n).map(tuple), st.booleans()),
-    )
+    ]
+    if importlib.util.find_spec("scipy") is not None:  # the planner's solver
+        choices.append(st.just(_policies.budget(fraction=1.0)))  # a smaller budget may be infeasible
+    return st.one_of(*choices)
 
 
 # --- the equivalence check ----------------------------------------------------------------------------
@@ -591,14 +653,19 @@ def _transformed(name: str, fn: Callable[..., Any], args: tuple[Any, ...], seed:
 class _Run:
     outputs: list[torch.Tensor]
     spec: Any
+    layouts: list[tuple[int, ...] | None]  # per output: the strides of its dimensions of size > 1
+    aliases: list[tuple[int, ...]]  # per output: the input tensors whose memory it shares
+    inputs_after: list[torch.Tensor]  # the input tensors' values after the call (in-place updates)
     input_grads: list[torch.Tensor | None]
     param_grads: list[torch.Tensor | None]
+    rng_after: torch.Tensor  # the CPU generator's state after the call and backward
 
 
 def _run(fn: Callable[..., Any], args: Any, params: Sequence[torch.Tensor], seed: int, backward: bool) -> _Run:
     for param in params:
         param.grad = None
     args = _fresh(args)
+    leaves = _tensor_leaves(args)
     torch.manual_seed(seed)
     outputs, spec = optree.tree_flatten(fn(*args), none_is_leaf=False)
     generator = torch.Generator().manual_seed(seed)
@@ -612,9 +679,27 @@ def _run(fn: Callable[..., Any], args: Any, params: Sequence[torch.Tensor], seed
     return _Run(
         outputs=outputs,
         spec=spec,
-        input_grads=[t.grad for t in _tensor_leaves(args)],
+        layouts=[_layout(o) for o in outputs],
+        aliases=[_aliased_inputs(o, leaves) for o in outputs],
+        inputs_after=[t.detach().clone() for t in leaves],
+        input_grads=[t.grad for t in leaves],
         param_grads=[None if p.grad is None else p.grad.clone() for p in params],
+        rng_after=torch.get_rng_state(),
     )
+
+
+def _layout(value: Any) -> tuple[int, ...] | None:
+    """The strides of a tensor's dimensions of size > 1 (the others' strides mean nothing)."""
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return None
+    return tuple(stride for stride, size in zip(value.stride(), value.shape, strict=True) if size > 1)
+
+
+def _aliased_inputs(value: Any, leaves: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided or not value.numel():
+        return ()
+    storage = value.untyped_storage().data_ptr()
+    return tuple(i for i, t in enumerate(leaves) if t.numel() and t.untyped_storage().data_ptr() == storage)
 
 
 def _diff(what: str, actual: Any, expected: Any, rtol: float | None, atol: float | None) -> str | None:
@@ -663,11 +748,56 @@ def _compare(label: str, expected: _Run, actual: _Run, rtol: float | None, atol:
         if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor) and a.requires_grad != e.requires_grad:
             problems.append(f"{label}output {i}: requires_grad expected {e.requires_grad}, got {a.requires_grad}")
         problems.append(_diff(f"{label}output {i}", a, e, rtol, atol) or "")
+        if actual.layouts[i] != expected.layouts[i] and _diff("", a, e, rtol, atol) is None:
+            problems.append(f"{label}output {i}: strides expected {_strides(e)}, got {_strides(a)}")
+        if actual.aliases[i] != expected.aliases[i]:
+            problems.append(
+                f"{label}output {i}: shares memory with input tensors {list(expected.aliases[i])} in eager, "
+                f"but with {list(actual.aliases[i])}"
+            )
+    for i, (after, expected_after) in enumerate(zip(actual.inputs_after, expected.inputs_after, strict=True)):
+        problems.append(_diff(f"{label}input tensor {i} after the call", after, expected_after, rtol, atol) or "")
+    if not torch.equal(actual.rng_after, expected.rng_after):
+        problems.append(f"{label}the random stream is left elsewhere than eager leaves it")
     for i, (grad, expected_grad) in enumerate(zip(actual.input_grads, expected.input_grads, strict=True)):
         problems.append(_diff(f"{label}gradient of input tensor {i}", grad, expected_grad, rtol, atol) or "")
     for i, (grad, expected_grad) in enumerate(zip(actual.param_grads, expected.param_grads, strict=True)):
         problems.append(_diff(f"{label}gradient of parameter {i}", grad, expected_grad, rtol, atol) or "")
     return [p for p in problems if p]
+
+
+def _run_and_compare(
+    label: str,
+    fn: Callable[..., Any],
+    checkpointed: Callable[..., Any],
+    args: Any,
+    params: Sequence[torch.Tensor],
+    seed: int,
+    backward: bool,
+    rtol: float | None,
+    atol: float | None,
+) -> list[str]:
+    """Run both; compare what they computed, or, where `fn` raises, that the checkpoint raises too.
+
+    Under a transform (`label`), a program eager refuses is not compared: remat may run it where
+    eager cannot (its views are traced as reshapes, which never fail)."""
+    try:
+        expected = _run(fn, args, params, seed, backward)
+    except Exception as error:  # eager refuses this program: so must the checkpoint
+        if label:
+            return []
+        try:
+            _run(checkpointed, args, params, seed, backward)
+        except type(error):
+            return []
+        except Exception as other:
+            return [f"{label}eager raises {type(error).__name__}: {error}; the checkpoint raises {other!r}"]
+        return [f"{label}eager raises {type(error).__name__}: {error}; the checkpoint does not"]
+    return _compare(label, expected, _run(checkpointed, args, params, seed, backward), rtol, atol)
+
+
+def _strides(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.stride()) if isinstance(value, torch.Tensor) and value.layout == torch.strided else None
 
 
 def _stack(args: Any, size: int = 2) -> Any:
@@ -695,10 +825,13 @@ def assert_checkpoint_equivalent(
     Both run on fresh copies of `args` (any pytrees of tensors), each after
     `torch.manual_seed(seed)` so random ops draw the same numbers; the same
     seeded random cotangents are backpropagated through every float output
-    that requires grad. Compared: the output structure and every output, the
-    gradient of every input tensor, and for an `nn.Module` `fn` the `.grad` of
-    each parameter. Tolerances depend on the dtype (tight for float64, loose
-    for bfloat16 and float16) unless given.
+    that requires grad. Compared: the output structure and every output with
+    its metadata (`requires_grad`, the strides of its dimensions longer than
+    one, which inputs it shares memory with), the values of the inputs after
+    the call (in-place updates), the gradient of every input tensor, for an
+    `nn.Module` `fn` the `.grad` of each parameter, and where the CPU random
+    stream is left after forward and backward. Tolerances depend on the dtype
+    (tight for float64, loose for bfloat16 and float16) unless given.
 
     Args:
         fn: a function of tensors, or an `nn.Module`.
@@ -736,15 +869,21 @@ def assert_checkpoint_equivalent(
             fn.to(device)
     params: list[torch.Tensor] = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     checkpointed = _checkpoint(fn, policy)
-    problems = _compare(
-        "", _run(fn, args, params, seed, True), _run(checkpointed, args, params, seed, True), rtol, atol
-    )
+    problems = _run_and_compare("", fn, checkpointed, args, params, seed, True, rtol, atol)
     for name in transforms:
         # grad, jvp and vjp are compared as pure functions of detached inputs; vmap also backpropagates.
         call_args = _stack(args) if name == "vmap" else _detached(args)
-        expected = _run(_transformed(name, fn, args, seed), call_args, params, seed, name == "vmap")
-        actual = _run(_transformed(name, checkpointed, args, seed), call_args, params, seed, name == "vmap")
-        problems += _compare(f"[{name}] ", expected, actual, rtol, atol)
+        problems += _run_and_compare(
+            f"[{name}] ",
+            _transformed(name, fn, args, seed),
+            _transformed(name, checkpointed, args, seed),
+            call_args,
+            params,
+            seed,
+            name == "vmap",
+            rtol,
+            atol,
+        )
     if problems:
         header = f"remat.checkpoint(fn, policy={policy!r}) differs from fn = {fn!r}:"
         raise AssertionError("\n  ".join([header, *problems]))

@@ -35,6 +35,13 @@ with warnings.catch_warnings():
     with contextlib.suppress(ImportError):  # without libcst, the plugin skips patch generation
         import hypothesis.extra._patching  # noqa: F401
 
+# The first forward-mode AD call in a process imports torch's jvp decompositions, which
+# script functions with the deprecated `torch.jit.script` (a DeprecationWarning from torch
+# itself, an error under `filterwarnings = error`). Import them once here, warning ignored.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import torch._decomp.decompositions_for_jvp
+
 settings.register_profile(
     "ci",
     max_examples=20,

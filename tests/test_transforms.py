@@ -25,7 +25,6 @@ import collections
 import dataclasses
 import functools
 import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -44,13 +43,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import policies
-
-# The first forward-mode AD call in a process imports torch's jvp decompositions, which
-# script functions with the deprecated `torch.jit.script` (a DeprecationWarning from torch
-# itself, an error under `filterwarnings = error`). Import them once here, warning ignored.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import torch._decomp.decompositions_for_jvp
 
 aten = torch.ops.aten
 DTYPE = torch.float64
@@ -562,13 +554,36 @@ SAME_RANDOMNESS_ERROR = "Vmap does not currently support same randomness with a 
 
 
 @FIXED_POLICIES
-def test_vmap_randomness_same_with_dropout_on_a_batched_input_raises_under_remat_only(policy: Any) -> None:
-    # A documented limitation, not a wish: eager `F.dropout` dispatches dropout's own batching
-    # rule, which supports randomness="same" on a batched input; remat's trace decomposes
-    # dropout into `bernoulli` on a tensor shaped like the (batched) input, and functorch
-    # refuses "same" randomness for a random op with a batched tensor input.
+def test_vmap_randomness_same_with_dropout_on_a_batched_input_draws_eagers_mask(policy: Any) -> None:
+    # Dropout on a contiguous input traces as an in-place `bernoulli_`, which remat runs as eager
+    # does: functorch's rule for in-place random ops draws one mask for the whole batch.
     def fn(x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, p=0.5, training=True)
+
+    def run(fn: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        xs = models.randn(4, 3, 8, seed=5)
+        out = vmap(fn, randomness="same")(xs)
+        out.backward(cotangent_like(out))
+        return out.detach(), xs.grad
+
+    (expected, expected_grad), expected_next = _seeded(lambda: run(fn))
+    (actual, actual_grad), actual_next = _seeded(lambda: run(remat.checkpoint(fn, policy=policy)))
+    assert torch.equal(expected[0] == 0, expected[1] == 0)  # one mask for every example
+    assert torch.equal(actual, expected)
+    assert torch.equal(actual_grad, expected_grad)
+    assert torch.equal(actual_next, expected_next)
+
+
+@FIXED_POLICIES
+def test_vmap_randomness_same_with_dropout_on_a_transposed_batched_input_raises_under_remat_only(
+    policy: Any,
+) -> None:
+    # A documented limitation, not a wish: under a transform, eager `F.dropout` draws its mask
+    # from an unbatched tensor, which "same" randomness allows; for a non-contiguous input
+    # remat's trace draws it out of place into a tensor shaped like the (batched) input (see
+    # NOTE [dropout under torch.func]), and functorch refuses "same" randomness there.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x.transpose(0, 1), p=0.5, training=True)
 
     xs = models.randn(4, 3, 8, seed=5, requires_grad=False)
     torch.manual_seed(0)

@@ -1,0 +1,303 @@
+"""What the functional trace must keep of eager execution that functionalization alone loses.
+
+Tracing rewrites every in-place op as its out-of-place form and predicts
+output layouts with fake tensors. Three eager behaviours depend on details
+that this changes, and are kept here:
+
+* the numbers an in-place random fill draws depend on the memory layout of
+  the tensor it fills (see NOTE [random fills draw in eager's layout]);
+* some CPU kernels choose their output layout themselves, unlike their fake
+  kernels (see NOTE [kernels that choose their output layout]);
+* an in-place write through a view is written back through the view's
+  inverse, which is exact for every view but `expand`, and undefined where
+  the view's elements share memory (see NOTE [writes through views]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "EagerFidelity",
+    "EagerLayoutFakeMode",
+    "FillInEagerLayout",
+    "OverlappingWrite",
+    "eager_fidelity",
+    "fill_in_eager_layout",
+    "runnable",
+]
+
+aten = torch.ops.aten
+
+
+# NOTE [random fills draw in eager's layout]
+# `t.bernoulli_(p)`, `t.normal_()` and the fill inside CPU dropout write
+# random numbers into `t` in its memory order, and some kernels take another
+# path (and draw another count) when `t` is not contiguous. Functionalization
+# traces them as their out-of-place forms (`bernoulli.p`, `normal_functional`),
+# which fill a fresh tensor of their own layout: other numbers, and the
+# stream left elsewhere, whenever `t` is transposed, permuted or strided. So
+# the trace notes the strides `t` had (a FunctionalTensor keeps eager's view
+# metadata), and the programs run such a call as the in-place op itself on a
+# fresh tensor of those strides (`FillInEagerLayout`). Under `vmap` the fresh
+# tensor is made from the batched input, so the batching rule of the in-place
+# op fills the whole batch as eager's does.
+class FillInEagerLayout(NamedTuple):
+    """How eager ran an in-place random fill: its op and the strides of the tensor it filled.
+
+    Plain data (the op by name), so that FX programs can carry it as an argument; calling it
+    runs the fill (`fill_in_eager_layout`).
+    """
+
+    op: str  # the in-place op, e.g. "aten::bernoulli_.float"
+    strides: tuple[int, ...]
+    dense: bool  # whether those strides cover their storage exactly (a strided slice does not)
+
+    def __call__(self, like: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return fill_in_eager_layout(self, like, *args, **kwargs)
+
+
+def fill_in_eager_layout(fill: FillInEagerLayout, like: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Run the in-place random fill `fill.op` on a fresh tensor shaped like `like` with eager's strides."""
+    out = like.new_empty_strided(like.shape, fill.strides)
+    _op_named(fill.op)(out, *args, **kwargs)
+    # A non-dense layout (a strided view in eager) is only written back into its base:
+    # hand on a compact copy, the size the trace accounted for.
+    return out if fill.dense else out.contiguous()
+
+
+def _op_named(name: str) -> Any:
+    namespace, _, rest = name.partition("::")
+    packet, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+
+
+def runnable(node: Any) -> Callable[..., Any]:
+    """What the programs call for a traced node: its op, or how eager ran it."""
+    return node.meta.get("remat_fill") or node.target  # type: ignore[no-any-return]
+
+
+class OverlappingWrite(RuntimeError):
+    """An in-place update of a tensor whose elements share memory (raised while tracing)."""
+
+    def __init__(self, op: Any, shape: Sequence[int], strides: Sequence[int]):
+        super().__init__(f"{op} writes into a tensor of shape {tuple(shape)} with strides {tuple(strides)}")
+        self.op, self.shape, self.strides = op, tuple(shape), tuple(strides)
+
+
+# In-place random ops that only write their `self` (`rrelu_with_noise_` reads it, so it is not one).
+_RANDOM_FILLS = frozenset(
+    {
+        aten.bernoulli_, aten.normal_, aten.uniform_, aten.exponential_, aten.geometric_, aten.cauchy_,
+        aten.log_normal_, aten.random_,
+    }
+)  # fmt: skip
+
+
+# NOTE [dropout under torch.func]
+# Eager dropout fills `empty_like(input)` in place, in the input's layout; but
+# on a tensor wrapped by a torch.func transform (`grad`, `vmap`), torch's
+# dropout functions draw their mask out of place, into a contiguous tensor.
+# The two draw the same numbers when the input is contiguous, and then one
+# trace serves calls with and without transforms. When it is not, a function
+# traced to run under a transform keeps the functional form of the fills made
+# inside a dropout function, and its trace serves only calls under a transform
+# (and the other trace only calls without): `JointGraph.under_functorch`.
+_DROPOUTS = frozenset(
+    {
+        F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+        torch.dropout, torch.dropout_, torch.feature_dropout, torch.feature_dropout_, torch.alpha_dropout,
+        torch.alpha_dropout_, torch.feature_alpha_dropout, torch.feature_alpha_dropout_,
+    }
+)  # fmt: skip
+
+
+class _InsideDropout(TorchFunctionMode):
+    """Notes, for `EagerFidelity`, when a dropout function is running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        inside = func in _DROPOUTS
+        self.depth += inside
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.depth -= inside
+
+
+# NOTE [writes through views]
+# Functionalization writes an in-place update of a view back into its base
+# through the view's inverse. For `expand` the inverse is `base + sum(new -
+# base)` over the expanded dimensions: one rounding off eager when nothing is
+# expanded (`x.expand(*x.shape)`, a plain alias), and plainly wrong when
+# something is (eager's `fill_` on a broadcast view writes each element once;
+# the sum writes it as many times as it is repeated). So an `expand` to the
+# same shape is traced as the alias it is, and an in-place op into a tensor
+# whose elements may share memory (a broadcast, an overlapping `unfold`) is
+# refused: which of the writes wins is not something a functional graph says.
+class EagerFidelity(TorchDispatchMode):
+    """Sits above FunctionalTensorMode while the joint graph is traced, seeing eager's tensors."""
+
+    def __init__(self, dropouts: _InsideDropout, under_functorch: bool):
+        super().__init__()
+        self.dropouts = dropouts
+        self.under_functorch = under_functorch
+        self.dropout_layout_matters = False  # a dropout filled a non-contiguous mask
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is aten.expand.default and _expands_nothing(args[0], args[1]):
+            return aten.alias.default(args[0])
+        written = _written_tensors(func, args, kwargs)
+        for tensor in written:
+            if _may_overlap(tensor.shape, tensor.stride()):
+                raise OverlappingWrite(func, tensor.shape, tensor.stride())
+        if not written or func.overloadpacket not in _RANDOM_FILLS:
+            return func(*args, **kwargs)
+        target = written[0]
+        if self.dropouts.depth and not target.is_contiguous():  # NOTE [dropout under torch.func]
+            self.dropout_layout_matters = True
+            if self.under_functorch:
+                return func(*args, **kwargs)
+        fill = FillInEagerLayout(func.name(), tuple(target.stride()), _is_dense(target.shape, target.stride()))
+        graph = get_proxy_mode().tracer.graph  # type: ignore[union-attr]
+        last = next(iter(reversed(graph.nodes)))
+        result = func(*args, **kwargs)
+        for node in _nodes_after(graph, last):
+            if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+                node.meta["remat_fill"] = fill
+                break
+        return result
+
+
+@contextlib.contextmanager
+def eager_fidelity(under_functorch: bool) -> Iterator[EagerFidelity]:
+    """The modes to run `fn` under, inside `FunctionalTensorMode`, while tracing the joint graph
+    (for a function that runs under a torch.func transform, with `under_functorch`)."""
+    with _InsideDropout() as dropouts, EagerFidelity(dropouts, under_functorch) as fidelity:
+        yield fidelity
+
+
+def _nodes_after(graph: Any, last: Any) -> list[Any]:
+    new = []
+    for node in reversed(graph.nodes):
+        if node is last:
+            break
+        new.append(node)
+    return new[::-1]
+
+
+def _written_tensors(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensor arguments an op writes into (`self` of an in-place op, `out=`)."""
+    written = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        if isinstance(value, torch.Tensor):
+            written.append(value)
+    return written
+
+
+def _expands_nothing(tensor: torch.Tensor, sizes: Sequence[Any]) -> bool:
+    if len(sizes) != tensor.dim():
+        return False
+    return all(isinstance(s, int) and s in (-1, n) for s, n in zip(sizes, tensor.shape, strict=True))
+
+
+def _known(shape: Sequence[Any], strides: Sequence[Any]) -> list[tuple[int, int]] | None:
+    """(stride, size) of each dimension with more than one element, by stride; None if symbolic."""
+    if not all(isinstance(v, int) for v in (*shape, *strides)):
+        return None
+    if 0 in shape:
+        return []
+    return sorted((stride, size) for size, stride in zip(shape, strides, strict=True) if size > 1)
+
+
+def _may_overlap(shape: Sequence[Any], strides: Sequence[Any]) -> bool:
+    """Whether two elements of a tensor may share memory: some stride does not step past the
+    whole extent of the smaller-strided dimensions (a zero stride never does)."""
+    dims = _known(shape, strides)
+    extent = 0
+    for stride, size in dims or ():
+        if stride <= extent:
+            return True
+        extent += stride * (size - 1)
+    return False
+
+
+def _is_dense(shape: Sequence[Any], strides: Sequence[Any]) -> bool:
+    """Whether a tensor's elements fill its memory with no gaps (contiguous in some order)."""
+    dims = _known(shape, strides)
+    if dims is None:
+        return True
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# NOTE [kernels that choose their output layout]
+# Fake tensors predict output strides from each op's meta kernel or
+# decomposition, which follows the input's layout. The CPU batch-norm kernels
+# (forward and backward) instead return a tensor contiguous in the input's
+# suggested memory format: eager's `bn(x.transpose(1, 2)).view(-1)` works,
+# while the fake predicts transposed strides and refuses the view. The
+# tracing fake mode corrects those outputs, so that the trace (views, random
+# fills, output metadata) sees the layouts eager sees.
+_CPU_LAYOUT_FROM = {  # op -> position of the argument whose suggested memory format decides
+    aten.native_batch_norm.default: 0,
+    aten._native_batch_norm_legit.default: 0,
+    aten._native_batch_norm_legit.no_stats: 0,
+    aten._native_batch_norm_legit_functional.default: 0,
+    aten._native_batch_norm_legit_no_training.default: 0,
+    aten.native_batch_norm_backward.default: 1,
+}
+
+
+class EagerLayoutFakeMode(FakeTensorMode):
+    """A fake tensor mode whose outputs have the strides eager's kernels give them."""
+
+    def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        result: Any = super().dispatch(func, types, args, kwargs)
+        position = _CPU_LAYOUT_FROM.get(func)
+        if position is None:
+            return result
+        source = args[position]
+        first = result[0]
+        if first is None or first.device.type != "cpu":
+            return result
+        layout = _suggested_memory_format(source)
+        if first.is_contiguous(memory_format=layout):
+            return result
+        fixed = super().dispatch(
+            aten.empty.memory_format,
+            types,
+            (first.shape,),
+            {"dtype": first.dtype, "device": first.device, "memory_format": layout},
+        )
+        return (fixed, *result[1:])
+
+
+def _suggested_memory_format(tensor: torch.Tensor) -> torch.memory_format:
+    """The layout CPU kernels give the output for `tensor`: channels-last if it is, else contiguous."""
+    if tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if tensor.dim() == 5 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format

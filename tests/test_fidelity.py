@@ -1,0 +1,433 @@
+"""What eager does that a functional trace must keep: random draws in eager's layout, kernels
+that choose their output layout, exact write-backs through views, output metadata.
+
+Each test is one class of difference an independent random-program fuzzer found (issue 22),
+reduced to its smallest program, and checks remat against eager on it: values (random draws
+bit for bit), where the random stream is left, output metadata (strides, `requires_grad`,
+memory shared with inputs), gradients, and errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import vmap
+
+import remat
+from remat import policies
+from remat.testing import assert_checkpoint_equivalent
+
+POLICIES = pytest.mark.parametrize(
+    "policy", [policies.save_nothing, policies.save_everything], ids=["save_nothing", "save_everything"]
+)
+
+
+def _seeded(thunk: Callable[[], Any]) -> tuple[Any, torch.Tensor]:
+    """`thunk()` from a seeded generator, and the numbers the generator draws next."""
+    torch.manual_seed(0)
+    result = thunk()
+    return result, torch.rand(4)
+
+
+def _seeded_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, torch.Tensor]:
+    return _seeded(lambda: fn(*args))
+
+
+def _assert_draws_as_eager(fn: Callable[..., Any], *args: Any, policy: Any, **vmap_options: Any) -> None:
+    run = (lambda f: vmap(f, **vmap_options)) if vmap_options else (lambda f: f)
+    expected, expected_next = _seeded(lambda: run(fn)(*args))
+    actual, actual_next = _seeded(lambda: run(remat.checkpoint(fn, policy=policy))(*args))
+    assert torch.equal(actual, expected)
+    assert torch.equal(actual_next, expected_next)
+
+
+# --- random fills draw in eager's layout ----------------------------------------------------------
+
+
+@POLICIES
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: F.dropout(x.t(), p=0.5),
+        lambda x: x.t().sin().bernoulli_(0.5),
+        lambda x: x.t().sin().uniform_(-1, 1) * 2,
+        lambda x: x.t().cos().exponential_() * 2,
+    ],
+    ids=["dropout", "bernoulli_", "uniform_", "exponential_"],
+)
+def test_regression_random_fills_of_transposed_tensors_draw_eagers_numbers(fn: Callable, policy: Any) -> None:
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    _assert_draws_as_eager(fn, x, policy=policy)
+    assert_checkpoint_equivalent(fn, x, policy=policy)
+
+
+@POLICIES
+def test_regression_normal_fill_of_a_strided_view_draws_eagers_numbers_and_count(policy: Any) -> None:
+    # normal_ takes another kernel path on a non-contiguous tensor, drawing another count.
+    y = torch.randn(3, 3, 4, dtype=torch.float64, requires_grad=True)
+    _assert_draws_as_eager(lambda y: y.abs()[..., ::2].normal_() * 1, y, policy=policy)
+
+
+@POLICIES
+def test_regression_dropout_on_a_contiguous_copy_still_draws_eagers_numbers(policy: Any) -> None:
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    _assert_draws_as_eager(lambda x: F.dropout(x.t().contiguous(), p=0.5), x, policy=policy)
+
+
+@POLICIES
+def test_regression_in_place_normal_under_vmap_different_randomness_draws_eagers_numbers(policy: Any) -> None:
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    _assert_draws_as_eager(lambda x: x.sin().normal_() * x, x, policy=policy, randomness="different")
+    # Its result unused: the stream is still left where eager leaves it.
+    _assert_draws_as_eager(lambda x: (x.sin().normal_(), x * 2)[1], x, policy=policy, randomness="different")
+
+
+def test_regression_replayed_transposed_dropout_gives_eagers_gradient() -> None:
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    fn = lambda x: F.dropout(x.t().sin(), p=0.5).cos()  # noqa: E731
+    (expected,), _ = _seeded(lambda: torch.autograd.grad(fn(x).sum(), x))
+    (actual,), _ = _seeded(lambda: torch.autograd.grad(remat.checkpoint(fn)(x).sum(), x))
+    assert torch.equal(actual, expected)
+
+
+def test_the_trace_still_names_the_functional_random_op() -> None:
+    trace = remat.trace(lambda x: x.t().sin().bernoulli_(0.5), torch.randn(3, 4))
+    assert [call.op for call in trace] == [torch.ops.aten.sin.default, torch.ops.aten.bernoulli.p]
+    assert trace[1].is_random
+
+
+# --- kernels that choose their output layout --------------------------------------------------------
+
+
+@POLICIES
+def test_regression_view_of_a_cpu_batch_norm_output_whose_input_was_transposed(policy: Any) -> None:
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(4).double()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return bn(x.transpose(1, 2)).view(-1)
+
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, policy=policy)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_batch_norm_outputs_have_eagers_strides(training: bool) -> None:
+    bn = torch.nn.BatchNorm2d(3).double().train(training)
+    x = torch.randn(2, 4, 3, 5, dtype=torch.float64, requires_grad=True)
+    for layout in (
+        lambda x: x.transpose(1, 2),
+        lambda x: x.transpose(1, 2).contiguous(memory_format=torch.channels_last),
+    ):
+        fn = lambda x, layout=layout: bn(layout(x))  # noqa: E731
+        expected = fn(x)
+        assert remat.checkpoint(fn)(x).stride() == expected.stride()
+        assert remat.trace(fn, x)[-1].outputs[0].shape == tuple(expected.shape)
+
+
+# --- writes through views -----------------------------------------------------------------------------
+
+
+def test_regression_fill_through_an_expand_that_expands_nothing_is_bit_exact() -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x.expand(*x.shape).uniform_(-1, 1)
+        return w * 2
+
+    w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(1000, dtype=torch.float64)
+    xa, xb = x.clone(), x.clone()
+    _, expected_next = _seeded(lambda: fn(xa, w))
+    _, actual_next = _seeded(lambda: remat.checkpoint(fn)(xb, w))
+    assert torch.equal(xb, xa)
+    assert torch.equal(actual_next, expected_next)
+    assert [call.op for call in remat.trace(fn, x, w)] == [torch.ops.aten.uniform.default, torch.ops.aten.mul.Tensor]
+
+
+@pytest.mark.parametrize(
+    "update",
+    [
+        lambda t: t.unfold(0, 2, 1).uniform_(-1, 1),
+        lambda t: t[:1].expand(4, 3).fill_(1.0),
+        lambda t: t[:, :1].expand(4, 3).zero_(),
+    ],
+    ids=["unfold", "expand_fill", "expand_zero"],
+)
+def test_regression_in_place_update_of_a_self_overlapping_view_is_a_trace_error(update: Callable) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = x * 2
+        update(t)
+        return t + x
+
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    fn(x.detach().clone().requires_grad_())  # eager allows it
+    with pytest.raises(remat.TraceError, match=r"updates in place at .*test_fidelity.py:\d+ .*share memory"):
+        remat.checkpoint(fn)(x)
+
+
+# --- aliasing and in-place updates of inputs ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "view",
+    [lambda x: x.unbind(0)[1], lambda x: x.chunk(2)[1], lambda x: x.split(1)[1]],
+    ids=["unbind", "chunk", "split"],
+)
+@pytest.mark.parametrize("mutate_first", [False, True], ids=["view_then_update", "update_then_view"])
+def test_regression_multi_output_view_of_an_input_updated_in_place_stays_a_view(
+    view: Callable, mutate_first: bool
+) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if mutate_first:
+            x.mul_(2)
+        out = view(x)
+        if not mutate_first:
+            x.mul_(2)
+        return out
+
+    x1, x2 = torch.ones(2, 3), torch.ones(2, 3)
+    a, b = fn(x1), remat.checkpoint(fn)(x2)
+    assert torch.equal(a, b) and torch.equal(x1, x2)
+    x1.add_(1)
+    x2.add_(1)
+    assert torch.equal(a, b)  # a view of the input in eager, so under remat too
+    assert b.untyped_storage().data_ptr() == x2.untyped_storage().data_ptr()
+
+
+@POLICIES
+@pytest.mark.parametrize(
+    "update",
+    [lambda x: x.detach().uniform_(-1, 1), lambda x: x.data.mul_(2)],
+    ids=["detach", "data"],
+)
+def test_regression_update_of_a_leaf_input_that_autograd_does_not_see(update: Callable, policy: Any) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        update(x)
+        return x * 3 + x.sin()
+
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, policy=policy)
+    checkpointed = remat.checkpoint(fn, policy=policy)
+    y = x.detach().clone().requires_grad_()
+    checkpointed(y).sum().backward()
+    assert y.is_leaf and y.grad_fn is None and y.grad is not None
+
+
+@POLICIES
+def test_regression_update_of_a_leaf_input_under_no_grad(policy: Any) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x.mul_(2)
+        return x * 3
+
+    assert_checkpoint_equivalent(fn, torch.randn(3, dtype=torch.float64, requires_grad=True), policy=policy)
+
+
+@POLICIES
+@pytest.mark.parametrize("randomness", ["error", "different"])
+def test_regression_in_place_update_of_a_split_output_under_vmap(policy: Any, randomness: str) -> None:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = x.sin().split([1, 3])
+        b.neg_()
+        return a, b
+
+    x = torch.randn(2, 4, 4, dtype=torch.float64)
+    expected = vmap(fn, randomness=randomness)(x)
+    actual = vmap(remat.checkpoint(fn, policy=policy), randomness=randomness)(x)
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(a, e)
+    # Requiring grad, eager refuses the update: so does remat.
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        fn(x[0].clone().requires_grad_())
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        remat.checkpoint(fn, policy=policy)(x[0].clone().requires_grad_())
+
+
+# --- output metadata ---------------------------------------------------------------------------------
+
+
+@POLICIES
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.normal(torch.bernoulli(x.sigmoid()), 0.5),
+        lambda x: x.sin().bernoulli_(0.5),
+        lambda x: torch.normal(x.exp(), 0.5).mul_(2)[1:],
+    ],
+    ids=["normal_of_bernoulli", "bernoulli_", "normal_mul_view"],
+)
+def test_regression_outputs_of_zero_derivative_random_ops_require_grad_as_in_eager(fn: Callable, policy: Any) -> None:
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    (expected, (expected_grad,)), _ = _seeded(lambda: (lambda o: (o, torch.autograd.grad(o.sum(), x)))(fn(x)))
+    checkpointed = remat.checkpoint(fn, policy=policy)
+    (actual, (actual_grad,)), _ = _seeded(lambda: (lambda o: (o, torch.autograd.grad(o.sum(), x)))(checkpointed(x)))
+    assert expected.requires_grad and actual.requires_grad
+    assert torch.equal(actual, expected)
+    assert torch.equal(actual_grad, expected_grad)  # zeros
+
+
+def test_random_factories_still_give_outputs_that_need_no_grad() -> None:
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    fn = lambda x: (torch.rand_like(x.sin()), x * 2)  # noqa: E731
+    assert [o.requires_grad for o in remat.checkpoint(fn)(x)] == [o.requires_grad for o in fn(x)] == [False, True]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [policies.save_nothing, policies.save_everything, policies.save_calls(0)],
+    ids=["save_nothing", "save_everything", "save_sin"],
+)
+def test_regression_view_of_a_saved_value_without_grad_needs_no_grad(policy: Any) -> None:
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = x.sin()  # x needs no grad; t is kept for w's gradient
+        return t * w, t[1:]
+
+    x = torch.randn(3, dtype=torch.float64)
+    assert [o.requires_grad for o in remat.checkpoint(fn, policy=policy)(x)] == [True, False]
+    assert_checkpoint_equivalent(fn, x, policy=policy)
+
+
+def test_view_of_a_saved_value_with_grad_still_takes_second_derivatives() -> None:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = x.sin()
+        return t * t, t[1:]
+
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradgradcheck(lambda x: remat.checkpoint(fn, policy=policies.save_everything)(x), (x,))
+
+
+# --- traces with no calls ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        policies.budget(fraction=0.5),
+        policies.budget(max_bytes=0),
+        policies.budget(fraction=0.5, exact=True),
+        policies.save_nothing,
+        policies.save_everything,
+        policies.dots_saveable,
+    ],
+    ids=["budget_fraction", "budget_zero", "budget_exact", "save_nothing", "save_everything", "dots_saveable"],
+)
+def test_regression_a_trace_without_calls_under_a_policy(policy: Any) -> None:
+    fn = lambda x: x.unbind(0)[1].view(-1)  # noqa: E731  # only views: no call to decide about
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    assert len(remat.trace(fn, x)) == 0
+    assert remat.report(fn, x, policy=policy).saved_bytes == 0
+    assert_checkpoint_equivalent(fn, x, policy=policy)
+
+
+# --- forward-mode AD sees through no_grad --------------------------------------------------------------
+
+
+def _scale_under_no_grad(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        y = x * 2  # forward-mode AD still carries x's tangent here, as in eager
+    return y * x
+
+
+def test_regression_jvp_sees_through_no_grad_regions() -> None:
+    x, t = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    expected = torch.func.jvp(_scale_under_no_grad, (x,), (t,))
+    actual = torch.func.jvp(remat.checkpoint(_scale_under_no_grad), (x,), (t,))
+    torch.testing.assert_close(actual, expected)
+    # A detach stops it, in both.
+    detached = lambda x: x.detach() * 2 + x  # noqa: E731
+    torch.testing.assert_close(
+        torch.func.jvp(remat.checkpoint(detached), (x,), (t,)), torch.func.jvp(detached, (x,), (t,))
+    )
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.mul_(2),
+        lambda x: x.mul_(2).sin(),
+        lambda x: (_in_place_without_grad(x), x * 3)[1],
+    ],
+    ids=["returned", "read", "under_no_grad"],
+)
+def test_forward_ad_of_an_in_place_update_of_an_input_updates_its_tangent(fn: Callable) -> None:
+    import torch.autograd.forward_ad as fwAD
+
+    results = []
+    for f in (fn, remat.checkpoint(fn)):
+        with fwAD.dual_level():
+            x = fwAD.make_dual(torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([1.0, -1.0]).double())
+            out = f(x)
+            results.append((out.detach(), fwAD.unpack_dual(out).tangent, fwAD.unpack_dual(x).tangent))
+    for actual, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(actual, expected)
+
+
+def _in_place_without_grad(x: torch.Tensor) -> None:
+    with torch.no_grad():
+        x.mul_(0.5)
+
+
+def test_torch_func_jvp_of_an_in_place_update_of_an_input_is_a_clear_error() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return x.sin()
+
+    x = torch.randn(3, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match=r"torch.func.jvp .* updates an input in place.*clone"):
+        torch.func.jvp(remat.checkpoint(fn), (x,), (torch.ones_like(x),))
+
+
+# --- dropout under torch.func ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dropout", "traces"),
+    [
+        (lambda x: F.dropout(x.t(), 0.3, training=True).t(), 3),
+        (lambda x: F.alpha_dropout(x.t(), 0.3, training=True).t(), 3),
+        # A mask per channel, contiguous whatever the input's layout: vmap shares the plain trace.
+        (lambda x: F.dropout1d(x.t().unsqueeze(0), 0.3, training=True).squeeze(0).t(), 2),
+    ],
+    ids=["dropout", "alpha_dropout", "dropout1d"],
+)
+def test_regression_dropout_of_a_transposed_input_draws_eagers_mask_with_and_without_transforms(
+    dropout: Callable, traces: int
+) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return dropout(x) * x
+
+    weight = torch.randn(3, 4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    runs = {
+        "plain": (lambda f: f, x),
+        "grad": (lambda f: torch.func.grad(lambda x: (f(x) * weight).sum()), x),
+        "vmap": (lambda f: vmap(f, randomness="different"), torch.stack([x, 2 * x])),
+    }
+    checkpointed = remat.checkpoint(fn)
+    for transform, argument in runs.values():
+        expected, expected_next = _seeded_call(transform(fn), argument)
+        actual, actual_next = _seeded_call(transform(checkpointed), argument)
+        assert torch.equal(actual, expected)
+        assert torch.equal(actual_next, expected_next)
+    # vmap's signature is the plain call's, but its masks may be drawn otherwise: then a trace of
+    # its own (as grad's, whose input requires grad), kept beside the plain one.
+    assert checkpointed.cache_info().traces == traces
+    for transform, argument in runs.values():
+        transform(checkpointed)(argument)
+    assert checkpointed.cache_info().traces == traces
+
+
+def test_dropout_of_a_contiguous_input_shares_one_trace_with_and_without_transforms() -> None:
+    fn = lambda x: F.dropout(x, 0.3, training=True) * x  # noqa: E731
+    checkpointed = remat.checkpoint(fn)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for transform, argument in ((lambda f: f, x), (lambda f: vmap(f, randomness="different"), torch.stack([x, x]))):
+        expected, _ = _seeded_call(transform(fn), argument)
+        actual, _ = _seeded_call(transform(checkpointed), argument)
+        assert torch.equal(actual, expected)
+    assert checkpointed.cache_info().traces == 1
