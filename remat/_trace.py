@@ -370,6 +370,7 @@ def _trace(
         n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in primals
     )
     forward_nodes = _forward_nodes(graph, ran_in_fn, tangents, [*outputs, *mutations])
+    _mark_replayed_detaches(forward_nodes)
     call_nodes = tuple(n for n in graph.nodes if n in forward_nodes and is_call(n) and n not in mutations)
     for node in call_nodes:
         if isinstance(node.meta.get("val"), (tuple, list)):
@@ -400,6 +401,19 @@ def _trace(
         reached_modules=discovery.reached_modules,
         under_functorch=under_functorch if dropout_layout_matters else None,
     )
+
+
+def _mark_replayed_detaches(forward_nodes: frozenset[fx.Node]) -> None:
+    """Mark as `fn`'s own the detaches whose values the forward computes with.
+
+    `capture_mode` marks the nodes `x.detach()` creates; but functionalization
+    recreates a detached alias of a tensor updated in place when it is next
+    read, during another call. Autograd's own detaches (of values it saves)
+    are read only by backward and by each other."""
+    for node in forward_nodes:
+        if node.target is aten.detach.default and not node.meta.get("remat_stops_gradient"):
+            if any(user in forward_nodes and user.target is not aten.detach.default for user in node.users):
+                node.meta["remat_stops_gradient"] = "detach"
 
 
 def _differentiable_outputs(node: fx.Node, fake_mode: FakeTensorMode) -> tuple[bool, ...]:

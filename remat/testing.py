@@ -517,7 +517,7 @@ class _PerCallPolicy:
         return f"per_call({''.join('S' if s else 'R' for s in self.saved)})"
 
 
-def policies(trace: Trace) -> st.SearchStrategy[Any]:
+def policies(trace: Trace, *, save_calls: bool = True) -> st.SearchStrategy[Any]:
     """Draw random policies for the calls of `trace`.
 
     Mixes the constant policies, `remat.policies.save_calls` of random subsets
@@ -527,6 +527,9 @@ def policies(trace: Trace) -> st.SearchStrategy[Any]:
 
     Args:
         trace: the `remat.Trace` of the function the policies are for.
+        save_calls: whether to draw `save_calls` policies, which refuse a trace without the calls
+            they name. Under a torch.func transform a function can trace to fewer calls (its inputs
+            require grad otherwise): leave them out there.
 
     Returns:
         A strategy of policies accepted by `remat.checkpoint(fn, policy=...)`.
@@ -544,9 +547,10 @@ def policies(trace: Trace) -> st.SearchStrategy[Any]:
     subsets = st.lists(st.integers(0, n - 1), unique=True, max_size=n) if n else st.just([])
     choices = [
         st.sampled_from([None, _policies.save_nothing, _policies.save_everything]),
-        subsets.map(lambda indices: _policies.save_calls(*sorted(indices))),
         st.builds(_PerCallPolicy, st.lists(st.booleans(), min_size=n, max_size=n).map(tuple), st.booleans()),
     ]
+    if save_calls:
+        choices.append(subsets.map(lambda indices: _policies.save_calls(*sorted(indices))))
     if importlib.util.find_spec("scipy") is not None:  # the planner's solver
         choices.append(st.just(_policies.budget(fraction=1.0)))  # a smaller budget may be infeasible
     return st.one_of(*choices)

@@ -431,3 +431,20 @@ def test_dropout_of_a_contiguous_input_shares_one_trace_with_and_without_transfo
         actual, _ = _seeded_call(transform(checkpointed), argument)
         assert torch.equal(actual, expected)
     assert checkpointed.cache_info().traces == 1
+
+
+def _detach_of_an_updated_tensor(x: torch.Tensor) -> torch.Tensor:
+    v = x.clone().add_(x).mul_(0.5)  # updated in place: its detached alias is recreated when next read
+    return v * v.detach().sin()
+
+
+def test_regression_detach_of_a_tensor_updated_in_place_stops_forward_and_second_derivatives() -> None:
+    x, t = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    checkpointed = remat.checkpoint(_detach_of_an_updated_tensor, policy=policies.save_everything)
+    torch.testing.assert_close(
+        torch.func.jvp(checkpointed, (x,), (t,)), torch.func.jvp(_detach_of_an_updated_tensor, (x,), (t,))
+    )
+    hessian = torch.func.hessian(lambda x: _detach_of_an_updated_tensor(x).sum())(x)
+    torch.testing.assert_close(torch.func.hessian(lambda x: checkpointed(x).sum())(x), hessian)
+    second = torch.func.jacrev(torch.func.jacrev(lambda x: _detach_of_an_updated_tensor(x).sum()))(x)
+    torch.testing.assert_close(torch.func.jacrev(torch.func.jacrev(lambda x: checkpointed(x).sum()))(x), second)
