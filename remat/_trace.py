@@ -411,9 +411,10 @@ def _mark_replayed_detaches(forward_nodes: frozenset[fx.Node]) -> None:
     read, during another call. Autograd's own detaches (of values it saves)
     are read only by backward and by each other."""
     for node in forward_nodes:
-        if node.target is aten.detach.default and not node.meta.get("remat_stops_gradient"):
-            if any(user in forward_nodes and user.target is not aten.detach.default for user in node.users):
-                node.meta["remat_stops_gradient"] = "detach"
+        if node.target is not aten.detach.default or node.meta.get("remat_stops_gradient"):
+            continue
+        if any(user in forward_nodes and user.target is not aten.detach.default for user in node.users):
+            node.meta["remat_stops_gradient"] = "detach"
 
 
 def _differentiable_outputs(node: fx.Node, fake_mode: FakeTensorMode) -> tuple[bool, ...]:
