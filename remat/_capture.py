@@ -248,8 +248,8 @@ _DETACHES = (torch.Tensor.detach, torch.detach, torch.Tensor.detach_)
 
 
 def _no_grad_kind(func: Any) -> str:
-    """ "no_grad_update" for an in-place method run under no_grad (the tensor keeps its history,
-    as in eager), else "no_grad"."""
+    """How a call under no_grad stops gradients: an in-place method ("no_grad_update") leaves the
+    tensor it updates its history, as in eager; any other call ("no_grad") makes a value without one."""
     name = getattr(func, "__name__", "")
     in_place = (name.endswith("_") and not name.startswith("_")) or (name.startswith("__i") and name.endswith("__"))
     return "no_grad_update" if in_place else "no_grad"

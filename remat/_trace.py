@@ -518,7 +518,8 @@ def _forward_nodes(
 
 def stops_gradient(node: fx.Node, *, forward_mode: bool = False) -> bool:
     """Whether `fn` computed `node` where autograd does not see: through a `detach()`, or under
-    `no_grad`, which forward-mode AD sees through (as it does in eager)."""
+    `no_grad`, which forward-mode AD sees through (as it does in eager). `capture_mode` notes
+    which in `node.meta["remat_stops_gradient"]`: "detach", "no_grad" or "no_grad_update"."""
     why = node.meta.get("remat_stops_gradient")
     return why == "detach" if forward_mode else why is not None
 

@@ -471,16 +471,19 @@ def test_vmap_randomness_different_dropout_is_bit_identical(policy: Any) -> None
     assert zeros.any() and not all(torch.equal(zeros[0], zeros[i]) for i in range(1, 4))
 
 
+def _vmapped_backward(fn: Callable, randomness: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`vmap(fn)` of a batch of 4 and backward: the outputs and the gradient of the batch."""
+    xs = models.randn(4, 3, 8, seed=5)
+    out = vmap(fn, randomness=randomness)(xs)
+    out.backward(cotangent_like(out))
+    return out.detach(), xs.grad
+
+
 @SEVERAL_POLICIES
 def test_vmap_randomness_different_dropout_backward_replays_the_same_masks(policy: Any) -> None:
     checkpointed = remat.checkpoint(_dropout_fn, policy=policy)
 
-    def run(fn: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-        xs = models.randn(4, 3, 8, seed=5)
-        out = vmap(fn, randomness="different")(xs)
-        out.backward(cotangent_like(out))
-        return out.detach(), xs.grad
-
+    run = functools.partial(_vmapped_backward, randomness="different")
     (expected, expected_grad), expected_next = _seeded(lambda: run(_dropout_fn))
     (actual, actual_grad), actual_next = _seeded(lambda: run(checkpointed))
     assert torch.equal(actual, expected)
@@ -537,12 +540,7 @@ def test_per_sample_grads_through_an_unbatched_draw_with_randomness_same(policy:
 def test_vmap_randomness_same_backward_replays_the_same_draw(policy: Any) -> None:
     checkpointed = remat.checkpoint(_unbatched_draw_fn, policy=policy)
 
-    def run(fn: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-        xs = models.randn(4, 3, 8, seed=5)
-        out = vmap(fn, randomness="same")(xs)
-        out.backward(cotangent_like(out))
-        return out.detach(), xs.grad
-
+    run = functools.partial(_vmapped_backward, randomness="same")
     (expected, expected_grad), expected_next = _seeded(lambda: run(_unbatched_draw_fn))
     (actual, actual_grad), actual_next = _seeded(lambda: run(checkpointed))
     assert torch.equal(actual, expected)
@@ -560,12 +558,7 @@ def test_vmap_randomness_same_with_dropout_on_a_batched_input_draws_eagers_mask(
     def fn(x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, p=0.5, training=True)
 
-    def run(fn: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-        xs = models.randn(4, 3, 8, seed=5)
-        out = vmap(fn, randomness="same")(xs)
-        out.backward(cotangent_like(out))
-        return out.detach(), xs.grad
-
+    run = functools.partial(_vmapped_backward, randomness="same")
     (expected, expected_grad), expected_next = _seeded(lambda: run(fn))
     (actual, actual_grad), actual_next = _seeded(lambda: run(remat.checkpoint(fn, policy=policy)))
     assert torch.equal(expected[0] == 0, expected[1] == 0)  # one mask for every example
