@@ -304,18 +304,39 @@ def test_view_of_a_saved_value_with_grad_still_takes_second_derivatives() -> Non
 # --- traces with no calls ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [
-        policies.budget(fraction=0.5),
-        policies.budget(max_bytes=0),
-        policies.budget(fraction=0.5, exact=True),
-        policies.save_nothing,
-        policies.save_everything,
-        policies.dots_saveable,
-    ],
-    ids=["budget_fraction", "budget_zero", "budget_exact", "save_nothing", "save_everything", "dots_saveable"],
-)
+def _sac_recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# Every built-in policy, each factory with some arguments: (name in `remat.policies`, policy).
+BUILT_IN_POLICIES = [
+    ("budget", policies.budget(fraction=0.5)),
+    ("budget", policies.budget(max_bytes=0)),
+    ("budget", policies.budget(fraction=0.5, exact=True)),
+    ("dots_saveable", policies.dots_saveable),
+    ("dots_with_no_batch_dims_saveable", policies.dots_with_no_batch_dims_saveable),
+    ("from_sac", policies.from_sac(_sac_recompute_everything)),
+    ("save_all_but_tagged", policies.save_all_but_tagged("hidden")),
+    ("save_all_of", policies.save_all_of(policies.dots_saveable, policies.save_everything)),
+    ("save_any_of", policies.save_any_of(policies.dots_saveable, policies.save_nothing)),
+    ("save_by_cost", policies.save_by_cost(1e-12)),
+    ("save_calls", policies.save_calls()),
+    ("save_everything", policies.save_everything),
+    ("save_modules", policies.save_modules("mlp.*")),
+    ("save_nothing", policies.save_nothing),
+    ("save_ops", policies.save_ops(torch.ops.aten.mm)),
+    ("save_scopes", policies.save_scopes("Gelu*")),
+    ("save_tagged", policies.save_tagged("hidden")),
+    ("save_unless", policies.save_unless(policies.save_everything, policies.dots_saveable)),
+]
+
+
+def test_the_list_of_built_in_policies_is_complete() -> None:
+    factories = {name for name in policies.__all__ if name[0].islower()}
+    assert {name for name, _ in BUILT_IN_POLICIES} == factories
+
+
+@pytest.mark.parametrize("policy", [p for _, p in BUILT_IN_POLICIES], ids=[repr(p) for _, p in BUILT_IN_POLICIES])
 def test_regression_a_trace_without_calls_under_a_policy(policy: Any) -> None:
     fn = lambda x: x.unbind(0)[1].view(-1)  # noqa: E731  # only views: no call to decide about
     x = torch.randn(2, 3, 4, requires_grad=True)
