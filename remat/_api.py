@@ -23,6 +23,7 @@ from ._dynamo import call_under_dynamo, register
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import partition
 from ._pytree import FlatArgs, flatten_args
+from ._torch import functorch_active
 from ._trace import JointGraph, is_tracing, nested_checkpoint, trace_joint
 from ._vjp import Executable, forward_mode_active, run
 from .policies import save_nothing
@@ -48,7 +49,7 @@ class _Entry:
     def fetch_if_valid(self) -> list[torch.Tensor] | None:
         """The closed-over tensors to call with, or None if the trace no longer fits them (or, where
         it depends on it, whether a torch.func transform runs: see NOTE [dropout under torch.func])."""
-        if self.joint.under_functorch not in (None, torch._C._are_functorch_transforms_active()):
+        if self.joint.under_functorch not in (None, functorch_active()):
             return None
         lifted = [slot.fetch() for slot in self.joint.lifted]
         return lifted if _guard(self.joint, lifted) == self.guard else None

@@ -9,6 +9,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
+from ._torch import is_functorch_wrapped, unwrap_level
+
 __all__ = ["CacheInfo", "LRUCache", "ambient_key", "requires_grad_at_any_level", "tensor_key"]
 
 V = TypeVar("V")
@@ -51,9 +53,9 @@ def requires_grad_at_any_level(tensor: torch.Tensor) -> bool:
     """Whether `tensor` requires grad at this level or at any level of torch.func transforms
     below it: a checkpointed function's gradient formulas serve every level that runs it."""
     while not tensor.requires_grad:
-        if not torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        if not is_functorch_wrapped(tensor):
             return False
-        tensor = torch._C._functorch.get_unwrapped(tensor)
+        tensor = unwrap_level(tensor)
     return True
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ._torch import OpOverload
+
 __all__ = ["Call", "Dataflow", "Decision", "TensorMeta", "Trace", "Value"]
 
 
@@ -112,7 +114,7 @@ class Call:
 
 def op_name(op: Any) -> str:
     """Return `aten.mm.default` for `torch.ops.aten.mm.default`."""
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, OpOverload):
         return str(op)
     return getattr(op, "__name__", str(op))
 

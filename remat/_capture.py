@@ -14,8 +14,6 @@ See NOTE [lifting closed-over tensors].
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -23,10 +21,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as torch_pytree
+
+from ._torch import FakeTensor, get_proxy_mode, innermost, source_and_scope, tree_map_only
 
 __all__ = ["CallSite", "ModuleRoots", "StateSlot", "capture_mode", "find_module_roots", "variable_slots"]
 
@@ -43,9 +40,6 @@ __all__ = ["CallSite", "ModuleRoots", "StateSlot", "capture_mode", "find_module_
 # a tensor `fn` reads from a closure cell or a global, which the caller may
 # rebind. A tensor reached any other way (an element of a list `fn` closes
 # over) is used as it was when traced: pass such tensors as arguments.
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_REMAT_DIR = os.path.dirname(__file__) + os.sep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,10 +195,10 @@ class _CaptureMode(TorchFunctionMode):
         if self.substitutes is None:
             # Discovery: record real tensors and run on fake copies of them, so
             # that nothing real is read or written (buffers updated in place).
-            args, kwargs = torch_pytree.tree_map_only(torch.Tensor, self.record_closed_over, (args, kwargs))
+            args, kwargs = tree_map_only(torch.Tensor, self.record_closed_over, (args, kwargs))
             return func(*args, **kwargs)
         if self.substitutes:
-            args, kwargs = torch_pytree.tree_map_only(torch.Tensor, self.substitute, (args, kwargs))
+            args, kwargs = tree_map_only(torch.Tensor, self.substitute, (args, kwargs))
         proxy_mode = get_proxy_mode()
         if proxy_mode is None:
             return func(*args, **kwargs)
@@ -213,7 +207,7 @@ class _CaptureMode(TorchFunctionMode):
         result = func(*args, **kwargs)
         new_nodes = len(graph.nodes) - nodes_before
         if new_nodes > 0:
-            site = CallSite(self._module_path(), *_source_and_scope())
+            site = CallSite(self._module_path(), *source_and_scope(1))
             # What autograd must not see through when the graph is differentiated
             # again: see NOTE [differentiating the forward again].
             stops_gradient = "detach" if func in _DETACHES else None if torch.is_grad_enabled() else _no_grad_kind(func)
@@ -225,7 +219,7 @@ class _CaptureMode(TorchFunctionMode):
 
     def record_closed_over(self, tensor: torch.Tensor) -> torch.Tensor:
         """Note `tensor` if it is real (closed over), and return the fake tensor standing for it."""
-        if isinstance(_innermost(tensor), FakeTensor):  # fake, or a transform of `fn`'s own wrapping it
+        if isinstance(innermost(tensor), FakeTensor):  # fake, or a transform of `fn`'s own wrapping it
             return tensor
         assert self.fakeify is not None
         if id(tensor) not in self.fakes:
@@ -253,31 +247,6 @@ def _no_grad_kind(func: Any) -> str:
     name = getattr(func, "__name__", "")
     in_place = (name.endswith("_") and not name.startswith("_")) or (name.startswith("__i") and name.endswith("__"))
     return "no_grad_update" if in_place else "no_grad"
-
-
-_FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
-
-
-def _innermost(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor under any torch.func wrappers (a `vmap` or `grad` inside `fn` wraps its fake inputs)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-        tensor = torch._C._functorch.get_unwrapped(tensor)
-    return tensor
-
-
-def _source_and_scope() -> tuple[str | None, str | None]:
-    """The innermost user `file:line` on the stack, and the custom `autograd.Function`s being applied."""
-    source = None
-    functions: list[str] = []
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code is _FUNCTION_APPLY:
-            functions.append(frame.f_locals["cls"].__name__)
-        elif source is None and not code.co_filename.startswith((_TORCH_DIR, _REMAT_DIR, "<frozen")):
-            source = f"{code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return source, "/".join(reversed(functions)) or None
 
 
 @contextmanager

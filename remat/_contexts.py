@@ -6,7 +6,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+from ._torch import (
+    functorch_active,
+    inplace_requires_grad_allowed,
+    saved_tensors_hooks_tracing,
+    temporarily_clear_interpreter_stack,
+)
 
 __all__ = ["autocast_disabled", "outside_functorch", "without_saved_tensors_hooks"]
 
@@ -35,11 +41,8 @@ class autocast_disabled:
 def without_saved_tensors_hooks() -> Iterator[None]:
     """Keep a user's `saved_tensors_hooks` (e.g. CPU offloading) away from the fake
     tensors that tracing's autograd saves; they apply to what the programs keep."""
-    previous = torch._C._autograd._saved_tensors_hooks_set_tracing(True)
-    try:
+    with saved_tensors_hooks_tracing():
         yield
-    finally:
-        torch._C._autograd._saved_tensors_hooks_set_tracing(previous)
 
 
 # NOTE [tracing under torch.func]
@@ -53,13 +56,9 @@ def without_saved_tensors_hooks() -> Iterator[None]:
 # differentiates every floating input, whatever it requires at the top level.
 @contextmanager
 def outside_functorch() -> Iterator[None]:
-    if not torch._C._are_functorch_transforms_active():
+    if not functorch_active():
         yield
         return
-    allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
-    torch._C._functorch.set_inplace_requires_grad_allowed(True)  # tracing marks fake inputs as requiring grad
-    try:
-        with temporarily_clear_interpreter_stack():
-            yield
-    finally:
-        torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
+    # Tracing marks fake inputs as requiring grad.
+    with inplace_requires_grad_allowed(), temporarily_clear_interpreter_stack():
+        yield

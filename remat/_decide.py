@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._calls import Call, Decision, Trace
+from ._torch import COLLECTIVE_NAMESPACES
 
 __all__ = ["decide", "decide_call", "decide_nested"]
 
@@ -80,9 +81,8 @@ def decide_nested(policy: Any, trace: Trace, regions: Sequence[tuple[Any, Sequen
 # rank, out of step with the collectives the ranks issue in their own backward (and cost a round
 # of communication). Whatever the policy says, remat saves every collective call (and its wait),
 # so backward reads their results instead.
-_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
 
 
 def is_collective(call: Call) -> bool:
     """Whether `call` communicates with other ranks (a functional collective or its wait)."""
-    return getattr(call.op, "namespace", None) in _COLLECTIVE_NAMESPACES
+    return getattr(call.op, "namespace", None) in COLLECTIVE_NAMESPACES

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     SAC_IGNORED_OPS,
     CheckpointPolicy,
@@ -23,6 +21,7 @@ from torch.utils.checkpoint import (
 from ._calls import Call, Decision
 from ._errors import TraceError
 from ._pytree import _is_static, flatten_args
+from ._torch import disable_current_modes, op_schema, overload_name, unset_fake_temporarily
 from ._trace import is_free_op
 
 if TYPE_CHECKING:
@@ -140,7 +139,7 @@ def _selective_contexts(key: int, signature: tuple[Any, ...]) -> tuple[Any, Any]
     if checkpointed is None:
         raise RuntimeError("remat: a checkpointed function was garbage collected while torch.compile traced it.")
     # Out of AOTAutograd's fake, functional and proxy modes: the trace is remat's own.
-    with _disable_current_modes(), unset_fake_temporarily(), torch.enable_grad():
+    with disable_current_modes(), unset_fake_temporarily(), torch.enable_grad():
         args, kwargs = _example(signature)
         entry, _ = checkpointed._lookup(flatten_args("remat.checkpoint", args, kwargs))
     decisions = entry.executable.programs.decisions
@@ -176,7 +175,7 @@ class _RecomputeTags:
 def _functional(op: Any) -> tuple[str, str]:
     """An op's name with in-place ops named as their functional form: the region is seen
     before functionalization (`relu_`), remat's trace after it (`relu`)."""
-    name, overload = op._schema.name, op._overloadname
+    name, overload = op_schema(op).name, overload_name(op)
     if name.endswith("_") and not name.endswith("__"):
         name = name[:-1]
     return name, overload

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import os
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
 from ._fidelity import OverlappingWrite
+from ._torch import (
+    LEAF_UPDATED_IN_PLACE,
+    UNTRACEABLE_COLLECTIVE,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    GuardOnDataDependentSymNode,
+    is_user_code,
+)
 
 __all__ = ["TraceError", "explain_tracing_errors", "user_line"]
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_REMAT_DIR = os.path.dirname(__file__) + os.sep
 
 
 class TraceError(RuntimeError):
@@ -40,7 +40,7 @@ def user_line(tb: TracebackType | None) -> str | None:
     """The innermost `file:line` of a traceback that is user code (not torch's or remat's)."""
     found = None
     for frame in traceback.extract_tb(tb):
-        if not frame.filename.startswith((_TORCH_DIR, _REMAT_DIR)) and not frame.filename.startswith("<frozen"):
+        if is_user_code(frame.filename):
             found = f"{frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})" if frame.line else "")
     return found
 
@@ -65,7 +65,7 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "indexing). Use a fixed-shape alternative such as `torch.where`."
         ) from error
     except AssertionError as error:
-        if "Could not find a token for effect" not in str(error) or "c10d" not in str(error):
+        if not all(text in str(error) for text in UNTRACEABLE_COLLECTIVE):
             raise
         raise TraceError(
             f"remat.checkpoint could not trace `{_name(fn)}`: it calls an in-place collective{_at(error)} "
@@ -81,7 +81,7 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "graph cannot express. Write into a copy (`.clone()` the view first) or into the tensor it views."
         ) from error
     except RuntimeError as error:
-        if "leaf Variable that requires grad is being used in an in-place operation" not in str(error):
+        if LEAF_UPDATED_IN_PLACE not in str(error):
             raise
         raise TraceError(
             f"remat.checkpoint could not trace `{_name(fn)}`: it updates in place{_at(error)} a leaf tensor that "

@@ -21,10 +21,9 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._torch import FakeTensorMode, TorchDispatchMode, get_proxy_mode, op_schema
 
 __all__ = [
     "EagerFidelity",
@@ -202,7 +201,7 @@ def _nodes_after(graph: Any, last: Any) -> list[Any]:
 def _written_tensors(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
     """The tensor arguments an op writes into (`self` of an in-place op, `out=`)."""
     written = []
-    for position, argument in enumerate(func._schema.arguments):
+    for position, argument in enumerate(op_schema(func).arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         value = args[position] if position < len(args) else kwargs.get(argument.name)

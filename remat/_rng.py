@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from ._torch import innermost
+
 __all__ = ["has_zero_derivative", "is_random_factory", "replay_with_rng_state", "run_keeping_state", "state_nbytes"]
 
 # NOTE [replaying random calls]
@@ -89,8 +91,7 @@ def run_keeping_state(device: torch.device, op: Any, /, *args: Any, **kwargs: An
 def replay_with_rng_state(state: torch.Tensor, device: torch.device, op: Any, /, *args: Any, **kwargs: Any) -> Any:
     """Run `op(*args, **kwargs)` as it ran when its generator was in `state`, leaving the generator as found."""
     resolved = _resolve(device, kwargs.get("generator"))
-    while torch._C._functorch.is_functorch_wrapped_tensor(state):  # kept under a torch.func transform
-        state = torch._C._functorch.get_unwrapped(state)
+    state = innermost(state)  # kept under a torch.func transform
     with _GENERATORS:
         current = resolved.get_state()
         resolved.set_state(state)

@@ -10,6 +10,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from ._calls import Call, Decision, TensorMeta, Trace
+from ._torch import op_schema
 from .policies import Policy
 
 __all__ = ["from_sac"]
@@ -90,7 +91,7 @@ def _as_meta(value: Any) -> Any:
 def _op_output(call: Call) -> Any:
     """`ctx.op_output` as SAC gives it, as meta tensors: one tensor, or a tuple for several outputs."""
     outputs = tuple(_as_meta(output) for output in call.outputs)
-    schema = getattr(call.op, "_schema", None)
+    schema = op_schema(call.op)
     if len(outputs) == 1 and schema is not None and len(schema.returns) == 1:
         return outputs[0]
     return outputs

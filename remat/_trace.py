@@ -20,9 +20,6 @@ from typing import Any
 import optree
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from ._cache import requires_grad_at_any_level
 from ._calls import Call, TensorMeta, Trace
@@ -32,6 +29,21 @@ from ._costs import estimate_flops, output_nbytes
 from ._errors import TraceError, explain_tracing_errors
 from ._fidelity import EagerLayoutFakeMode, eager_fidelity
 from ._pytree import FlatArgs, flatten_outputs
+from ._torch import (
+    FakeTensorMode,
+    FunctionalTensor,
+    FunctionalTensorMode,
+    OpOverload,
+    from_functional,
+    functorch_active,
+    get_proxy_mode,
+    has_data_mutation,
+    is_functorch_wrapped,
+    make_fx,
+    op_schema,
+    sync,
+    version_counter,
+)
 
 __all__ = ["JointGraph", "is_tracing", "nested_checkpoint", "stops_gradient", "trace_joint"]
 
@@ -84,7 +96,7 @@ def trace_joint(
     """Trace `fn` at the signature of `flat_args` into a `JointGraph` (for forward-mode AD too,
     with `forward_mode`: see NOTE [in-place updates of differentiable inputs])."""
     fake_mode = EagerLayoutFakeMode(allow_non_fake_inputs=True)  # NOTE [kernels that choose their output layout]
-    under_functorch = torch._C._are_functorch_transforms_active()  # see NOTE [dropout under torch.func]
+    under_functorch = functorch_active()  # see NOTE [dropout under torch.func]
     outer_regions = _regions.recorded
     _regions.recorded = []
     try:
@@ -209,7 +221,7 @@ class _Discovery:
 
 def _fake_like(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
     """A fake tensor with `tensor`'s logical metadata (its per-example view under `vmap`)."""
-    if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+    if is_functorch_wrapped(tensor):
         with fake_mode:
             return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
     return fake_mode.from_tensor(tensor.detach())
@@ -230,7 +242,7 @@ def _discover(
             with fake_mode, torch.enable_grad():
                 fake = fake.requires_grad_().clone()  # not a leaf: see NOTE [in-place updates of ...]
         fakes.append(fake)
-    versions = [fake._version for fake in fakes]
+    versions = [version_counter(fake) for fake in fakes]
     histories = [fake.grad_fn for fake in fakes]
     reached: dict[int, torch.nn.Module] = {}
 
@@ -259,7 +271,7 @@ def _discover(
     dirty = tuple(
         i
         for i, (fake, version, history) in enumerate(zip(fakes, versions, histories, strict=True))
-        if fake._version != version
+        if version_counter(fake) != version
         and ((fake.requires_grad and fake.grad_fn is not history) or (forward_mode and _all_floats(fake)))
     )
     return _Discovery(tuple(mode.closed_over.values()), output_spec, tuple(outputs), tuple(reached.values()), dirty)
@@ -335,8 +347,8 @@ def _trace(
                             create_graph=True,  # differentiable: see NOTE [higher-order derivatives]
                         )
             for primal, value in zip(primals, functional, strict=True):
-                torch._sync(value)
-                if torch._functionalize_has_data_mutation(value.elem):  # type: ignore[attr-defined]
+                sync(value)
+                if has_data_mutation(value):
                     primal.copy_(_unwrap(value))
             for i in dirty:
                 primals[i].copy_(_unwrap(arguments[i]))
@@ -438,8 +450,8 @@ def _differentiable_outputs(node: fx.Node, fake_mode: FakeTensorMode) -> tuple[b
 
 def _unwrap(functional: Any) -> torch.Tensor:
     """The traced tensor behind a `FunctionalTensor`, with pending updates applied."""
-    torch._sync(functional)
-    return torch._from_functional_tensor(functional.elem)
+    sync(functional)
+    return from_functional(functional)
 
 
 # NOTE [views are traced as reshapes]
@@ -588,8 +600,8 @@ def _describe(index: int, node: fx.Node, occurrence: int) -> Call:
 
 def _custom_op_name(op: Any) -> str | None:
     """`mylib::attention` for a custom op (one that is not from aten or prims)."""
-    if isinstance(op, torch._ops.OpOverload) and op.namespace not in ("aten", "prims"):
-        return op._schema.name
+    if isinstance(op, OpOverload) and op.namespace not in ("aten", "prims"):
+        return op_schema(op).name  # type: ignore[no-any-return]
     return None
 
 
@@ -598,7 +610,7 @@ def draws_random_numbers(node: fx.Node) -> bool:
     op = node.target
     if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
-    for position, argument in enumerate(op._schema.arguments):  # type: ignore[union-attr]
+    for position, argument in enumerate(op_schema(op).arguments):
         if argument.name == "dropout_p":
             if position < len(node.args):
                 probability = node.args[position]

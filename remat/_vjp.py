@@ -7,15 +7,22 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch._C._functorch import TransformType
-from torch._functorch.autograd_function import CtxCustomSave
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-from torch._functorch.vmap import unwrap_batched
 
 from ._calls import TensorMeta
 from ._compiled import CompiledPrograms
 from ._contexts import autocast_disabled
 from ._partition import Programs
+from ._torch import (
+    CtxCustomSave,
+    TransformType,
+    apply_without_binding,
+    batched_level,
+    forward_ad_level,
+    functorch_active,
+    functorch_interpreters,
+    inplace_requires_grad_allowed,
+    unwrap_batched,
+)
 
 __all__ = ["Executable", "forward_mode_active", "run"]
 
@@ -34,16 +41,12 @@ class Executable:
     compiled: CompiledPrograms | None = None  # see NOTE [compiling remat's programs]
 
     def forward(self, *primals: torch.Tensor) -> Sequence[torch.Tensor]:
-        if self.compiled is not None and not torch._C._are_functorch_transforms_active():
+        if self.compiled is not None and not functorch_active():
             return self.compiled.forward(*primals)  # type: ignore[no-any-return]
         return self.programs.forward.forward(*primals)  # type: ignore[no-any-return]
 
     def backward(self, *kept_and_tangents: torch.Tensor) -> Sequence[torch.Tensor]:
-        if (
-            self.compiled is not None
-            and not torch.is_grad_enabled()
-            and not torch._C._are_functorch_transforms_active()
-        ):
+        if self.compiled is not None and not torch.is_grad_enabled() and not functorch_active():
             return self.compiled.backward(*kept_and_tangents)  # type: ignore[no-any-return]
         return self.programs.backward.forward(*kept_and_tangents)  # type: ignore[no-any-return]
 
@@ -51,7 +54,7 @@ class Executable:
 def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Run the forward program, keeping what backward needs; return the user's outputs."""
     programs = executable.programs
-    if torch._C._are_functorch_transforms_active():
+    if functorch_active():
         results = _CheckpointFunction.apply(executable, *primals)
     else:
         # `Function.apply` binds the arguments with `inspect.signature` on every
@@ -113,7 +116,7 @@ class _CheckpointFunction(torch.autograd.Function):
         kept = ctx.saved_tensors
         grad_inputs: list[torch.Tensor | None] = [None] * executable.n_primals
         grad_of_output = dict(zip(programs.returned, grads, strict=False))
-        if torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active():
+        if torch.is_grad_enabled() and not functorch_active():
             _check_pure_differentiable(programs)  # create_graph=True: backward will be differentiated
         if any(g is not None for g in grads[:n_returned]):
             tangents = []
@@ -141,7 +144,7 @@ class _CheckpointFunction(torch.autograd.Function):
             tangent = primal_tangents[primal]
             if tangent is not None:
                 chosen.append((i, tangent))
-        if executable.dirty and torch._C._are_functorch_transforms_active():
+        if executable.dirty and functorch_active():
             raise NotImplementedError(
                 "remat.checkpoint: under torch.func.jvp (or jacfwd, hessian) the function updates an input in place, "
                 "whose tangent must then be updated in place too, which torch.func does not allow a custom "
@@ -178,7 +181,7 @@ def _pure_jvp(
     positions = [i for i, _ in chosen]
     if not positions:  # no input the pure forward reads has a tangent (or it reads none)
         return [None] * (len(programs.returned) + programs.n_activations)
-    if torch.autograd.forward_ad._current_level < 0:  # under torch.func.jvp: forward mode of our own
+    if forward_ad_level() < 0:  # under torch.func.jvp: forward mode of our own
 
         def pure(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             values = list(kept)
@@ -248,13 +251,9 @@ def _differentiable(
     differentiated locally, through a fresh leaf.
     """
     values = [value.detach() for value in kept]
-    allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
-    torch._C._functorch.set_inplace_requires_grad_allowed(True)
-    try:
+    with inplace_requires_grad_allowed():
         for i in positions:
             values[i] = kept[i] if kept[i].requires_grad else kept[i].detach().requires_grad_()
-    finally:
-        torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
     return values, [values[i] for i in positions]
 
 
@@ -279,7 +278,7 @@ def _without_grad(ctx: Any, programs: Programs) -> Iterator[bool]:
     so its answer is eager's outside transforms; never under forward mode, where inputs carry
     tangents without requiring grad.
     """
-    per_level = not programs.pure_returns_outputs and torch._C._are_functorch_transforms_active()
+    per_level = not programs.pure_returns_outputs and functorch_active()
     needs_grad = ctx.needs_input_grad[1:]
     for skip, sources in zip(programs.without_tangent, programs.output_sources, strict=True):
         yield skip or (per_level and not any(needs_grad[i] for i in sources))
@@ -290,17 +289,17 @@ def _as_seen_by_autograd(ctx: Any, outputs: list[torch.Tensor]) -> list[torch.Te
     batched views of the Function's real inputs and outputs, which `mark_non_differentiable`
     and `mark_dirty` (identity checks) would miss; unwrap them to the tensors autograd has."""
     if isinstance(ctx, CtxCustomSave):
-        return list(unwrap_batched(tuple(outputs), ctx._pt_current_level)[0])
+        return list(unwrap_batched(tuple(outputs), batched_level(ctx))[0])
     return outputs
 
 
 def forward_mode_active() -> bool:
     """Whether forward-mode AD (`torch.func.jvp`, `jacfwd`, `torch.autograd.forward_ad`) is running."""
-    if torch.autograd.forward_ad._current_level >= 0:
+    if forward_ad_level() >= 0:
         return True
-    if not torch._C._are_functorch_transforms_active():
+    if not functorch_active():
         return False
-    return any(interpreter.key() == TransformType.Jvp for interpreter in retrieve_all_functorch_interpreters())
+    return any(interpreter.key() == TransformType.Jvp for interpreter in functorch_interpreters())
 
 
 def _accumulate(into: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
@@ -310,4 +309,4 @@ def _accumulate(into: list[torch.Tensor | None], grads: Sequence[torch.Tensor | 
             into[i] = grad if current is None else current + grad
 
 
-_apply_without_binding = super(torch.autograd.Function, _CheckpointFunction).apply
+_apply_without_binding = apply_without_binding(_CheckpointFunction)

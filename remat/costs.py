@@ -28,13 +28,14 @@ from collections.abc import Iterable
 import torch
 
 from ._calls import Call, TensorMeta
+from ._torch import OpOverloadPacket
 
 __all__ = ["DEVICES", "MATMUL_OPS", "Device", "estimate_seconds"]
 
 aten = torch.ops.aten
 
 # Matrix-multiply-like ops (they run on the matrix units of a GPU), by kind, as packets.
-MATMUL_OPS: dict[str, frozenset[torch._ops.OpOverloadPacket]] = {
+MATMUL_OPS: dict[str, frozenset[OpOverloadPacket]] = {
     # A product with no batch dimension (a linear layer on any number of leading dims traces as one).
     "unbatched": frozenset(
         {aten.mm, aten.addmm, aten.mv, aten.addmv, aten.dot, aten.vdot, aten.addr, aten._int_mm, aten._scaled_mm}

@@ -20,10 +20,9 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
 
-import torch
-
 from ._calls import Call, Decision, Trace, format_bytes, op_name
 from ._decide import decide, decide_call
+from ._torch import HigherOrderOperator, OpOverload, OpOverloadPacket
 from .costs import DEVICES, MATMUL_OPS, Device, estimate_seconds, resolve_device
 
 if TYPE_CHECKING:  # scipy, which solving needs, is imported on first use
@@ -127,7 +126,7 @@ class _SaveOps(Policy):
 
 
 def _op_repr(op: Any) -> str:
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, OpOverloadPacket):
         return str(op).replace("::", ".").removeprefix("<OpOverloadPacket(op='").removesuffix("')>")
     return op_name(op)
 
@@ -150,7 +149,7 @@ def save_ops(*ops: Any) -> Policy:
     save_ops(aten.mm, aten.addmm)
     """
     for op in ops:
-        if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        if not isinstance(op, (OpOverload, OpOverloadPacket, HigherOrderOperator)):
             hint = f" such as `torch.ops.aten.{op.__name__}`" if callable(op) and hasattr(op, "__name__") else ""
             raise TypeError(
                 f"remat.policies.save_ops: expected operators from `torch.ops` (an OpOverload or "

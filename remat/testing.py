@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from hypothesis import strategies as st
 from . import policies as _policies
 from ._api import checkpoint as _remat_checkpoint
 from ._calls import Call, Decision, Trace
+from ._torch import import_jvp_decompositions
 
 __all__ = [
     "CATALOG",
@@ -631,11 +631,8 @@ def _transformed(name: str, fn: Callable[..., Any], args: tuple[Any, ...], seed:
         return torch.func.vmap(fn, randomness="different")
     if name == "jvp":
         # The first forward-mode AD call in a process imports torch's jvp decompositions, which
-        # use the deprecated `torch.jit.script` (a DeprecationWarning from torch itself, an error
-        # where warnings are errors). Import them here, that warning ignored.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            importlib.import_module("torch._decomp.decompositions_for_jvp")
+        # warn (an error where warnings are errors): import them here, quietly.
+        import_jvp_decompositions()
 
         def jvp(*primals: Any) -> Any:
             generator = torch.Generator().manual_seed(seed + 2)

@@ -23,6 +23,8 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat._torch import import_jvp_decompositions
+
 # --- hypothesis profiles ---------------------------------------------------------------------------
 
 # When a property fails, hypothesis's pytest plugin imports `hypothesis.extra._patching`
@@ -35,12 +37,9 @@ with warnings.catch_warnings():
     with contextlib.suppress(ImportError):  # without libcst, the plugin skips patch generation
         import hypothesis.extra._patching  # noqa: F401
 
-# The first forward-mode AD call in a process imports torch's jvp decompositions, which
-# script functions with the deprecated `torch.jit.script` (a DeprecationWarning from torch
-# itself, an error under `filterwarnings = error`). Import them once here, warning ignored.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import torch._decomp.decompositions_for_jvp
+# The first forward-mode AD call in a process imports torch's jvp decompositions, which warn
+# (an error under `filterwarnings = error`): import them once here, quietly.
+import_jvp_decompositions()
 
 settings.register_profile(
     "ci",

@@ -1,0 +1,300 @@
+"""The one door to torch's internals: every private torch name remat uses, and what differs between releases.
+
+remat stands on parts of torch that are not public API: `make_fx` and its
+proxy mode, functionalization, fake tensors, functorch's interpreters, Dynamo,
+autograd's tracing switches, the schemas of ops, and the text of some of
+torch's errors. They change between releases without notice. Every other
+module reaches them through the names here, so that a new torch release is
+one module to read and fix; `tests/test_torch.py` imports each on the running
+torch. Supported releases: `SUPPORTED` (see docs/torch-versions.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+
+# The minor releases remat is tested on (the floor in pyproject.toml, the newest on the registry).
+SUPPORTED = ("2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
+
+
+def check_supported(version: str = torch.__version__) -> None:
+    """Refuse to import on a torch release outside the tested range, saying which releases are."""
+    minor = ".".join(version.split("+")[0].split(".")[:2])
+    if minor not in SUPPORTED:
+        raise ImportError(
+            f"remat supports torch {SUPPORTED[0]} to {SUPPORTED[-1]} (each minor release tested), but torch "
+            f"{version} is installed. Install a supported release, e.g. `pip install torch=={SUPPORTED[-1]}.*`."
+        )
+
+
+check_supported()  # before the private imports below, which an unsupported release may lack
+
+import torch._ops
+from torch._C._functorch import TransformType
+from torch._functorch.autograd_function import CtxCustomSave
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_clear_interpreter_stack
+from torch._functorch.vmap import unwrap_batched
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+from torch.utils._pytree import tree_map_only
+
+__all__ = [
+    "COLLECTIVE_NAMESPACES",
+    "LEAF_UPDATED_IN_PLACE",
+    "SUPPORTED",
+    "UNTRACEABLE_COLLECTIVE",
+    "apply_without_binding",
+    "CtxCustomSave",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "FakeTensor",
+    "FakeTensorMode",
+    "FunctionalTensor",
+    "FunctionalTensorMode",
+    "GuardOnDataDependentSymNode",
+    "HigherOrderOperator",
+    "OpOverload",
+    "OpOverloadPacket",
+    "TorchDispatchMode",
+    "TransformType",
+    "batched_level",
+    "check_supported",
+    "disable_current_modes",
+    "forward_ad_level",
+    "from_functional",
+    "functorch_active",
+    "functorch_interpreters",
+    "get_proxy_mode",
+    "has_data_mutation",
+    "import_jvp_decompositions",
+    "inplace_requires_grad_allowed",
+    "innermost",
+    "is_user_code",
+    "is_functorch_wrapped",
+    "make_fx",
+    "op_schema",
+    "overload_name",
+    "saved_tensors_hooks_tracing",
+    "source_and_scope",
+    "sync",
+    "temporarily_clear_interpreter_stack",
+    "tree_map_only",
+    "unset_fake_temporarily",
+    "unwrap_batched",
+    "unwrap_level",
+    "version_counter",
+]
+
+# --- ops -------------------------------------------------------------------------------------------
+
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+HigherOrderOperator = torch._ops.HigherOrderOperator
+
+
+def op_schema(op: Any) -> Any:
+    """The `torch._C.FunctionSchema` of an op overload (None for other callables)."""
+    return getattr(op, "_schema", None)
+
+
+def overload_name(op: Any) -> str:
+    return op._overloadname  # type: ignore[no-any-return]
+
+
+# The namespaces of torch's functional collectives and their waits.
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
+
+
+# --- functionalization -----------------------------------------------------------------------------------
+
+
+def sync(functional: torch.Tensor) -> None:
+    """Apply the updates pending on a FunctionalTensor (of its views' bases)."""
+    torch._sync(functional)
+
+
+def has_data_mutation(functional: Any) -> bool:
+    """Whether the data of a FunctionalTensor was updated in place since it was wrapped."""
+    return bool(torch._functionalize_has_data_mutation(functional.elem))  # type: ignore[attr-defined]
+
+
+def from_functional(functional: Any) -> torch.Tensor:
+    """The traced tensor behind a FunctionalTensor (its updates applied first: `sync`)."""
+    return torch._from_functional_tensor(functional.elem)
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """The tensor's version counter, bumped by every in-place update."""
+    return tensor._version
+
+
+# --- torch.func (functorch) -----------------------------------------------------------------------------
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform (grad, vmap, jvp, ...) is running."""
+    return bool(torch._C._are_functorch_transforms_active())
+
+
+def functorch_interpreters() -> list[Any]:
+    return list(retrieve_all_functorch_interpreters())
+
+
+def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
+
+
+def unwrap_level(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor one torch.func level below a wrapped one."""
+    return torch._C._functorch.get_unwrapped(tensor)
+
+
+def innermost(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor under every torch.func wrapper."""
+    while is_functorch_wrapped(tensor):
+        tensor = unwrap_level(tensor)
+    return tensor
+
+
+def batched_level(ctx: Any) -> int:
+    """The vmap level of the ctx `setup_context` gets under vmap (a `CtxCustomSave`)."""
+    return ctx._pt_current_level  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def inplace_requires_grad_allowed() -> Iterator[None]:
+    """Let `requires_grad_()` be called under torch.func transforms, which forbid it by default."""
+    allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
+    torch._C._functorch.set_inplace_requires_grad_allowed(True)
+    try:
+        yield
+    finally:
+        torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
+
+
+def import_jvp_decompositions() -> None:
+    """Import the decompositions forward-mode AD loads on first use, ahead of time: they call
+    `torch.jit.script`, which torch itself deprecates (a DeprecationWarning before 2.15, a
+    FutureWarning since), an error where warnings are errors."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        import torch._decomp.decompositions_for_jvp  # noqa: F401
+
+
+# --- autograd ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def saved_tensors_hooks_tracing() -> Iterator[None]:
+    """Keep users' `saved_tensors_hooks` from running (autograd's switch for tracing)."""
+    previous = torch._C._autograd._saved_tensors_hooks_set_tracing(True)
+    try:
+        yield
+    finally:
+        torch._C._autograd._saved_tensors_hooks_set_tracing(previous)
+
+
+def apply_without_binding(function: type[torch.autograd.Function]) -> Any:
+    """The C++ `apply` of a custom Function, without the Python argument binding that
+    `Function.apply` did until torch 2.13 (a third of the overhead of a small call; since 2.14
+    `Function.apply` is this C++ apply already)."""
+    return super(torch.autograd.Function, function).apply  # type: ignore[misc]
+
+
+def forward_ad_level() -> int:
+    """The level of `torch.autograd.forward_ad` in use, or -1 (torch.func.jvp also enters one)."""
+    return torch.autograd.forward_ad._current_level
+
+
+# --- torch's error messages ------------------------------------------------------------------------------------
+
+LEAF_UPDATED_IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"
+UNTRACEABLE_COLLECTIVE = ("Could not find a token for effect", "c10d")
+
+
+# --- frames: where a call came from --------------------------------------------------------------------------
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep, "<frozen")
+
+
+def is_user_code(filename: str) -> bool:
+    """Whether a frame of this file is the user's: not torch's, nor remat's, nor Python's own."""
+    return not filename.startswith(_LIBRARY_DIRS)
+
+
+# NOTE [custom Function scopes without apply's frame]
+# Until torch 2.13 `Function.apply` was Python, and its frame named the class
+# being applied; since 2.14 it is C++, with no frame. Either way, the
+# Function's `forward` runs as a Python frame of the user's own code: a frame
+# whose code is the `forward` of a Function subclass is inside that Function.
+# Old-style forwards name their class through `ctx` (an instance of the
+# class's backward node, which knows its Function); a forward with a separate
+# `setup_context` has no ctx, and is found by its code among the subclasses.
+def source_and_scope(skip: int) -> tuple[str | None, str | None]:
+    """The innermost `file:line` of user code on the stack, and the custom `autograd.Function`s
+    being applied (outermost first, joined by "/"). Starts `skip` frames above the caller."""
+    source = None
+    functions: list[str] = []
+    frame: FrameType | None = sys._getframe(skip + 1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward":
+            name = _function_of(frame)
+            if name is not None:
+                functions.append(name)
+        if source is None and is_user_code(code.co_filename):
+            source = f"{code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return source, "/".join(reversed(functions)) or None
+
+
+def _function_of(frame: FrameType) -> str | None:
+    """The custom Function whose `forward` `frame` runs, if it is one."""
+    forward_cls = getattr(type(frame.f_locals.get("ctx")), "_forward_cls", None)  # the ctx of an old-style forward
+    if forward_cls is not None:
+        return forward_cls.__name__  # type: ignore[no-any-return]
+    if frame.f_code not in _FORWARDS:  # a forward not seen yet: of a Function defined since, or of a module
+        _FORWARDS.update(_function_forwards())
+        _FORWARDS.setdefault(frame.f_code, None)
+    return _FORWARDS[frame.f_code]
+
+
+_FORWARDS: dict[CodeType, str | None] = {}  # code of a `forward` -> the Function it belongs to, or None
+
+
+def _function_forwards() -> dict[CodeType, str]:
+    """The code of every `forward` a subclass of `torch.autograd.Function` defines -> its class name."""
+    found: dict[CodeType, str] = {}
+    pending = [torch.autograd.Function]
+    while pending:
+        cls = pending.pop()
+        for subclass in cls.__subclasses__():
+            pending.append(subclass)
+            code = _code_of(subclass.__dict__.get("forward"))
+            if code is not None:
+                found.setdefault(code, subclass.__name__)
+    return found
+
+
+def _code_of(method: Any) -> CodeType | None:
+    function = getattr(method, "__func__", method)  # a staticmethod
+    return getattr(function, "__code__", None)
