@@ -18,6 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import remat
 from remat import policies
+from remat._torch import SAC_BYPASSES_HOOKS
 
 from .workloads import ATTENTION_OPS, Workload, torch_remat_annotations
 
@@ -46,7 +47,9 @@ def _checkpoint(unit: nn.Module, workload: Workload) -> Unit:
 
 def _sac(unit: nn.Module, workload: Workload) -> Unit:
     context_fn = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
-    return lambda x: torch.utils.checkpoint.checkpoint(unit, x, use_reentrant=False, context_fn=context_fn)
+    return lambda x: torch.utils.checkpoint.checkpoint(
+        unit, x, use_reentrant=False, context_fn=context_fn, **SAC_BYPASSES_HOOKS
+    )
 
 
 def _torch_remat(unit: nn.Module, workload: Workload) -> Unit:

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import remat
 from remat import policies
+from remat._torch import SAC_BYPASSES_HOOKS
 
 aten = torch.ops.aten
 DTYPE = torch.float64
@@ -65,7 +66,9 @@ def _torch_checkpoint(fn: Fn) -> Fn:
 
 def _sac_checkpoint(fn: Fn) -> Fn:
     context_fn = functools.partial(create_selective_checkpoint_contexts, _sac_saves_matmuls)
-    return lambda *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+    return lambda *args: torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, context_fn=context_fn, **SAC_BYPASSES_HOOKS
+    )
 
 
 class _SharingModule(nn.Module):

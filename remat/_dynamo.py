@@ -21,7 +21,7 @@ from torch.utils.checkpoint import (
 from ._calls import Call, Decision
 from ._errors import TraceError
 from ._pytree import _is_static, flatten_args
-from ._torch import disable_current_modes, op_schema, overload_name, unset_fake_temporarily
+from ._torch import SAC_BYPASSES_HOOKS, disable_current_modes, op_schema, overload_name, unset_fake_temporarily
 from ._trace import is_free_op
 
 if TYPE_CHECKING:
@@ -71,7 +71,9 @@ def call_under_dynamo(checkpointed: Checkpointed[Any, Any], args: tuple[Any, ...
         return fn(*positional, **kwargs)
 
     context_fn = functools.partial(_selective_contexts, checkpointed._compile_key, signature)
-    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn)
+    return torch.utils.checkpoint.checkpoint(
+        region, *args, use_reentrant=False, context_fn=context_fn, **SAC_BYPASSES_HOOKS
+    )
 
 
 @torch.compiler.disable

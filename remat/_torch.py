@@ -12,6 +12,7 @@ torch. Supported releases: `SUPPORTED` (see docs/torch-versions.md).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import warnings
@@ -38,6 +39,7 @@ def check_supported(version: str = torch.__version__) -> None:
 check_supported()  # before the private imports below, which an unsupported release may lack
 
 import torch._ops
+import torch.utils.checkpoint
 from torch._C._functorch import TransformType
 from torch._functorch.autograd_function import CtxCustomSave
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_clear_interpreter_stack
@@ -59,6 +61,7 @@ from torch.utils._pytree import tree_map_only
 __all__ = [
     "COLLECTIVE_NAMESPACES",
     "LEAF_UPDATED_IN_PLACE",
+    "SAC_BYPASSES_HOOKS",
     "SUPPORTED",
     "UNTRACEABLE_COLLECTIVE",
     "apply_without_binding",
@@ -223,6 +226,18 @@ def apply_without_binding(function: type[torch.autograd.Function]) -> Any:
 def forward_ad_level() -> int:
     """The level of `torch.autograd.forward_ad` in use, or -1 (torch.func.jvp also enters one)."""
     return torch.autograd.forward_ad._current_level
+
+
+# --- torch.utils.checkpoint ----------------------------------------------------------------------------------
+
+# Keyword arguments of `torch.utils.checkpoint.checkpoint` that keep a selective-checkpoint region's
+# saved tensors out of `saved_tensors_hooks`, as every release did until 2.14. Torch 2.15 warns
+# (FutureWarning) unless told, and a later release will route them through the hooks.
+SAC_BYPASSES_HOOKS: dict[str, Any] = (
+    {"respect_saved_tensors_hooks": False}
+    if "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
+    else {}
+)
 
 
 # --- torch's error messages ------------------------------------------------------------------------------------

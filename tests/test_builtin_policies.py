@@ -437,8 +437,7 @@ def is_counted(call: remat.Call) -> bool:
     # FlopCounterMode counts exactly the ops in torch's `flop_registry` (matmuls, convolutions, some attention
     # kernels) and nothing else; `Call.flops` uses the same formulas for those, and one FLOP per output element
     # for every other op. So the two are comparable exactly on the calls whose op is in the registry. (The CPU
-    # attention kernel `_scaled_dot_product_flash_attention_for_cpu` is not in it: neither side counts its
-    # FLOPs by formula, and FlopCounterMode counts none at all.)
+    # attention kernel `_scaled_dot_product_flash_attention_for_cpu` is in it since torch 2.15.)
     return packet(call) in flop_registry
 
 
@@ -475,7 +474,8 @@ def test_report_totals_equal_outside_measurements(name: str, attention: str):
     report = remat.report(checkpointed, x)  # traces once, for the report and the measured runs alike
     assert report.policy == policy
     trace = report.trace
-    assert all(packet(call) in MATMUL_OPS["unbatched"] | MATMUL_OPS["batched"] for call in trace if is_counted(call))
+    counted = MATMUL_OPS["unbatched"] | MATMUL_OPS["batched"] | MATMUL_OPS["attention"]
+    assert all(packet(call) in counted for call in trace if is_counted(call))
 
     # (a) bytes kept between forward and backward, as a user's saved_tensors_hooks sees them.
     measured, out = kept_bytes(checkpointed, x, state)

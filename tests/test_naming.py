@@ -212,8 +212,7 @@ def test_tags_cost_nothing_when_the_checkpointed_function_runs():
         with CountOps() as counter:
             checkpointed(x, w).backward()
         counts[name] = counter.counts
-    assert counts["tagged"][aten.alias.default] == 0
-    assert counts["tagged"] == counts["untagged"]
+    assert counts["tagged"] == counts["untagged"]  # no alias or other op left behind by a tag
     assert counts["untagged"][aten.sin.default] == 2, "forward and replay: the counter sees the ops"
 
 

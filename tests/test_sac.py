@@ -14,6 +14,7 @@ from conftest import assert_same_outputs_and_grads
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import remat
+from remat._torch import SAC_BYPASSES_HOOKS
 from remat.policies import from_sac
 
 aten = torch.ops.aten
@@ -72,7 +73,7 @@ def sac_saved_calls(fn: Callable[..., Any], args: tuple[Any, ...], policy_fn: Ca
         return decision
 
     context_fn = functools.partial(create_selective_checkpoint_contexts, spy)
-    out = checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+    out = checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **SAC_BYPASSES_HOOKS)
     torch.autograd.backward(out, torch.ones_like(out))  # recompute runs too, and must not break the spy
     return saved
 
