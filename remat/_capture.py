@@ -189,6 +189,7 @@ class _CaptureMode(TorchFunctionMode):
         self.closed_over: dict[int, torch.Tensor] = {}
         self.fakes: dict[int, torch.Tensor] = {}
         self.module_stack: list[nn.Module] = []
+        self.detached: set[Any] = set()  # graph nodes `fn` detached (see `stops_gradient`)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -215,6 +216,8 @@ class _CaptureMode(TorchFunctionMode):
                 node.meta.setdefault("remat_site", site)
                 if stops_gradient:
                     node.meta["remat_stops_gradient"] = stops_gradient
+                if stops_gradient == "detach" and node.target in _ALIASES:
+                    self.detached.add(node.args[0])
         return result
 
     def record_closed_over(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -239,6 +242,7 @@ class _CaptureMode(TorchFunctionMode):
 
 
 _DETACHES = (torch.Tensor.detach, torch.detach, torch.Tensor.detach_)
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)  # what a detach traces as
 
 
 def _no_grad_kind(func: Any) -> str:

@@ -311,6 +311,7 @@ def _trace(
 
     ran_in_fn: set[fx.Node] = set()  # the graph's nodes when fn returned (some may be dead code later)
     dropout_layout_matters = False  # see NOTE [dropout under torch.func]
+    detached: set[fx.Node] = set()  # the nodes `fn` detached
     grad_of: list[int] = []
     copies: list[fx.Node] = []  # the non-leaf copies of dirty inputs, removed after tracing
 
@@ -332,6 +333,7 @@ def _trace(
                     outputs, _ = flatten_outputs(fn(*args, **kwargs))
                 outputs = [mode.substitute(o) for o in outputs] + [arguments[i] for i in dirty]
                 ran_in_fn.update(graph.nodes)
+                detached.update(mode.detached)
                 nonlocal dropout_layout_matters
                 dropout_layout_matters = fidelity.dropout_layout_matters
                 wrt = [i for i, grad in enumerate(differentiated) if grad]
@@ -382,7 +384,7 @@ def _trace(
         n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in primals
     )
     forward_nodes = _forward_nodes(graph, ran_in_fn, tangents, [*outputs, *mutations])
-    _mark_replayed_detaches(forward_nodes)
+    _mark_replayed_detaches(forward_nodes, detached)
     call_nodes = tuple(n for n in graph.nodes if n in forward_nodes and is_call(n) and n not in mutations)
     for node in call_nodes:
         if isinstance(node.meta.get("val"), (tuple, list)):
@@ -415,17 +417,15 @@ def _trace(
     )
 
 
-def _mark_replayed_detaches(forward_nodes: frozenset[fx.Node]) -> None:
-    """Mark as `fn`'s own the detaches whose values the forward computes with.
+def _mark_replayed_detaches(forward_nodes: frozenset[fx.Node], detached: set[fx.Node]) -> None:
+    """Mark as `fn`'s own detaches the aliases functionalization recreated of what `fn` detached.
 
-    `capture_mode` marks the nodes `x.detach()` creates; but functionalization
-    recreates a detached alias of a tensor updated in place when it is next
-    read, during another call. Autograd's own detaches (of values it saves)
-    are read only by backward and by each other."""
+    `capture_mode` marks the node `x.detach()` creates (an `aten.detach`, or an `aten.alias` since
+    torch 2.15); but functionalization recreates the detached alias of a tensor updated in place
+    when it is next read, during another call. Autograd's own aliases of the values it saves are
+    of other nodes, and read only by backward."""
     for node in forward_nodes:
-        if node.target is not aten.detach.default or node.meta.get("remat_stops_gradient"):
-            continue
-        if any(user in forward_nodes and user.target is not aten.detach.default for user in node.users):
+        if node.target in (aten.detach.default, aten.alias.default) and node.args[0] in detached:
             node.meta["remat_stops_gradient"] = "detach"
 
 
