@@ -92,3 +92,11 @@ def test_function_scopes_come_from_forward_frames_of_either_style() -> None:
         "_Inherited",
         None,
     ], [(call.op, call.scope) for call in trace]
+
+
+def test_the_declared_range_is_the_supported_range() -> None:
+    pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
+    declared = re.search(r'"torch>=([\d.]+),<([\d.]+)"', pyproject)
+    assert declared is not None, "pyproject.toml must bound torch on both sides"
+    major, minor = map(int, _torch.SUPPORTED[-1].split("."))
+    assert declared.groups() == (_torch.SUPPORTED[0], f"{major}.{minor + 1}")
