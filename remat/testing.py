@@ -265,6 +265,10 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     "neg_split_output_": (1, lambda x, y, c: _neg_split_output(x)),
 }
 
+# Catalog ops with which a program can be one eager refuses (at backward, when an earlier op saved the
+# value they update); `functions()` leaves them out unless `refusable=True` or asked for by name.
+REFUSABLE_OPS = frozenset({"scale_without_grad_"})
+
 # Catalog ops that draw random numbers; `functions(random_ops=False)` leaves them out.
 RANDOM_OPS = frozenset(
     {
@@ -367,6 +371,7 @@ def functions(
     ops: Sequence[str] | None = None,
     random_ops: bool = True,
     return_inputs: bool = True,
+    refusable: bool = False,
 ) -> RandomFunction:
     """Draw a random function of float tensors built from the ops in `CATALOG`.
 
@@ -381,6 +386,9 @@ def functions(
         max_inputs: most input tensors (at least one).
         ops: catalog names to draw from (default: the whole catalog).
         random_ops: whether to include ops that draw random numbers.
+        refusable: whether to include ops that can make a program eager refuses (`REFUSABLE_OPS`:
+            an update, autograd does not see, of a value backward reads). Only a checker that
+            expects errors where eager raises (`assert_checkpoint_equivalent` does) wants them.
         return_inputs: whether an input may also be returned as an extra output.
 
     Returns:
@@ -397,6 +405,8 @@ def functions(
     names = sorted(ops if ops is not None else CATALOG)
     if not random_ops:
         names = [name for name in names if name not in RANDOM_OPS]
+    if not refusable and ops is None:
+        names = [name for name in names if name not in REFUSABLE_OPS]
     unknown = set(names) - set(CATALOG)
     if unknown or not names:
         raise ValueError(

@@ -51,7 +51,7 @@ def test_catalog_has_at_least_40_behaviours() -> None:
 @examples(ci=60, soak=10_000)
 @given(st.data())
 def test_random_functions_and_policies_checkpoint_equivalently(data: st.DataObject) -> None:
-    fn = data.draw(functions(), label="fn")
+    fn = data.draw(functions(refusable=True), label="fn")
     args = data.draw(inputs(fn), label="args")
     policy = _draw_policy(data, fn, args)
     assert_checkpoint_equivalent(fn, *args, policy=policy, seed=data.draw(st.integers(0, 100), label="seed"))
@@ -60,7 +60,7 @@ def test_random_functions_and_policies_checkpoint_equivalently(data: st.DataObje
 @examples(ci=30, soak=2_000)
 @given(st.data())
 def test_random_functions_with_pytree_inputs(data: st.DataObject) -> None:
-    fn = data.draw(functions(max_inputs=3), label="fn")
+    fn = data.draw(functions(max_inputs=3, refusable=True), label="fn")
     args = data.draw(inputs(fn, pytree=True), label="args")
     policy = _draw_policy(data, fn, args)
     assert_checkpoint_equivalent(fn, *args, policy=policy)
@@ -70,7 +70,7 @@ def test_random_functions_with_pytree_inputs(data: st.DataObject) -> None:
 @examples(ci=30, soak=2_000)
 @given(st.data())
 def test_random_functions_in_float32(device: str, data: st.DataObject) -> None:
-    fn = data.draw(functions(max_ops=4), label="fn")
+    fn = data.draw(functions(max_ops=4, refusable=True), label="fn")
     args = data.draw(inputs(fn, dtype=torch.float32, device=device), label="args")
     policy = _draw_policy(data, fn, args)
     assert_checkpoint_equivalent(fn, *args, policy=policy)
@@ -80,7 +80,7 @@ def test_random_functions_in_float32(device: str, data: st.DataObject) -> None:
 @examples(ci=15, soak=1_000)
 @given(st.data())
 def test_random_functions_in_bfloat16(device: str, data: st.DataObject) -> None:
-    fn = data.draw(functions(max_ops=3), label="fn")
+    fn = data.draw(functions(max_ops=3, refusable=True), label="fn")
     args = data.draw(inputs(fn, dtype=torch.bfloat16, device=device), label="args")
     policy = _draw_policy(data, fn, args)
     assert_checkpoint_equivalent(fn, *args, policy=policy)
@@ -90,7 +90,7 @@ def test_random_functions_in_bfloat16(device: str, data: st.DataObject) -> None:
 @examples(ci=30, soak=2_000)
 @given(st.data())
 def test_random_functions_in_float64_on_cuda(data: st.DataObject) -> None:
-    fn = data.draw(functions(), label="fn")
+    fn = data.draw(functions(refusable=True), label="fn")
     args = data.draw(inputs(fn), label="args")
     policy = _draw_policy(data, fn, args)
     # The checker moves the inputs: both functions run on the GPU, compared in float64.
@@ -103,7 +103,7 @@ def test_random_functions_in_float64_on_cuda(data: st.DataObject) -> None:
 @examples(ci=30, soak=2_000)
 @given(st.data())
 def test_random_functions_under_torch_func_transforms(data: st.DataObject) -> None:
-    fn = data.draw(functions(max_ops=4), label="fn")
+    fn = data.draw(functions(max_ops=4, refusable=True), label="fn")
     args = data.draw(inputs(fn), label="args")
     policy = _draw_policy(data, fn, args, save_calls=False)  # a transform may trace fewer calls
     # torch.func.jvp does not let a Function update an input's tangent in place (remat says so).
