@@ -64,7 +64,7 @@ class Call:
 
     Fields:
         index: position in the trace's list of calls (0-based).
-        op: the `torch._ops.OpOverload` called, e.g. `torch.ops.aten.mm.default`.
+        op: the op overload called, e.g. `torch.ops.aten.mm.default`.
         occurrence: how many earlier calls in the trace had the same `op`.
         inputs: the positional arguments, with tensors as `TensorMeta` and
             other values as themselves.

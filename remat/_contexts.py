@@ -53,7 +53,7 @@ def without_saved_tensors_hooks() -> Iterator[None]:
 # the two share a cache entry), and the autograd.Function that runs it takes
 # part in the transforms through its `backward`, `jvp` and generated vmap rule.
 # The same Function runs at every level of a nested transform, so the graph
-# differentiates every floating input, whatever it requires at the top level.
+# differentiates every floating input that requires grad at any level.
 @contextmanager
 def outside_functorch() -> Iterator[None]:
     if not functorch_active():

@@ -203,20 +203,22 @@ class _Discovery:
 
 # NOTE [in-place updates of differentiable inputs]
 # Eager lets `fn` update in place an input that requires grad when that input
-# is not a leaf (`x += self.mlp(x)` in a residual block). (An update autograd
-# does not record, under `no_grad` or through `.detach()`, is allowed on leaves
-# too and changes no history: it is written back like any input's.) Forward-mode
-# AD sees through `no_grad`, so an input's tangent changes with such an update:
-# traced for forward mode, every float input updated in place is dirty, and the
-# jvp rule updates its tangent in place, as autograd asks of a Function that
-# updates an input. (Through `.detach()`, eager keeps the old tangent beside
-# the new value; remat gives the new value's, zero: a documented limitation.) Tracing would see a
+# is not a leaf (`x += self.mlp(x)` in a residual block). Tracing would see a
 # leaf, so the argument is passed to `fn` as a fresh non-leaf copy; the copy is
 # removed from the graph afterwards (the graph is functional, so reads of the
 # copy are reads of the input). The input's new value becomes an extra output
 # with its own tangent, is written back into the input by the forward program,
 # and the Function returns the input itself marked dirty, so that autograd
 # gives it the Function as its new history, as eager does.
+#
+# An update autograd does not record (under `no_grad`, or through `.detach()`)
+# is allowed on leaves too and changes no history: it is written back like any
+# input's. Forward-mode AD sees through `no_grad`, so such an update changes
+# the input's tangent: traced for forward mode, every float input updated in
+# place is dirty, and the jvp rule updates its tangent in place, as autograd
+# asks of a Function that updates an input. (Through `.detach()`, eager keeps
+# the old tangent beside the new value; remat gives the new value's, zero: a
+# documented limitation.)
 
 
 def _fake_like(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:

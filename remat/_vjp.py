@@ -158,8 +158,10 @@ class _CheckpointFunction(torch.autograd.Function):
             position = programs.returned.index(executable.n_user_outputs + j)
             given, new = primal_tangents[primal], output_tangents[position]
             if given is not None:
-                if new is not given:
-                    given.copy_(new) if new is not None else given.zero_()
+                if new is None:
+                    given.zero_()
+                elif new is not given:
+                    given.copy_(new)
                 output_tangents[position] = given
         n_states = sum(k.rng_state for k in programs.kept)
         return tuple(
