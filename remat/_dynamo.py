@@ -155,22 +155,28 @@ class _RecomputeTags:
         self.checkpointed = checkpointed
         self.calls = calls
         self.decisions = decisions
-        self.position = 0
+        # Where the region's forward is, and where its recomputation is: some releases (2.12) ask
+        # the policy again for each op they recompute, from the first call on.
+        self.positions = {False: 0, True: 0}
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op in SAC_IGNORED_OPS or is_free_op(op):
             return CheckpointPolicy.PREFER_RECOMPUTE  # a view follows its base, as in a Trace
-        if self.position >= len(self.calls) or _functional(self.calls[self.position].op) != _functional(op):
-            expected = self.calls[self.position].name if self.position < len(self.calls) else "the end of the trace"
+        recompute = bool(getattr(ctx, "is_recompute", False))
+        position = self.positions[recompute]
+        if recompute and position == len(self.calls):
+            position = 0  # a second recomputation
+        if position >= len(self.calls) or _functional(self.calls[position].op) != _functional(op):
+            expected = self.calls[position].name if position < len(self.calls) else "the end of the trace"
             raise TraceError(
-                f"{self.checkpointed!r} under torch.compile: call {self.position} of the compiled region is {op}, "
+                f"{self.checkpointed!r} under torch.compile: call {position} of the compiled region is {op}, "
                 f"but remat's trace of the function has {expected} there, so remat cannot tell the compiler which "
                 "calls to save. Call the function outside the compiled region "
                 "(`torch.compiler.disable`), or compile remat's own programs with "
                 "`remat.checkpoint(fn, policy=..., compile=True)`."
             )
-        decision = self.decisions[self.position]
-        self.position += 1
+        decision = self.decisions[position]
+        self.positions[recompute] = position + 1
         return CheckpointPolicy.MUST_SAVE if decision is Decision.SAVE else CheckpointPolicy.MUST_RECOMPUTE
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ._torch import FakeTensorMode, TorchDispatchMode, get_proxy_mode, op_schema
+from ._torch import FAKE_DTYPE_ERRATA, FakeTensorMode, TorchDispatchMode, get_proxy_mode, op_schema, trace_call
 
 __all__ = [
     "EagerFidelity",
@@ -164,16 +164,16 @@ class EagerFidelity(TorchDispatchMode):
             if _may_overlap(tensor.shape, tensor.stride()):
                 raise OverlappingWrite(func, tensor.shape, tensor.stride())
         if not written or func.overloadpacket not in _RANDOM_FILLS:
-            return func(*args, **kwargs)
+            return trace_call(func, args, kwargs)
         target = written[0]
         if self.dropouts.depth and not target.is_contiguous():  # NOTE [dropout under torch.func]
             self.dropout_layout_matters = True
             if self.under_functorch:
-                return func(*args, **kwargs)
+                return trace_call(func, args, kwargs)
         fill = FillInEagerLayout(func.name(), tuple(target.stride()), _is_dense(target.shape, target.stride()))
         graph = get_proxy_mode().tracer.graph  # type: ignore[union-attr]
         last = next(iter(reversed(graph.nodes)))
-        result = func(*args, **kwargs)
+        result = trace_call(func, args, kwargs)
         for node in _nodes_after(graph, last):
             if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
                 node.meta["remat_fill"] = fill
@@ -269,11 +269,18 @@ _CPU_LAYOUT_FROM = {  # op -> position of the argument whose suggested memory fo
 
 
 class EagerLayoutFakeMode(FakeTensorMode):
-    """A fake tensor mode whose outputs have the strides eager's kernels give them."""
+    """A fake tensor mode whose outputs have the strides (and dtypes, `FAKE_DTYPE_ERRATA`) eager's kernels give them."""
 
     def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         result: Any = super().dispatch(func, types, args, kwargs)
+        erratum = FAKE_DTYPE_ERRATA.get(func)
+        if erratum is not None:
+            index, eager_dtype = erratum
+            dtype = eager_dtype(*args, **kwargs)
+            if result[index].dtype != dtype:
+                fixed = super().dispatch(aten._to_copy.default, types, (result[index],), {"dtype": dtype})
+                result = (*result[:index], fixed, *result[index + 1 :])
         position = _CPU_LAYOUT_FROM.get(func)
         if position is None:
             return result

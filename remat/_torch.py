@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 # The minor releases remat is tested on (the floor in pyproject.toml, the newest on the registry).
-SUPPORTED = ("2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
+SUPPORTED = ("2.12", "2.13", "2.14", "2.15")
 
 
 def check_supported(version: str = torch.__version__) -> None:
@@ -70,6 +70,7 @@ __all__ = [
     "DynamicOutputShapeException",
     "FakeTensor",
     "FakeTensorMode",
+    "FAKE_DTYPE_ERRATA",
     "FunctionalTensor",
     "FunctionalTensorMode",
     "GuardOnDataDependentSymNode",
@@ -99,12 +100,15 @@ __all__ = [
     "source_and_scope",
     "sync",
     "temporarily_clear_interpreter_stack",
+    "trace_call",
     "tree_map_only",
     "unset_fake_temporarily",
     "unwrap_batched",
     "unwrap_level",
     "version_counter",
 ]
+
+_RELEASE = tuple(map(int, torch.__version__.split("+")[0].split(".")[:2]))
 
 # --- ops -------------------------------------------------------------------------------------------
 
@@ -124,6 +128,49 @@ def overload_name(op: Any) -> str:
 
 # The namespaces of torch's functional collectives and their waits.
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
+
+
+# --- make_fx -------------------------------------------------------------------------------------------
+
+# Since torch 2.13 make_fx records a `torch.Generator` argument as a `get_attr` constant of the
+# graph (an "opaque reference"); before, it raises NotImplementedError. On those releases the call
+# is traced with `generator=None`, and its generator is then put back on the node as such a constant, so that
+# every later step sees one graph on every release.
+_TRACES_GENERATORS = _RELEASE >= (2, 13)
+
+
+def trace_call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Run the op `func` under make_fx's proxy mode, recording its `generator=` argument if any."""
+    generator = kwargs.get("generator")
+    if generator is None or _TRACES_GENERATORS:
+        return func(*args, **kwargs)
+    tracer: Any = get_proxy_mode().tracer  # type: ignore[union-attr]
+    graph = tracer.graph
+    last = next(iter(reversed(graph.nodes)))
+    result = func(*args, **{**kwargs, "generator": None})
+    name = tracer.get_fresh_qualname("_generator")
+    setattr(tracer.root, name, generator)
+    nodes = list(graph.nodes)
+    for node in nodes[nodes.index(last) + 1 :]:
+        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            with graph.inserting_before(node):
+                node.kwargs = {**node.kwargs, "generator": graph.get_attr(name)}
+    return result
+
+
+# --- fake tensors ---------------------------------------------------------------------------------------
+
+# Outputs whose dtype a fake (meta) kernel gets wrong on some releases: op -> (output position, the
+# dtype eager gives it, from the op's arguments). A fake mode corrects them, so that the bytes a trace
+# accounts for are the bytes eager keeps.
+FAKE_DTYPE_ERRATA: dict[Any, tuple[int, Any]] = {}
+if _RELEASE < (2, 13):
+    # The CPU attention kernel keeps its logsumexp in the computation dtype (float64 for float64
+    # inputs); its meta kernel said float32 until 2.13.
+    FAKE_DTYPE_ERRATA[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default] = (
+        1,
+        lambda query, *args, **kwargs: torch.float64 if query.dtype == torch.float64 else torch.float32,
+    )
 
 
 # --- functionalization -----------------------------------------------------------------------------------

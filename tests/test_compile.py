@@ -20,6 +20,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import remat
 from remat import policies
+from remat._torch import FAKE_DTYPE_ERRATA
 
 pytestmark = [
     # Warnings torch's compiler stack raises about itself.
@@ -78,8 +79,21 @@ class SavedGraphs:
             base = _base(node)
             if base.op == "placeholder" or base.target is torch.ops.higher_order.run_and_save_rng_state:
                 continue  # the compiler keeps a generator state to replay attention: see docs/compile.md
-            bases[base] = base.meta["val"].untyped_storage().nbytes()
+            bases[base] = _eager_nbytes(base)
         return sum(bases.values())
+
+
+def _eager_nbytes(node: torch.fx.Node) -> int:
+    """Bytes of the tensor `node` holds when it runs: its fake value's, in the dtype eager gives it
+    where torch's fake kernel names another (`FAKE_DTYPE_ERRATA`, which remat's accounting follows)."""
+    value = node.meta["val"]
+    if node.target is operator.getitem and node.args[0].target in FAKE_DTYPE_ERRATA:
+        call, index = node.args
+        position, eager_dtype = FAKE_DTYPE_ERRATA[call.target]
+        if index == position:
+            arguments = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in call.args]
+            return value.numel() * eager_dtype(*arguments).itemsize
+    return value.untyped_storage().nbytes()
 
 
 def _base(node: torch.fx.Node) -> torch.fx.Node:
