@@ -1,23 +1,93 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s doctest`, `nox -s soak`, `nox -s bench`, `nox -s docs`."""
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s doctest`, `nox -s soak`, `nox -s bench`, `nox -s docs`.
+
+`nox -s tests` runs the suite on every supported torch release, each in its own venv, and records the
+results in docs/torch-versions.md; `nox -s "tests(torch='2.15.0')"` runs one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["tests", "lint"]
+# The newest patch of each minor release remat supports (remat/_torch.py: SUPPORTED).
+TORCH_RELEASES = ["2.12.1", "2.13.0", "2.14.1", "2.15.0"]
+DEFAULT_TORCH = "2.13.0"  # the CPU build lies on this machine's disk; the others are CUDA builds from the registry
+
+nox.options.sessions = [f"tests(torch='{DEFAULT_TORCH}')", "lint"]
 nox.options.default_venv_backend = "venv"
 
-TORCH = "torch==2.13.0"  # the CPU build; an unpinned torch pulls a CUDA build
+# A machine-wide pip config here caps torch at 2.14.1. A newer release is installed as a user without
+# that config would install it: with the config ignored, for torch and for remat's own dependencies
+# (which the cap would otherwise resolve back down to 2.14.1).
+_CAPPED_AT = (2, 14, 1)
 
 
-def install(session: nox.Session, extras: str) -> None:
-    session.install(TORCH)
-    session.install("-e", f".[{extras}]")
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split("."))
+
+
+def install(session: nox.Session, extras: str, torch: str = DEFAULT_TORCH) -> None:
+    env = {"PIP_CONFIG_FILE": os.devnull} if _release(torch) > _CAPPED_AT else {}
+    session.install(f"torch=={torch}", env=env)
+    session.install("-e", f".[{extras}]", env=env)
 
 
 @nox.session
-def tests(session: nox.Session) -> None:
-    """The test suite (doctests included), with the fast hypothesis profile."""
-    install(session, "test")
-    session.run("python", "-m", "pytest", "-q", *session.posargs)
+@nox.parametrize("torch", TORCH_RELEASES)
+def tests(session: nox.Session, torch: str) -> None:
+    """The test suite (doctests included), with the fast hypothesis profile, on one torch release.
+
+    Without extra arguments, the counts are written to docs/torch-versions.md.
+    """
+    started = time.monotonic()
+    install(session, "test", torch)
+    installed = time.monotonic() - started
+    junit = Path(session.create_tmp()) / "junit.xml"
+    started = time.monotonic()
+    session.run("python", "-m", "pytest", "-q", f"--junitxml={junit}", *session.posargs, success_codes=[0, 1])
+    seconds = time.monotonic() - started
+    counts = _counts(junit)
+    if not session.posargs:
+        _record(torch, counts, seconds, installed)
+    if counts["failed"] or not counts["passed"]:
+        session.error(f"torch {torch}: {counts['failed']} failed, {counts['passed']} passed")
+
+
+def _counts(junit: Path) -> dict[str, int]:
+    suite = ElementTree.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    assert suite is not None, f"{junit} holds no test suite"
+    total, failed, errors, skipped = (int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped"))
+    return {"passed": total - failed - errors - skipped, "failed": failed + errors, "skipped": skipped}
+
+
+_TABLE = Path(__file__).parent / "docs" / "torch-versions.md"
+_BEGIN, _END = "<!-- nox tests: begin -->", "<!-- nox tests: end -->"
+
+
+def _record(torch: str, counts: dict[str, int], seconds: float, installed: float) -> None:
+    """Replace this release's row of the table in docs/torch-versions.md (rows kept in release order)."""
+    text = _TABLE.read_text()
+    head, rest = text.split(_BEGIN)
+    rows_text, tail = rest.split(_END)
+    rows = {}
+    for line in rows_text.strip().splitlines()[2:]:
+        rows[line.split("|")[1].strip()] = line
+    machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    date = datetime.date.today().isoformat()
+    rows[torch] = (
+        f"| {torch} | {counts['passed']} | {counts['failed']} | {counts['skipped']} | {seconds / 60:.1f} min "
+        f"| {installed / 60:.1f} min | {date} | {machine} |"
+    )
+    header = "| torch | passed | failed | skipped | suite | install | date | machine |\n|---|---:|---:|---:|---:|---:|---|---|"
+    body = "\n".join(rows[version] for version in sorted(rows, key=_release))
+    _TABLE.write_text(f"{head}{_BEGIN}\n{header}\n{body}\n{_END}{tail}")
 
 
 @nox.session
