@@ -14,6 +14,7 @@ from torch import fx
 
 from . import _rng
 from ._fidelity import fill_in_eager_layout, runnable
+from ._torch import BoxedCodeGen
 from ._trace import JointGraph, stops_gradient
 
 __all__ = ["backward_program", "device_of", "epilogue", "forward_program", "pure_forward"]
@@ -70,10 +71,12 @@ def forward_program(
 def backward_program(
     joint: JointGraph, kept: Sequence[tuple[fx.Node, bool]], backward_nodes: Sequence[fx.Node]
 ) -> fx.GraphModule:
-    """(*kept, *tangents) -> grads, replaying what is not kept just before its first use.
+    """[*kept, *tangents] -> grads, replaying what is not kept just before its first use.
 
-    `kept` pairs a node with whether the kept tensor is the generator state of
-    that (random) node rather than its value. See NOTE [replay just in time].
+    Boxed: it takes one list and empties it, so that each kept tensor is freed
+    at its last use. `kept` pairs a node with whether the kept tensor is the
+    generator state of that (random) node rather than its value. See NOTE
+    [replay just in time].
     """
     graph = fx.Graph()
     env, states = _kept_placeholders(graph, kept)
@@ -83,6 +86,7 @@ def backward_program(
     for node in backward_nodes:
         emit(node)
     graph.output(tuple(emit(g) for g in joint.grads))
+    graph.set_codegen(BoxedCodeGen())
     return _module(joint, graph)
 
 
@@ -91,7 +95,11 @@ def backward_program(
 # them at once and raise the backward peak above eager's. Emitting each replay
 # right before the first backward node that reads it, with FX's code
 # generation freeing each value after its last use, keeps the replayed values
-# alive only while the gradient formulas that read them run.
+# alive only while the gradient formulas that read them run. The kept values
+# go the same way: autograd lets go of them as the backward starts
+# (`release_saved_tensors`), and the program, taking them in a list it
+# empties, holds the last reference to each until its last use, as eager
+# autograd frees each node's saved tensors once that node's backward has run.
 
 
 def pure_forward(

@@ -64,6 +64,7 @@ __all__ = [
     "SAC_BYPASSES_HOOKS",
     "SUPPORTED",
     "UNTRACEABLE_COLLECTIVE",
+    "BoxedCodeGen",
     "apply_without_binding",
     "CtxCustomSave",
     "DataDependentOutputException",
@@ -96,6 +97,7 @@ __all__ = [
     "make_fx",
     "op_schema",
     "overload_name",
+    "release_saved_tensors",
     "saved_tensors_hooks_tracing",
     "source_and_scope",
     "sync",
@@ -156,6 +158,11 @@ def trace_call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             with graph.inserting_before(node):
                 node.kwargs = {**node.kwargs, "generator": graph.get_attr(name)}
     return result
+
+
+# The boxed calling convention: a program takes one list of its inputs and empties it once it has
+# read them, so that each input can be freed at its last use inside the program.
+BoxedCodeGen = torch.fx.graph._BoxedCodeGen
 
 
 # --- fake tensors ---------------------------------------------------------------------------------------
@@ -268,6 +275,15 @@ def apply_without_binding(function: type[torch.autograd.Function]) -> Any:
     `Function.apply` did until torch 2.13 (a third of the overhead of a small call; since 2.14
     `Function.apply` is this C++ apply already)."""
     return super(torch.autograd.Function, function).apply  # type: ignore[misc]
+
+
+def release_saved_tensors(ctx: Any) -> None:
+    """Drop autograd's references to what a custom Function saved, unless the graph is retained
+    (`retain_graph=True`, `create_graph=True`): the references its backward unpacked are then the only ones.
+    (What AOTAutograd's runtime does; a ctx of torch.func's own has no such method.)"""
+    clear = getattr(ctx, "maybe_clear_saved_tensors", None)
+    if clear is not None:
+        clear()
 
 
 def forward_ad_level() -> int:

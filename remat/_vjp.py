@@ -21,6 +21,7 @@ from ._torch import (
     functorch_active,
     functorch_interpreters,
     inplace_requires_grad_allowed,
+    release_saved_tensors,
     unwrap_batched,
 )
 
@@ -45,10 +46,13 @@ class Executable:
             return self.compiled.forward(*primals)  # type: ignore[no-any-return]
         return self.programs.forward.forward(*primals)  # type: ignore[no-any-return]
 
-    def backward(self, *kept_and_tangents: torch.Tensor) -> Sequence[torch.Tensor]:
+    def backward(self, kept_and_tangents: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """Run the backward program on a list it empties (see NOTE [replay just in time])."""
         if self.compiled is not None and not torch.is_grad_enabled() and not functorch_active():
-            return self.compiled.backward(*kept_and_tangents)  # type: ignore[no-any-return]
-        return self.programs.backward.forward(*kept_and_tangents)  # type: ignore[no-any-return]
+            arguments = tuple(kept_and_tangents)
+            kept_and_tangents.clear()
+            return self.compiled.backward(*arguments)  # type: ignore[no-any-return]
+        return self.programs.backward.forward(kept_and_tangents)  # type: ignore[no-any-return]
 
 
 def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -118,18 +122,23 @@ class _CheckpointFunction(torch.autograd.Function):
         grad_of_output = dict(zip(programs.returned, grads, strict=False))
         if torch.is_grad_enabled() and not functorch_active():
             _check_pure_differentiable(programs)  # create_graph=True: backward will be differentiated
+        activation_grads = grads[n_returned : n_returned + programs.n_activations]
+        kept_after = any(g is not None for g in activation_grads)  # a second derivative through them
         if any(g is not None for g in grads[:n_returned]):
             tangents = []
             for i in executable.differentiable_outputs:
                 # Outputs rebuilt by the epilogue send their gradients through autograd's view nodes.
                 grad = grad_of_output.get(i)
                 tangents.append(_zeros(executable.output_metas[i]) if grad is None else grad)
+            arguments = [*kept, *tangents]
+            if not kept_after:  # See NOTE [replay just in time].
+                release_saved_tensors(ctx)
+                del kept, tangents
             with autocast_disabled():
-                computed = executable.backward(*kept, *tangents)
+                computed = executable.backward(arguments)
             for primal, grad in zip(executable.grad_of, computed, strict=True):
                 grad_inputs[primal] = grad
-        activation_grads = grads[n_returned : n_returned + programs.n_activations]
-        if any(g is not None for g in activation_grads):
+        if kept_after:
             _accumulate(grad_inputs, _activations_vjp(programs, kept, activation_grads, ctx.needs_input_grad[1:]))
         return (None, *grad_inputs)
 
