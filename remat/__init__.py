@@ -18,6 +18,7 @@ from ._module import CheckpointedModule as CheckpointedModule
 from ._pareto import Pareto as Pareto
 from ._pareto import pareto as pareto
 from ._tag import tag as tag
+from .report import Peak as Peak
 from .report import Report as Report
 
 SAVE = Decision.SAVE
@@ -39,6 +40,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "Pareto",
+    "Peak",
     "checkpoint",
     "checkpoint_modules",
     "pareto",

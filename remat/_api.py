@@ -22,6 +22,7 @@ from ._decide import decide_nested
 from ._dynamo import call_under_dynamo, register
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import partition
+from ._peak import predict_peak
 from ._pytree import FlatArgs, flatten_args
 from ._torch import functorch_active
 from ._trace import JointGraph, is_tracing, nested_checkpoint, trace_joint
@@ -325,4 +326,5 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
         trace=joint.trace,
         policy=policy if policy is not None else save_nothing,
         nested_policies=tuple({id(p): p if p is not None else save_nothing for p, _ in joint.regions}.values()),
+        peak=predict_peak(joint, programs),
     )

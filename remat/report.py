@@ -7,7 +7,34 @@ from typing import Any
 
 from ._calls import Call, Decision, Trace, _module_label, format_bytes, format_table
 
-__all__ = ["Report", "ReportRow"]
+__all__ = ["Peak", "Report", "ReportRow"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """Predicted bytes at the peaks of a checkpointed function's forward and backward.
+
+    Bytes above the inputs (arguments, parameters, closed-over tensors) and the
+    gradients handed to backward, with the function's outputs held by the caller
+    until backward ends (as `torch.autograd.backward(out, grad)` holds them).
+    Predicted from the liveness of remat's programs: each value lives until its
+    last use, kept values until their last use in backward.
+
+    Attributes:
+        forward: the most bytes live while the forward runs.
+        after_forward: bytes live once it returns: its outputs, what it keeps, generator states.
+        backward: the most bytes live while the backward runs, the outputs (which
+            the caller holds) and the gradients it has computed so far included.
+    """
+
+    forward: int
+    after_forward: int
+    backward: int
+
+    @property
+    def bytes(self) -> int:
+        """The peak of forward and backward together."""
+        return max(self.forward, self.backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +114,8 @@ class Report:
         policy: the policy reported on.
         nested_policies: the policies of checkpointed functions called inside (such as modules
             wrapped by `remat.checkpoint_modules`), which decide the calls they make.
+        peak: the predicted peak bytes of forward and backward, by phase (`remat.Peak`);
+            `peak_bytes` is the larger of the two.
 
     `str(report)` is a table in the spirit of JAX's `print_saved_residuals`;
     `report.to_dict()` gives the same as data.
@@ -107,6 +136,12 @@ class Report:
     trace: Trace
     policy: Any = None
     nested_policies: tuple[Any, ...] = ()  # policies of nested checkpoints, which decide their own calls
+    peak: Peak = Peak(0, 0, 0)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted peak bytes of forward and backward together (see `Peak`)."""
+        return self.peak.bytes
 
     @property
     def forward_flops(self) -> int:
@@ -129,6 +164,8 @@ class Report:
             "policy": repr(self.policy),
             "nested_policies": [repr(p) for p in self.nested_policies],
             "saved_bytes": self.saved_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak": dataclasses.asdict(self.peak),
             "rng_state_bytes": self.rng_state_bytes,
             "recompute_flops": self.recompute_flops,
             "forward_flops": self.forward_flops,
@@ -165,6 +202,8 @@ class Report:
                 else ""
             ),
             f"kept: {format_bytes(self.saved_bytes)}{rng} from {sum(r.saved for r in self.rows)} calls",
+            f"peak: {format_bytes(self.peak_bytes)} (forward {format_bytes(self.peak.forward)}, "
+            f"after forward {format_bytes(self.peak.after_forward)}, backward {format_bytes(self.peak.backward)})",
             f"replayed in backward: {len(self.replayed_calls)} calls, {self.recompute_flops:,} FLOPs "
             f"({self.replayed_fraction:.0%} of the forward's {self.forward_flops:,})",
         ]

@@ -393,14 +393,15 @@ def test_report_str_has_decisions_and_a_summary():
     text = str(report)
     lines = text.splitlines()
     assert "decision" in lines[0]
-    assert len(lines) == 2 + len(report.rows) + 3  # header, rule, rows, policy and two summary lines
+    assert len(lines) == 2 + len(report.rows) + 4  # header, rule, rows, policy and three summary lines
     for line, decision in zip(lines[2:6], ["SAVE", "RECOMPUTE", "RECOMPUTE", "RECOMPUTE"], strict=True):
         assert decision in line.split()
     assert "aten.mm.default" in lines[2]
     assert "aten.sin.default" in lines[3]
-    policy, kept, replayed = lines[-3:]
+    policy, kept, peak, replayed = lines[-4:]
     assert policy == "policy: save_calls(0)"
     assert re.search(r"kept: 64 B from 1 calls?\b", kept), kept
+    assert peak.startswith(f"peak: {report.peak_bytes} B (forward {report.peak.forward} B,"), peak
     assert re.search(r"replayed in backward: 1 calls?\b", replayed), replayed
     assert f"{_trace()[1].flops:,} FLOPs" in replayed
 

@@ -1,0 +1,169 @@
+"""The peak bytes of a checkpointed function's forward and backward, from the liveness of its programs.
+
+Each program is walked in order, as its FX code runs it: a call's outputs are
+allocated (unless they are views of memory already there), and a value is
+freed after its last use, its storage once no live value shows it. See NOTE
+[what the peak counts].
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ._partition import Programs
+from ._trace import JointGraph
+from .report import Peak
+
+__all__ = ["predict_peak"]
+
+
+# NOTE [what the peak counts]
+# Bytes above those of the inputs (arguments, parameters, buffers and closed-
+# over tensors, which live anyway) and of the gradients handed to backward
+# (the caller's). Counted: every output of every call the programs run, from
+# its allocation to the last use of the last value that shows its memory; the
+# function's outputs until the end of backward, as if the caller held them
+# (as `torch.autograd.backward(out, grad)` does); the kept values until their
+# last use in backward; the gradients of the inputs from when they are
+# computed, and a copy of each that autograd cannot store in `.grad` as it is
+# (one that is a tangent, or shares memory with another). Not counted: memory
+# a kernel allocates for itself and frees before it returns, and memory of the
+# caller's own (a loss, say). Sizes that depend on data count as empty.
+
+
+def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
+    """The peak bytes of running `programs`' forward, then its backward."""
+    inputs = {_storage(t) for p in joint.primals for t in _tensors(p.meta.get("val"))}
+    forward = programs.forward
+    forward_peak, after = _walk(forward.graph, inputs, _placeholder_values(forward.graph, joint.primals))
+
+    results = _output_node(forward.graph).args[0]
+    returned = [results[i] for i in range(len(programs.returned))]  # type: ignore[index]
+    held = {s for node in returned for s in _storages_of(node)} - inputs  # the caller holds the outputs
+    held_bytes = sum(after.get(s, 0) for s in held)
+
+    backward = programs.backward
+    placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    handed_over = {
+        placeholder: kept.node.meta.get("val")
+        for placeholder, kept in zip(placeholders, programs.kept, strict=False)
+        if not kept.rng_state
+    }
+    for placeholder, tangent in zip(placeholders[len(programs.kept) :], joint.tangents, strict=False):
+        handed_over[placeholder] = tangent.meta.get("val")
+    tangents = {_storage(t) for node in joint.tangents for t in _tensors(node.meta.get("val"))}  # the caller's
+    free = inputs | held | tangents
+    backward_peak, at_end = _walk(backward.graph, free, handed_over)
+    # A gradient that is the caller's memory (a tangent passed through), or a second gradient in one
+    # storage, is copied when autograd stores it in `.grad`: then all the gradients are alive.
+    seen: set[Any] = set()
+    copied = 0
+    for grad in _output_node(backward.graph).all_input_nodes:
+        for storage, nbytes in _allocated(grad, handed_over):
+            if storage in free or storage in seen:
+                copied += nbytes
+            seen.add(storage)
+    backward_peak = max(backward_peak, sum(at_end.values()) + copied)
+    # Generator states (a few KiB each) are counted as kept from forward to the end of backward.
+    states = programs.rng_state_bytes
+    return Peak(
+        forward=forward_peak + states,
+        after_forward=sum(after.values()) + states,
+        backward=held_bytes + backward_peak + states,
+    )
+
+
+def _walk(graph: fx.Graph, free_storages: set[Any], values: Mapping[fx.Node, Any]) -> tuple[int, dict[Any, int]]:
+    """(peak bytes, storages live at the end -> bytes) of running `graph` once.
+
+    Storages in `free_storages` cost nothing here (inputs, memory held by others). A placeholder
+    with a value in `values` is memory handed over to the program, freed at its last use.
+    """
+    last_use: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        for used in node.all_input_nodes:
+            last_use[used] = node
+    outputs = set(_output_node(graph).all_input_nodes)
+    holders: dict[Any, set[fx.Node]] = {}
+    live: dict[Any, int] = {}
+    storages_of: dict[fx.Node, list[Any]] = {}
+    peak = 0
+    for node in graph.nodes:
+        if node.op == "output":
+            break
+        allocated = _allocated(node, values)
+        storages_of[node] = [storage for storage, _ in allocated]
+        for storage, nbytes in allocated:
+            holders.setdefault(storage, set()).add(node)
+            if storage not in live and storage not in free_storages:
+                live[storage] = nbytes
+        peak = max(peak, sum(live.values()))
+        # Values whose last use this was, and values nobody uses, are freed now (FX's code does so).
+        done = [used for used in node.all_input_nodes if last_use.get(used) is node and used not in outputs]
+        if node not in last_use and node not in outputs:
+            done.append(node)
+        for finished in done:
+            for storage in storages_of.get(finished, ()):
+                holders[storage].discard(finished)
+                if not holders[storage]:
+                    live.pop(storage, None)
+    return peak, live
+
+
+def _allocated(node: fx.Node, values: Mapping[fx.Node, Any]) -> list[tuple[Any, int]]:
+    """(storage, bytes) of each tensor `node` holds."""
+    if node.op == "placeholder":
+        return [(_storage(t), _nbytes(t)) for t in _tensors(values.get(node))]
+    if "val" not in node.meta:
+        if node.target is torch.ops.aten.clone.default:  # the forward's copy of an input it overwrites
+            source = node.args[0]
+            value = source.meta.get("val") if isinstance(source, fx.Node) else None
+            value = value if value is not None else values.get(source)  # type: ignore[arg-type]
+            return [(node, _nbytes(t)) for t in _tensors(value)]
+        return []  # generator states and the tuples of random calls: counted apart
+    return [(_storage(t), _nbytes(t)) for t in _tensors(node.meta["val"])]
+
+
+def _placeholder_values(graph: fx.Graph, nodes: Sequence[fx.Node]) -> dict[fx.Node, Any]:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return {p: n.meta.get("val") for p, n in zip(placeholders, nodes, strict=False)}
+
+
+def _output_node(graph: fx.Graph) -> fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def _storages_of(node: Any) -> list[Any]:
+    if not isinstance(node, fx.Node):
+        return []
+    if node.target is operator.getitem:
+        parent = node.args[0].meta.get("val")  # type: ignore[union-attr]
+        value = parent[node.args[1]] if isinstance(parent, (tuple, list)) else node.meta.get("val")  # type: ignore[index]
+    else:
+        value = node.meta.get("val")
+    return [_storage(t) for t in _tensors(value)]
+
+
+def _storage(tensor: torch.Tensor) -> Any:
+    return StorageWeakRef(tensor.untyped_storage())
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except Exception:  # a size that depends on data: see NOTE [what the peak counts]
+        return 0
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
