@@ -7,8 +7,8 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import models
-import pytest
 import optree
+import pytest
 import torch
 from conftest import assert_same_outputs_and_grads, examples
 from hypothesis import assume, given
@@ -146,7 +146,7 @@ def _measured_peak(fn: Callable[..., object], args: Sequence[torch.Tensor], exte
     device = args[0].device
     with tracker:
         before = int(tracker.get_tracker_snapshot("current")[device]["Total"])
-        outputs, differentiable = forward()
+        _held, differentiable = forward()  # the outputs stay alive until backward is done
         torch.autograd.backward(differentiable, cotangents)
     return int(tracker.get_tracker_snapshot("peak")[device]["Total"]) - before
 
