@@ -20,7 +20,7 @@ from ._dataflow import evaluate
 from ._decide import is_collective
 from .costs import estimate_seconds, resolve_device
 
-__all__ = ["InfeasibleBudget", "Plan", "evaluate", "minimum_bytes", "solve"]
+__all__ = ["InfeasibleBudget", "InfeasiblePeak", "Plan", "evaluate", "minimum_bytes", "solve", "solve_peak"]
 
 # NOTE [the budget problem]
 # Choose SAVE (s_c = 1) or RECOMPUTE per call. Backward reads some values; a value
@@ -58,6 +58,7 @@ class Plan:
     cost: float  # replay cost, in the budget's cost unit
     lower_bound: float  # no decisions within the budget replay for less
     seconds: float  # solve time
+    peak_bytes: int | None = None  # the predicted peak of forward and backward (planning for a peak)
 
     @property
     def gap(self) -> float:
@@ -296,3 +297,60 @@ class InfeasibleBudget(ValueError):
     def __init__(self, minimum: int):
         self.minimum = minimum
         super().__init__(minimum)
+
+
+# NOTE [planning for a peak]
+# The peak of forward and backward is not a sum over the calls, as kept bytes
+# are: it depends on when each value is freed, and a replayed call adds to the
+# backward while it is alive. So it is not a constraint of the 0-1 program.
+# Instead, the byte-budget planner's plans at budgets spread from the fewest
+# bytes any decisions keep to all of them are candidates, with saving
+# everything and saving nothing (a collective is always saved); each one's peak is
+# predicted from its programs (`remat.Peak`), and the cheapest within the peak
+# bound wins. The chosen plan's predicted peak never exceeds the bound. A plan
+# under a peak bound keeps less than the bound, so the byte-budget optimum at
+# the bound is a lower bound on the cost.
+PEAK_CANDIDATES = 16  # byte budgets tried, evenly spaced
+
+
+def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool) -> Plan:
+    """The cheapest of the byte-budget planner's plans, and of saving everything and saving nothing,
+    whose predicted peak is at most `peak_bytes`."""
+    dataflow, peak_of = trace.dataflow, trace.peak_of
+    assert dataflow is not None and peak_of is not None
+    started = time.perf_counter()
+    costs = call_costs(trace, cost)
+    forced = {call.index for call in trace if is_collective(call)}
+    low, high = minimum_bytes(trace), evaluate(dataflow, set(range(len(trace))))[1]
+    budgets = sorted({low + (high - low) * i // (PEAK_CANDIDATES - 1) for i in range(PEAK_CANDIDATES)})
+    candidates = [_plan_of(dataflow, costs, forced), _plan_of(dataflow, costs, set(range(len(trace))))]
+    candidates += [solve(trace, budget, cost, exact) for budget in budgets]
+    best: tuple[float, int, Plan] | None = None
+    lowest = math.inf
+    for plan in candidates:
+        peak = peak_of(plan.decisions).bytes
+        lowest = min(lowest, peak)
+        if peak <= peak_bytes and (best is None or (plan.cost, peak) < best[:2]):
+            best = (plan.cost, peak, plan)
+    if best is None:
+        raise InfeasiblePeak(int(lowest))
+    _, peak, plan = best
+    bound = solve(trace, min(peak_bytes, high), cost, exact).lower_bound
+    return dataclasses.replace(
+        plan, lower_bound=min(plan.cost, bound), seconds=time.perf_counter() - started, peak_bytes=peak
+    )
+
+
+def _plan_of(dataflow: Dataflow, costs: Sequence[float], saved: set[int]) -> Plan:
+    replayed, kept = evaluate(dataflow, saved)
+    total = sum(costs[c] for c in replayed)
+    decisions = tuple(Decision.SAVE if c in saved else Decision.RECOMPUTE for c in range(len(costs)))
+    return Plan(decisions, kept, total, lower_bound=total, seconds=0.0)
+
+
+class InfeasiblePeak(ValueError):
+    """No plan the planner tried peaks as low as the bound; `lowest` is the lowest predicted peak."""
+
+    def __init__(self, lowest: int):
+        self.lowest = lowest
+        super().__init__(lowest)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -182,6 +182,9 @@ class Trace(Sequence[Call]):
         """Who reads which value (for planners); None for a trace made of hand-picked calls."""
         self.plans: dict[Any, Any] = {}
         """Planners' results for this trace, by planner: computed once, with the trace."""
+        self.peak_of: Callable[[Sequence[Decision]], Any] | None = None
+        """The predicted `remat.Peak` of running the function under given decisions (for planners);
+        None for a trace made of hand-picked calls."""
 
     def __len__(self) -> int:
         return len(self._calls)

@@ -6,12 +6,14 @@ backward reads, which values each replayed call reads, what keeping each one cos
 
 from __future__ import annotations
 
+import functools
 import operator
+from collections.abc import Sequence
 
 from torch import fx
 
 from . import _rng
-from ._calls import Dataflow, Value
+from ._calls import Dataflow, Decision, Value
 from ._partition import (
     _returned_outputs,
     _saved_bytes,
@@ -19,18 +21,27 @@ from ._partition import (
     backward_nodes_of,
     mutated_inputs,
     needed_by_backward,
+    partition,
     reads_any_value,
 )
+from ._peak import predict_peak
 from ._programs import device_of
 from ._trace import JointGraph
+from .report import Peak
 
 __all__ = ["evaluate", "with_dataflow"]
 
 
 def with_dataflow(joint: JointGraph) -> JointGraph:
-    """`joint`, its trace carrying the graph's `Dataflow`."""
+    """`joint`, its trace carrying what planners read: the graph's `Dataflow`, and the peak
+    bytes of the programs any decisions give (`Trace.peak_of`)."""
     joint.trace.dataflow = dataflow_of(joint)
+    joint.trace.peak_of = functools.partial(_peak_of, joint)
     return joint
+
+
+def _peak_of(joint: JointGraph, decisions: Sequence[Decision]) -> Peak:
+    return predict_peak(joint, partition(joint, decisions))
 
 
 def dataflow_of(joint: JointGraph) -> Dataflow:

@@ -453,6 +453,7 @@ class Budget(Policy):
     fraction: float | None
     cost: str
     exact: bool
+    peak_bytes: int | None = None
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
         return self.solve(trace).decisions
@@ -460,15 +461,25 @@ class Budget(Policy):
     def solve(self, trace: Trace) -> Plan:
         """The `Plan` for `trace`: decisions, bytes kept, replay cost, a lower bound on the
         optimal cost (the gap), and the solve time. Cached with the trace."""
-        from ._budget import InfeasibleBudget, solve
+        from ._budget import InfeasibleBudget, InfeasiblePeak, solve, solve_peak
         from ._dataflow import evaluate
 
-        if trace.dataflow is None:
+        if trace.dataflow is None or (self.peak_bytes is not None and trace.peak_of is None):
             raise TypeError(
                 f"remat.policies.{self!r}: a budget plans over the dataflow of a whole trace, which this trace does "
                 "not carry (a budget inside a nested checkpoint, or a hand-made Trace). Use it on the outermost "
                 "checkpoint, or a per-call policy inside."
             )
+        if self not in trace.plans and self.peak_bytes is not None:
+            try:
+                trace.plans[self] = solve_peak(trace, self.peak_bytes, self.cost, self.exact)
+            except InfeasiblePeak as error:
+                raise ValueError(
+                    f"remat.policies.{self!r}: no plan found peaks as low as {format_bytes(self.peak_bytes)} "
+                    f"({self.peak_bytes:,} bytes) for this trace; the lowest predicted peak is "
+                    f"{format_bytes(error.lowest)} ({error.lowest:,} bytes). Raise the bound to at least that, "
+                    "or checkpoint smaller pieces of the model."
+                ) from None
         if self not in trace.plans:
             budget = self.max_bytes
             if budget is None:
@@ -491,13 +502,23 @@ class Budget(Policy):
         )
 
     def __repr__(self) -> str:
-        limit = f"max_bytes={self.max_bytes}" if self.max_bytes is not None else f"fraction={self.fraction!r}"
+        if self.peak_bytes is not None:
+            limit = f"peak_bytes={self.peak_bytes}"
+        elif self.max_bytes is not None:
+            limit = f"max_bytes={self.max_bytes}"
+        else:
+            limit = f"fraction={self.fraction!r}"
         cost = "" if self.cost == "flops" else f", cost={self.cost!r}"
         return f"budget({limit}{cost}{', exact=True' if self.exact else ''})"
 
 
 def budget(
-    max_bytes: int | None = None, fraction: float | None = None, *, cost: str = "flops", exact: bool = False
+    max_bytes: int | None = None,
+    fraction: float | None = None,
+    *,
+    peak_bytes: int | None = None,
+    cost: str = "flops",
+    exact: bool = False,
 ) -> Budget:
     """Replay as little as possible while keeping at most a budget of bytes (a planner).
 
@@ -508,9 +529,17 @@ def budget(
     keeps. A budget below what any decisions can keep raises `ValueError` with the
     minimum. Plans are computed once per trace and cached with it.
 
+    With `peak_bytes` instead, the bound is on the peak of forward and backward
+    (`remat.Report.peak_bytes`, what decides an out-of-memory): of the plans the
+    byte budget gives at 16 budgets from the fewest bytes to all of them, and of
+    saving everything and saving nothing, the cheapest whose predicted peak is
+    within `peak_bytes`. Its predicted peak never
+    exceeds the bound; a bound no plan meets raises `ValueError` with the lowest peak.
+
     Args:
         max_bytes: the budget in bytes.
         fraction: the budget as a fraction (0 to 1) of `save_everything`'s bytes.
+        peak_bytes: a bound on the predicted peak bytes of forward and backward.
         cost: `"flops"` (the calls' FLOPs) or `"roofline:<device>"` (estimated seconds
             on a device of `remat.costs.DEVICES`, such as `"roofline:h100"`).
         exact: solve to optimality (a 0-1 program, with scipy's HiGHS); the default
@@ -528,10 +557,14 @@ def budget(
     >>> remat.report(f, x, policy=policy).saved_bytes <= 4000
     True
     """
-    if (max_bytes is None) == (fraction is None):
-        raise TypeError("remat.policies.budget: give exactly one of `max_bytes` (bytes) and `fraction` (0 to 1).")
-    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
-        raise ValueError(f"remat.policies.budget: `max_bytes` must be a non-negative integer, but got {max_bytes!r}.")
+    if sum(limit is not None for limit in (max_bytes, fraction, peak_bytes)) != 1:
+        raise TypeError(
+            "remat.policies.budget: give exactly one of `max_bytes` (bytes kept), `fraction` (0 to 1 of what "
+            "save_everything keeps) and `peak_bytes` (the peak of forward and backward)."
+        )
+    for name, limit in (("max_bytes", max_bytes), ("peak_bytes", peak_bytes)):
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"remat.policies.budget: `{name}` must be a non-negative integer, but got {limit!r}.")
     if fraction is not None and (
         isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1
     ):
@@ -545,7 +578,7 @@ def budget(
         )
     if cost != "flops":
         resolve_device(cost.removeprefix("roofline:"))
-    return Budget(max_bytes, None if fraction is None else float(fraction), cost, bool(exact))
+    return Budget(max_bytes, None if fraction is None else float(fraction), cost, bool(exact), peak_bytes)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -197,3 +197,88 @@ def test_the_predicted_peak_is_near_the_measured_one_on_random_functions(data: s
     constants = [getattr(fn.constants, field.name) for field in dataclasses.fields(fn.constants)]
     measured = _measured_peak(remat.checkpoint(fn, policy=policy), args, constants)
     assert measured / _TOLERANCE <= predicted <= measured * _TOLERANCE
+
+
+# --- budget(peak_bytes=...) ---------------------------------------------------------------------------
+
+
+def _gpt2_block_case() -> tuple[torch.nn.Module, torch.Tensor]:
+    return models.GPT2Block(), models.gpt2_input(batch=4, seq=16)
+
+
+def test_a_peak_budget_keeps_the_measured_peak_within_the_bound() -> None:
+    block, x = _gpt2_block_case()
+    everything = remat.report(block, x, policy=policies.save_everything)
+    bound = int(0.85 * everything.peak_bytes)  # below eager's peak: some replay is needed
+    policy = policies.budget(peak_bytes=bound)
+    report = remat.report(block, x, policy=policy)
+    assert report.peak_bytes <= bound < everything.peak_bytes
+    assert report.recompute_flops > 0
+    assert _measured_peak(remat.checkpoint(block, policy=policy), [x], list(block.parameters())) <= bound
+    assert_same_outputs_and_grads(block, remat.checkpoint(block, policy=policy), [x], params=list(block.parameters()))
+
+
+def test_a_peak_budget_replays_no_more_than_a_byte_budget_of_the_same_peak() -> None:
+    block, x = _gpt2_block_case()
+    by_bytes = remat.report(block, x, policy=policies.budget(fraction=0.5))
+    by_peak = remat.report(block, x, policy=policies.budget(peak_bytes=by_bytes.peak_bytes))
+    assert by_peak.peak_bytes <= by_bytes.peak_bytes
+    assert by_peak.recompute_flops <= by_bytes.recompute_flops
+
+
+def test_a_loose_peak_budget_replays_nothing() -> None:
+    block, x = _gpt2_block_case()
+    everything = remat.report(block, x, policy=policies.save_everything)
+    report = remat.report(block, x, policy=policies.budget(peak_bytes=everything.peak_bytes))
+    assert report.recompute_flops == 0
+
+
+def test_a_peak_below_every_plan_is_a_value_error_naming_the_lowest() -> None:
+    block, x = _gpt2_block_case()
+    with pytest.raises(ValueError, match=r"peak_bytes=1000\).*lowest predicted peak is .* bytes\)"):
+        remat.report(block, x, policy=policies.budget(peak_bytes=1000))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"peak_bytes": 10, "max_bytes": 10}, TypeError),
+        ({"peak_bytes": 10, "fraction": 0.5}, TypeError),
+        ({"peak_bytes": -1}, ValueError),
+        ({"peak_bytes": 1.5}, ValueError),
+        ({"peak_bytes": True}, ValueError),
+    ],
+)
+def test_bad_peak_budgets_are_refused(kwargs: dict[str, object], error: type[Exception]) -> None:
+    with pytest.raises(error, match="remat.policies.budget"):
+        policies.budget(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_peak_budget_plan_records_its_peak() -> None:
+    trace = remat.trace(lambda x: x.sin().exp().cos().sum(), torch.ones(1000, requires_grad=True))
+    policy = policies.budget(peak_bytes=20_000)
+    plan = policy.solve(trace)
+    assert repr(policy) == "budget(peak_bytes=20000)"
+    assert plan.peak_bytes is not None and plan.peak_bytes <= 20_000
+    assert trace.peak_of is not None and trace.peak_of(plan.decisions).bytes == plan.peak_bytes
+    assert plan.lower_bound <= plan.cost
+
+
+@examples(ci=15, soak=500)
+@given(st.data())
+def test_a_peak_budget_never_predicts_over_its_bound_on_random_functions(data: st.DataObject) -> None:
+    fn = data.draw(rt.functions(return_inputs=False), label="fn")
+    args = data.draw(rt.inputs(fn), label="args")
+    trace = remat.trace(fn, *args)
+    assert trace.peak_of is not None
+    nothing = trace.peak_of(policies.save_nothing.plan(trace)).bytes
+    everything = trace.peak_of(policies.save_everything.plan(trace)).bytes
+    bound = data.draw(st.integers(0, max(nothing, everything)), label="bound")
+    try:
+        plan = policies.budget(peak_bytes=bound).solve(trace)
+    except ValueError as error:
+        assert "lowest predicted peak" in str(error)
+        assert bound < min(nothing, everything)  # both are candidates
+        return
+    assert plan.peak_bytes is not None and plan.peak_bytes <= bound
+    assert remat.report(fn, *args, policy=policies.budget(peak_bytes=bound)).peak_bytes <= bound
