@@ -250,7 +250,7 @@ def test_a_peak_below_every_plan_is_a_value_error_naming_the_lowest() -> None:
     ],
 )
 def test_bad_peak_budgets_are_refused(kwargs: dict[str, object], error: type[Exception]) -> None:
-    with pytest.raises(error, match="remat.policies.budget"):
+    with pytest.raises(error, match=r"remat\.policies\.budget"):
         policies.budget(**kwargs)  # type: ignore[arg-type]
 
 
