@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,12 +17,13 @@ __all__ = ["Pareto", "ParetoPoint", "pareto"]
 
 @dataclasses.dataclass(frozen=True)
 class ParetoPoint:
-    """One plan: the bytes it keeps and what backward replays."""
+    """One plan: the bytes it keeps, its predicted peak and what backward replays."""
 
     label: str
     saved_bytes: int
     replay_flops: int
     replay_seconds: float  # roofline estimate on the curve's device
+    peak_bytes: int  # predicted peak of forward and backward (`remat.Report.peak_bytes`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,28 +56,33 @@ class Pareto:
             "policies": [dataclasses.asdict(p) for p in self.policies],
         }
 
-    def plot(self, *, time: bool = False) -> Any:
-        """A matplotlib figure: bytes kept against replay FLOPs (or estimated seconds with
-        `time=True`), the planner's curve as a line and the built-in policies as labeled
-        points. Save it with `figure.savefig(path)`. Needs matplotlib."""
+    def plot(self, *, time: bool = False, peak: bool = False) -> Any:
+        """A matplotlib figure: bytes kept (or, with `peak=True`, the predicted peak of
+        forward and backward) against replay FLOPs (or estimated seconds with `time=True`),
+        the planner's curve as a line and the built-in policies as labeled points. Save it
+        with `figure.savefig(path)`. Needs matplotlib."""
         import matplotlib.pyplot as plt
+
+        def x(point: ParetoPoint) -> float:
+            return (point.peak_bytes if peak else point.saved_bytes) / 2**20
 
         def y(point: ParetoPoint) -> float:
             return point.replay_seconds * 1e6 if time else point.replay_flops
 
         figure, axes = plt.subplots(figsize=(6, 4))
-        axes.step(
-            [p.saved_bytes / 2**20 for p in self.curve],
+        # The peak is not monotone in the bytes kept: without steps, in the curve's order.
+        draw = axes.plot if peak else functools.partial(axes.step, where="post")
+        draw(
+            [x(p) for p in self.curve],
             [y(p) for p in self.curve],
-            where="post",
             marker="o",
             markersize=3,
             label="remat.policies.budget (exact)",
         )
         for point in self.policies:
-            axes.scatter([point.saved_bytes / 2**20], [y(point)], zorder=3)
-            axes.annotate(point.label, (point.saved_bytes / 2**20, y(point)), textcoords="offset points", xytext=(5, 5))
-        axes.set_xlabel("activation memory kept (MiB)")
+            axes.scatter([x(point)], [y(point)], zorder=3)
+            axes.annotate(point.label, (x(point), y(point)), textcoords="offset points", xytext=(5, 5))
+        axes.set_xlabel("peak of forward and backward (MiB)" if peak else "activation memory kept (MiB)")
         axes.set_ylabel(f"replay time, roofline on {self.device} (µs)" if time else "replay FLOPs")
         axes.grid(alpha=0.3)
         axes.legend()
@@ -83,10 +90,10 @@ class Pareto:
         return figure
 
     def __str__(self) -> str:
-        rows = [f"{'kept':>12}  {'replay FLOPs':>16}  {'replay time':>12}  plan"]
+        rows = [f"{'kept':>12}  {'peak':>12}  {'replay FLOPs':>16}  {'replay time':>12}  plan"]
         for point in (*self.curve, *self.policies):
             rows.append(
-                f"{format_bytes(point.saved_bytes):>12}  {point.replay_flops:>16,}  "
+                f"{format_bytes(point.saved_bytes):>12}  {format_bytes(point.peak_bytes):>12}  {point.replay_flops:>16,}  "
                 f"{point.replay_seconds * 1e6:>10.2f}µs  {point.label}"
             )
         return "\n".join(rows)
@@ -95,11 +102,13 @@ class Pareto:
 def _point(label: str, trace: Trace, saved: set[int], device: str) -> ParetoPoint:
     saved = saved | {call.index for call in trace if is_collective(call)}  # always saved
     replayed, kept = evaluate(trace.dataflow, saved)  # type: ignore[arg-type]
+    decisions = [Decision.SAVE if c in saved else Decision.RECOMPUTE for c in range(len(trace))]
     return ParetoPoint(
         label,
         kept,
         sum(trace[c].flops for c in replayed),
         sum(estimate_seconds(trace[c], device) for c in replayed),
+        trace.peak_of(decisions).bytes,  # type: ignore[misc]
     )
 
 

@@ -43,9 +43,11 @@ def test_points_are_what_the_report_says() -> None:
     for point, limit in zip(curve.curve, [20_000, 40_000], strict=True):
         report = remat.report(block, x, policy=policies.budget(max_bytes=limit, exact=True))
         assert (point.saved_bytes, point.replay_flops) == (report.saved_bytes, report.recompute_flops)
+        assert point.peak_bytes == report.peak_bytes
         assert point.saved_bytes <= limit
     dots = remat.report(block, x, policy=policies.dots_saveable)
     assert (curve.policies[1].saved_bytes, curve.policies[1].replay_flops) == (dots.saved_bytes, dots.recompute_flops)
+    assert curve.policies[1].peak_bytes == dots.peak_bytes
     assert curve.policies[1].replay_seconds > 0
 
 
@@ -58,10 +60,15 @@ def test_to_dict_is_json_and_plot_draws_every_point(tmp_path) -> None:  # type: 
     data = json.loads(json.dumps(curve.to_dict()))
     assert [p["saved_bytes"] for p in data["curve"]] == [p.saved_bytes for p in curve.curve]
     for time in (False, True):
-        figure = curve.plot(time=time)
-        (axes,) = figure.axes
-        assert len(axes.collections) == 3  # one scatter per built-in policy
-        assert "µs" in axes.get_ylabel() if time else "FLOPs" in axes.get_ylabel()
-        figure.savefig(tmp_path / f"pareto-{time}.png")
-        assert (tmp_path / f"pareto-{time}.png").stat().st_size > 1000
+        for peak in (False, True):
+            figure = curve.plot(time=time, peak=peak)
+            (axes,) = figure.axes
+            assert len(axes.collections) == 3  # one scatter per built-in policy
+            assert "µs" in axes.get_ylabel() if time else "FLOPs" in axes.get_ylabel()
+            assert ("peak" in axes.get_xlabel()) == peak
+            (line,) = axes.get_lines()
+            expected = [(p.peak_bytes if peak else p.saved_bytes) / 2**20 for p in curve.curve]
+            assert sorted(set(line.get_xdata())) == sorted(set(expected))
+            figure.savefig(tmp_path / f"pareto-{time}-{peak}.png")
+            assert (tmp_path / f"pareto-{time}-{peak}.png").stat().st_size > 1000
     assert "save_everything" in str(curve)
