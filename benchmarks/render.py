@@ -68,6 +68,7 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             ok = everything["live_bytes"] <= peer["live_bytes"] and ratio <= 1.03
             detail = _versus(everything, peer, "eager")
             checks.append(("save_everything: memory <= eager, time <= 1.03x eager", name, _check(ok), detail))
+        checks += _peak_targets(rows, name)
     overhead = result["call_overhead_us"]
     checks.append(
         (
@@ -77,6 +78,34 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             f"remat {overhead['remat']:.1f} us vs checkpoint {overhead['checkpoint']:.1f} us (plain {overhead['plain']:.1f} us)",
         )
     )
+    return checks
+
+
+_PEERS = ("eager", "checkpoint", "sac", "torch_remat")
+
+
+def _peak_targets(rows: dict[str, dict[str, Any]], name: str) -> list[tuple[str, str, str, str]]:
+    """Peak forward+backward against the peer that keeps the same (or, for a budget, the closest) bytes."""
+    checks = []
+
+    def check(target: str, ours: dict[str, Any], peer_name: str, slack: float = 1.0) -> None:
+        peer = rows[peer_name]
+        ok = ours["peak_bytes"] <= slack * peer["peak_bytes"]
+        detail = f"peak {_mib(ours['peak_bytes'])} vs {_mib(peer['peak_bytes'])} MiB ({peer_name})"
+        checks.append((target, name, _check(ok), detail))
+
+    if "remat save_everything" in rows and "eager" in rows:
+        check("save_everything: peak <= 1.01x eager", rows["remat save_everything"], "eager", 1.01)
+    if "remat save_nothing" in rows and "checkpoint" in rows:
+        check("save_nothing: peak <= checkpoint", rows["remat save_nothing"], "checkpoint")
+    for peer_name in ("sac", "torch_remat"):
+        if "remat dots_saveable" in rows and peer_name in rows:
+            check(f"dots_saveable: peak <= {peer_name}", rows["remat dots_saveable"], peer_name)
+    peers = [peer for peer in _PEERS if peer in rows]
+    for method, row in rows.items():
+        if method.startswith("remat budget(") and peers:
+            closest = min(peers, key=lambda peer: abs(rows[peer]["saved_bytes"] - row["saved_bytes"]))
+            check(f"{method.removeprefix('remat ')}: peak <= the peer keeping the closest bytes", row, closest)
     return checks
 
 
