@@ -202,9 +202,21 @@ def _emitter(
             if _stops_gradient(node, forward_mode):
                 copy = graph.call_function(aten.detach.default, (copy,))
         env[node] = copy
+        if isinstance(node.meta.get("val"), (tuple, list)):  # See NOTE [outputs of multi-output calls].
+            for user in node.users:
+                if user.target is operator.getitem:
+                    emit(user)
         return copy
 
     return emit
+
+
+# NOTE [outputs of multi-output calls]
+# FX's code frees a value after its last use, and a multi-output call's value
+# is the tuple of its outputs: while any output is still to be picked out of
+# it, the tuple holds all of them. Picking every output right after the call
+# frees the tuple at once, and each output at its own last use (batch norm's
+# output in backward, for one, long before its saved statistics are read).
 
 
 def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.Node:
