@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import subprocess
 import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
@@ -81,11 +82,15 @@ def _record(torch: str, counts: dict[str, int], seconds: float, installed: float
         rows[line.split("|")[1].strip()] = line
     machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     date = datetime.date.today().isoformat()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows[torch] = (
         f"| {torch} | {counts['passed']} | {counts['failed']} | {counts['skipped']} | {seconds / 60:.1f} min "
-        f"| {installed / 60:.1f} min | {date} | {machine} |"
+        f"| {installed / 60:.1f} min | {date} | {commit or '?'} | {machine} |"
     )
-    header = "| torch | passed | failed | skipped | suite | install | date | machine |\n|---|---:|---:|---:|---:|---:|---|---|"
+    header = (
+        "| torch | passed | failed | skipped | suite | install | date | commit | machine |\n"
+        "|---|---:|---:|---:|---:|---:|---|---|---|"
+    )
     body = "\n".join(rows[version] for version in sorted(rows, key=_release))
     _TABLE.write_text(f"{head}{_BEGIN}\n{header}\n{body}\n{_END}{tail}")
 
