@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -111,12 +112,19 @@ class _CheckpointFunction(torch.autograd.Function):
         non_differentiable = [o for o, skip in zip(output, _without_grad(ctx, programs), strict=True) if skip]
         ctx.mark_non_differentiable(*_as_seen_by_autograd(ctx, non_differentiable))
         ctx.set_materialize_grads(False)
+        if not functorch_active():  # See NOTE [the backward owns its gradients].
+            taken: list[tuple[torch.Tensor | None, ...]] = []
+            ctx.remat_taken_grads = taken
+            ctx.register_prehook(functools.partial(_take_grads, taken))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         executable: Executable = ctx.executable
         programs = executable.programs
         n_returned = len(programs.returned)
+        taken = getattr(ctx, "remat_taken_grads", None)
+        if taken:
+            grads = taken.pop()
         kept = ctx.saved_tensors
         grad_inputs: list[torch.Tensor | None] = [None] * executable.n_primals
         grad_of_output = dict(zip(programs.returned, grads, strict=False))
@@ -125,15 +133,15 @@ class _CheckpointFunction(torch.autograd.Function):
         activation_grads = grads[n_returned : n_returned + programs.n_activations]
         kept_after = any(g is not None for g in activation_grads)  # a second derivative through them
         if any(g is not None for g in grads[:n_returned]):
-            tangents = []
-            for i in executable.differentiable_outputs:
-                # Outputs rebuilt by the epilogue send their gradients through autograd's view nodes.
-                grad = grad_of_output.get(i)
-                tangents.append(_zeros(executable.output_metas[i]) if grad is None else grad)
+            # Outputs rebuilt by the epilogue send their gradients through autograd's view nodes.
+            tangents = [
+                _zeros(executable.output_metas[i]) if grad_of_output.get(i) is None else grad_of_output[i]
+                for i in executable.differentiable_outputs
+            ]
             arguments = [*kept, *tangents]
             if not kept_after:  # See NOTE [replay just in time].
                 release_saved_tensors(ctx)
-                del kept, tangents
+                del kept, tangents, grads, grad_of_output
             with autocast_disabled():
                 computed = executable.backward(arguments)
             for primal, grad in zip(executable.grad_of, computed, strict=True):
@@ -182,6 +190,19 @@ class _CheckpointFunction(torch.autograd.Function):
                 strict=True,
             )
         )
+
+
+# NOTE [the backward owns its gradients]
+# Autograd holds the gradients it hands a Function's backward until the
+# backward returns, so the gradient of a checkpointed block's output would
+# live through the whole replayed backward of the block, where eager frees it
+# after the first gradient formula that reads it. A pre-hook on the Function's
+# node takes them out of autograd's hands (autograd passes None instead: the
+# Function does not materialize gradients), and the backward program, taking
+# them in the list it empties, frees each at its last use.
+def _take_grads(taken: list[tuple[torch.Tensor | None, ...]], grads: tuple[torch.Tensor | None, ...]) -> Any:
+    taken.append(grads)
+    return (None,) * len(grads)
 
 
 def _pure_jvp(

@@ -282,3 +282,34 @@ def test_a_peak_budget_never_predicts_over_its_bound_on_random_functions(data: s
         return
     assert plan.peak_bytes is not None and plan.peak_bytes <= bound
     assert remat.report(fn, *args, policy=policies.budget(peak_bytes=bound)).peak_bytes <= bound
+
+
+class _GradientOf(torch.autograd.Function):
+    """Identity whose backward hands on a fresh gradient, held only by autograd, noted in `_kept`."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: object, output: object) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        fresh = grad.clone()
+        _kept.append(weakref.ref(fresh))
+        return fresh
+
+
+def test_the_gradient_of_the_output_is_freed_at_its_last_use() -> None:
+    # Autograd holds the gradients it hands a Function's backward until it returns; remat takes them
+    # (NOTE [the backward owns its gradients]) so that the output's gradient is not alive at the probe.
+    checkpointed = remat.checkpoint(chain, policy=policies.save_nothing)
+    _alive_at_probe.clear()
+    _kept.clear()
+    x = models.randn(3, 4, seed=1)
+    _GradientOf.apply(checkpointed(x)).exp().sum().backward()
+    assert len(_kept) == 1
+    assert _alive_at_probe == [0]
+    assert_same_outputs_and_grads(lambda x: chain(x).exp(), lambda x: checkpointed(x).exp(), [x])
