@@ -9,14 +9,13 @@ freed after its last use, its storage once no live value shows it. See NOTE
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from ._partition import Programs
+from ._partition import Programs, _storage, _tensors
 from ._trace import JointGraph
 from .report import Peak
 
@@ -150,20 +149,8 @@ def _storages_of(node: Any) -> list[Any]:
     return [_storage(t) for t in _tensors(value)]
 
 
-def _storage(tensor: torch.Tensor) -> Any:
-    return StorageWeakRef(tensor.untyped_storage())
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     try:
         return int(tensor.untyped_storage().nbytes())
     except Exception:  # a size that depends on data: see NOTE [what the peak counts]
         return 0
-
-
-def _tensors(value: Any) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [v for v in value if isinstance(v, torch.Tensor)]
-    return []
