@@ -83,3 +83,30 @@ def test_render_regenerates_from_the_json(smoke_run: tuple[Path, list[str]], tmp
         assert "Plot skipped" not in markdown
     else:
         assert "Plot skipped: matplotlib is not installed" in markdown
+
+
+def test_peak_targets_compare_each_remat_method_with_its_peer() -> None:
+    def row(live: int, peak: int) -> dict[str, int]:
+        return {"live_bytes": live, "peak_bytes": peak}
+
+    rows = {
+        "eager": row(100, 200),
+        "checkpoint": row(0, 150),
+        "sac": row(60, 210),
+        "remat save_everything": row(100, 202),  # within 1.01x eager
+        "remat save_nothing": row(0, 151),  # above checkpoint
+        "remat dots_saveable": row(55, 205),  # below SAC
+        "remat budget(0.5)": row(50, 205),  # closest peer by bytes kept: SAC (60)
+        "remat budget(0.25)": row(20, 160),  # closest: checkpoint (0)
+    }
+    checks = {target: (verdict, detail) for target, _, verdict, detail in render._peak_targets(rows, "w")}
+    assert checks["save_everything: peak <= 1.01x eager"][0] == "PASS"
+    assert checks["save_nothing: peak <= checkpoint"][0] == "MISS"
+    assert checks["dots_saveable: peak <= sac"][0] == "PASS"
+    assert "dots_saveable: peak <= torch_remat" not in checks  # no such row
+    assert checks["budget(0.5): peak <= the peer keeping the closest bytes"] == (
+        "PASS",
+        "peak 0.00 vs 0.00 MiB (sac)",
+    )
+    assert checks["budget(0.25): peak <= the peer keeping the closest bytes"][0] == "MISS"
+    assert checks["budget(0.25): peak <= the peer keeping the closest bytes"][1].endswith("(checkpoint)")
