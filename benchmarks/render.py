@@ -105,7 +105,10 @@ def _peak_targets(rows: dict[str, dict[str, Any]], name: str) -> list[tuple[str,
     peers = [peer for peer in _PEERS if peer in rows]
     for method, row in rows.items():
         if method.startswith("remat budget(") and peers:
-            closest = min(peers, key=lambda peer: abs(rows[peer]["live_bytes"] - row["live_bytes"]))
+            # The closest; of two as close, the one keeping more (the budget keeps no more than it).
+            closest = min(
+                peers, key=lambda peer: (abs(rows[peer]["live_bytes"] - row["live_bytes"]), -rows[peer]["live_bytes"])
+            )
             check(f"{method.removeprefix('remat ')}: peak <= the peer keeping the closest bytes", row, closest)
     return checks
 

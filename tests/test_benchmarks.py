@@ -98,6 +98,7 @@ def test_peak_targets_compare_each_remat_method_with_its_peer() -> None:
         "remat dots_saveable": row(55, 205),  # below SAC
         "remat budget(0.5)": row(50, 205),  # closest peer by bytes kept: SAC (60)
         "remat budget(0.25)": row(20, 160),  # closest: checkpoint (0)
+        "remat budget(0.75)": row(30, 205),  # as close to checkpoint (0) as to SAC (60): SAC keeps more
     }
     checks = {target: (verdict, detail) for target, _, verdict, detail in render._peak_targets(rows, "w")}
     assert checks["save_everything: peak <= 1.01x eager"][0] == "PASS"
@@ -110,3 +111,4 @@ def test_peak_targets_compare_each_remat_method_with_its_peer() -> None:
     )
     assert checks["budget(0.25): peak <= the peer keeping the closest bytes"][0] == "MISS"
     assert checks["budget(0.25): peak <= the peer keeping the closest bytes"][1].endswith("(checkpoint)")
+    assert checks["budget(0.75): peak <= the peer keeping the closest bytes"][1].endswith("(sac)")
