@@ -151,10 +151,13 @@ def epilogue(joint: JointGraph, returned: Sequence[int], overwritten: Mapping[fx
         env.setdefault(value, env[primal])
 
     def emit(node: fx.Node) -> fx.Node:
-        if node not in env:
-            emit(node.args[0])  # type: ignore[arg-type]
-            env[node] = graph.node_copy(node, lambda n: env[n])
-        return env[node]
+        chain = []  # views down to something already there, without recursion (a chain may be long)
+        while node not in env:
+            chain.append(node)
+            node = node.args[0]  # type: ignore[assignment]
+        for view in reversed(chain):
+            env[view] = graph.node_copy(view, lambda n: env[n])
+        return env[chain[0] if chain else node]
 
     graph.output(tuple(emit(output) for output in joint.outputs[: joint.n_user_outputs]))
     return _module(joint, graph)
@@ -181,11 +184,8 @@ def _emitter(
     that autograd (forward-mode AD, with `forward_mode`) can differentiate the copy. See
     NOTE [differentiating the forward again]."""
 
-    def emit(node: fx.Node) -> fx.Node:
-        if node in env:
-            return env[node]
-        for arg in node.all_input_nodes:
-            emit(arg)
+    def emit_one(node: fx.Node) -> None:
+        """Copy `node`, whose inputs are all in `env` already."""
         if node in states:
             args = fx.node.map_arg(node.args, lambda n: env[n])
             kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
@@ -202,11 +202,24 @@ def _emitter(
             if _stops_gradient(node, forward_mode):
                 copy = graph.call_function(aten.detach.default, (copy,))
         env[node] = copy
-        if isinstance(node.meta.get("val"), (tuple, list)):  # See NOTE [outputs of multi-output calls].
-            for user in node.users:
-                if user.target is operator.getitem:
-                    emit(user)
-        return copy
+
+    def emit(target: fx.Node) -> fx.Node:
+        # Depth first, with a stack of our own: a chain of calls may be far deeper than Python's
+        # recursion limit. A node is copied once its inputs are, in the order it reads them.
+        stack = [(target, False)]
+        while stack:
+            node, inputs_done = stack.pop()
+            if node in env:
+                continue
+            if not inputs_done:
+                stack.append((node, True))
+                stack.extend((arg, False) for arg in reversed(node.all_input_nodes) if arg not in env)
+                continue
+            emit_one(node)
+            if isinstance(node.meta.get("val"), (tuple, list)):  # See NOTE [outputs of multi-output calls].
+                picks = [user for user in node.users if user.target is operator.getitem]
+                stack.extend((user, False) for user in reversed(picks))
+        return env[target]
 
     return emit
 

@@ -1,0 +1,42 @@
+"""Functions far deeper than Python's recursion limit trace and run: nothing in remat recurses per call."""
+
+from __future__ import annotations
+
+import sys
+
+import models
+import pytest
+import torch
+from conftest import assert_same_outputs_and_grads
+
+import remat
+from remat import policies
+
+DEPTH = 1_500  # calls in a chain; Python's default recursion limit is 1,000 frames
+
+
+def chain(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(DEPTH):
+        x = x.sin()
+    return x
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything])
+def test_a_chain_of_calls_deeper_than_the_recursion_limit(policy: remat.Policy) -> None:
+    assert sys.getrecursionlimit() < DEPTH
+    x = models.randn(4, seed=1)
+    checkpointed = remat.checkpoint(chain, policy=policy)
+    assert len(remat.trace(chain, x)) == DEPTH
+    assert_same_outputs_and_grads(chain, checkpointed, [x])
+
+
+def test_an_unrolled_rnn_deeper_than_the_recursion_limit() -> None:
+    w = models.randn(8, 8, seed=2, requires_grad=False) / 3
+
+    def rnn(h: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        for step in range(xs.shape[0]):
+            h = torch.tanh(h @ w + xs[step])
+        return h
+
+    h, xs = models.randn(2, 8, seed=3), models.randn(400, 2, 8, seed=4)
+    assert_same_outputs_and_grads(rnn, remat.checkpoint(rnn, policy=policies.save_nothing), [h, xs])
