@@ -167,6 +167,8 @@ class _RecomputeTags:
         if recompute and position == len(self.calls):
             position = 0  # a second recomputation
         if position >= len(self.calls) or _functional(self.calls[position].op) != _functional(op):
+            if op in _ALLOCATIONS:  # an empty tensor an op of the region fills in place: not in the trace
+                return CheckpointPolicy.PREFER_RECOMPUTE
             expected = self.calls[position].name if position < len(self.calls) else "the end of the trace"
             raise TraceError(
                 f"{self.checkpointed!r} under torch.compile: call {position} of the compiled region is {op}, "
@@ -180,10 +182,17 @@ class _RecomputeTags:
         return CheckpointPolicy.MUST_SAVE if decision is Decision.SAVE else CheckpointPolicy.MUST_RECOMPUTE
 
 
+# Allocations the region makes for an op that then fills them in place (training-mode batch norm
+# under torch.compile); functionalization folds them into the op, so remat's trace does not list them.
+_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default})
+
+
 def _functional(op: Any) -> tuple[str, str]:
-    """An op's name with in-place ops named as their functional form: the region is seen
-    before functionalization (`relu_`), remat's trace after it (`relu`)."""
+    """An op's name with in-place and mutating ops named as their functional form: the region is seen
+    before functionalization (`relu_`, `_native_batch_norm_legit`), remat's trace after it (`relu`,
+    `_native_batch_norm_legit_functional`)."""
     name, overload = op_schema(op).name, overload_name(op)
     if name.endswith("_") and not name.endswith("__"):
         name = name[:-1]
+    name = name.removesuffix("_functional")
     return name, overload

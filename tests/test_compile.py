@@ -372,3 +372,38 @@ def test_fullgraph_compilation_of_replayed_random_calls_is_an_error() -> None:
     (grad,) = torch.autograd.grad(y.sum(), x)
     kept = y != 1
     torch.testing.assert_close(grad, torch.where(kept, 2 * y * x.cos(), torch.zeros_like(y)))
+
+
+class _ResidualBN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(4)
+        self.conv2 = torch.nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.dots_saveable])
+def test_batch_norm_blocks_train_inside_a_compiled_model(policy: Any) -> None:
+    # The compiled region runs training-mode batch norm as an allocation and the in-place op; remat's
+    # trace has the functional op: the two must line up (issue 18, part 3).
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(_ResidualBN(), _ResidualBN()).double()
+    model = copy.deepcopy(eager)
+    remat.checkpoint_modules(model, _ResidualBN, policy=policy)
+    compiled = torch.compile(model, backend="aot_eager")
+    for step in range(2):
+        x = models.randn(2, 4, 6, 6, seed=step)
+        x_eager = x.detach().clone().requires_grad_()
+        out, out_eager = compiled(x), eager(x_eager)
+        out.sum().backward()
+        out_eager.sum().backward()
+        torch.testing.assert_close(out, out_eager)
+        torch.testing.assert_close(x.grad, x_eager.grad)
+    for (name, ours), theirs in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
+    for (name, ours), theirs in zip(model.named_buffers(), eager.buffers(), strict=True):
+        torch.testing.assert_close(ours, theirs, msg=name)  # running statistics, batches tracked
