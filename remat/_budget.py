@@ -326,14 +326,15 @@ def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool) -> Plan:
     candidates = [_plan_of(dataflow, costs, forced), _plan_of(dataflow, costs, set(range(len(trace))))]
     candidates += [solve(trace, budget, cost, exact) for budget in budgets]
     best: tuple[float, int, Plan] | None = None
-    lowest = math.inf
+    peaks: dict[tuple[Decision, ...], int] = {}  # candidates often repeat a plan: partition each once
     for plan in candidates:
-        peak = peak_of(plan.decisions).bytes
-        lowest = min(lowest, peak)
+        if plan.decisions not in peaks:
+            peaks[plan.decisions] = peak_of(plan.decisions).bytes
+        peak = peaks[plan.decisions]
         if peak <= peak_bytes and (best is None or (plan.cost, peak) < best[:2]):
             best = (plan.cost, peak, plan)
     if best is None:
-        raise InfeasiblePeak(int(lowest))
+        raise InfeasiblePeak(min(peaks.values()))
     _, peak, plan = best
     bound = solve(trace, min(peak_bytes, high), cost, exact).lower_bound
     return dataclasses.replace(

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ._torch import FAKE_DTYPE_ERRATA, FakeTensorMode, TorchDispatchMode, get_proxy_mode, op_schema, trace_call
+from ._torch import FAKE_DTYPE_ERRATA, FakeTensorMode, TorchDispatchMode, op_schema, random_calls_traced, trace_call
 
 __all__ = [
     "EagerFidelity",
@@ -171,13 +171,9 @@ class EagerFidelity(TorchDispatchMode):
             if self.under_functorch:
                 return trace_call(func, args, kwargs)
         fill = FillInEagerLayout(func.name(), tuple(target.stride()), _is_dense(target.shape, target.stride()))
-        graph = get_proxy_mode().tracer.graph  # type: ignore[union-attr]
-        last = next(iter(reversed(graph.nodes)))
-        result = trace_call(func, args, kwargs)
-        for node in _nodes_after(graph, last):
-            if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-                node.meta["remat_fill"] = fill
-                break
+        result, random_nodes = random_calls_traced(lambda: trace_call(func, args, kwargs))
+        if random_nodes:
+            random_nodes[0].meta["remat_fill"] = fill
         return result
 
 
@@ -187,15 +183,6 @@ def eager_fidelity(under_functorch: bool) -> Iterator[EagerFidelity]:
     (for a function that runs under a torch.func transform, with `under_functorch`)."""
     with _InsideDropout() as dropouts, EagerFidelity(dropouts, under_functorch) as fidelity:
         yield fidelity
-
-
-def _nodes_after(graph: Any, last: Any) -> list[Any]:
-    new = []
-    for node in reversed(graph.nodes):
-        if node is last:
-            break
-        new.append(node)
-    return new[::-1]
 
 
 def _written_tensors(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:

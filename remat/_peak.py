@@ -8,7 +8,6 @@ freed after its last use, its storage once no live value shows it. See NOTE
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +43,8 @@ def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
 
     results = _output_node(forward.graph).args[0]
     returned = [results[i] for i in range(len(programs.returned))]  # type: ignore[index]
-    held = {s for node in returned for s in _storages_of(node)} - inputs  # the caller holds the outputs
+    # The caller holds the outputs.
+    held = {s for node in returned if isinstance(node, fx.Node) for s, _ in _allocated(node, {})} - inputs
     held_bytes = sum(after.get(s, 0) for s in held)
 
     backward = programs.backward
@@ -92,7 +92,7 @@ def _walk(graph: fx.Graph, free_storages: set[Any], values: Mapping[fx.Node, Any
     holders: dict[Any, set[fx.Node]] = {}
     live: dict[Any, int] = {}
     storages_of: dict[fx.Node, list[Any]] = {}
-    peak = 0
+    total = peak = 0
     for node in graph.nodes:
         if node.op == "output":
             break
@@ -102,7 +102,8 @@ def _walk(graph: fx.Graph, free_storages: set[Any], values: Mapping[fx.Node, Any
             holders.setdefault(storage, set()).add(node)
             if storage not in live and storage not in free_storages:
                 live[storage] = nbytes
-        peak = max(peak, sum(live.values()))
+                total += nbytes
+        peak = max(peak, total)
         # Values whose last use this was, and values nobody uses, are freed now (FX's code does so).
         done = [used for used in node.all_input_nodes if last_use.get(used) is node and used not in outputs]
         if node not in last_use and node not in outputs:
@@ -111,7 +112,7 @@ def _walk(graph: fx.Graph, free_storages: set[Any], values: Mapping[fx.Node, Any
             for storage in storages_of.get(finished, ()):
                 holders[storage].discard(finished)
                 if not holders[storage]:
-                    live.pop(storage, None)
+                    total -= live.pop(storage, 0)
     return peak, live
 
 
@@ -136,17 +137,6 @@ def _placeholder_values(graph: fx.Graph, nodes: Sequence[fx.Node]) -> dict[fx.No
 
 def _output_node(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
-
-
-def _storages_of(node: Any) -> list[Any]:
-    if not isinstance(node, fx.Node):
-        return []
-    if node.target is operator.getitem:
-        parent = node.args[0].meta.get("val")  # type: ignore[union-attr]
-        value = parent[node.args[1]] if isinstance(parent, (tuple, list)) else node.meta.get("val")  # type: ignore[index]
-    else:
-        value = node.meta.get("val")
-    return [_storage(t) for t in _tensors(value)]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ import inspect
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
 from typing import Any
 
@@ -102,6 +102,7 @@ __all__ = [
     "source_and_scope",
     "sync",
     "temporarily_clear_interpreter_stack",
+    "random_calls_traced",
     "trace_call",
     "tree_map_only",
     "unset_fake_temporarily",
@@ -146,18 +147,28 @@ def trace_call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     generator = kwargs.get("generator")
     if generator is None or _TRACES_GENERATORS:
         return func(*args, **kwargs)
+    result, random_nodes = random_calls_traced(lambda: func(*args, **{**kwargs, "generator": None}))
     tracer: Any = get_proxy_mode().tracer  # type: ignore[union-attr]
-    graph = tracer.graph
-    last = next(iter(reversed(graph.nodes)))
-    result = func(*args, **{**kwargs, "generator": None})
     name = tracer.get_fresh_qualname("_generator")
     setattr(tracer.root, name, generator)
-    nodes = list(graph.nodes)
-    for node in nodes[nodes.index(last) + 1 :]:
-        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-            with graph.inserting_before(node):
-                node.kwargs = {**node.kwargs, "generator": graph.get_attr(name)}
+    for node in random_nodes:
+        with tracer.graph.inserting_before(node):
+            node.kwargs = {**node.kwargs, "generator": tracer.graph.get_attr(name)}
     return result
+
+
+def random_calls_traced(run: Callable[[], Any]) -> tuple[Any, list[Any]]:
+    """`run()`'s result, and the nodes of random calls it added to the graph make_fx is tracing."""
+    graph = get_proxy_mode().tracer.graph  # type: ignore[union-attr]
+    last = next(iter(reversed(graph.nodes)))
+    result = run()
+    added = []
+    for node in reversed(graph.nodes):
+        if node is last:
+            break
+        added.append(node)
+    random = [n for n in reversed(added) if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+    return result, random
 
 
 # The boxed calling convention: a program takes one list of its inputs and empties it once it has

@@ -48,11 +48,10 @@ class Executable:
         return self.programs.forward.forward(*primals)  # type: ignore[no-any-return]
 
     def backward(self, kept_and_tangents: list[torch.Tensor]) -> Sequence[torch.Tensor]:
-        """Run the backward program on a list it empties (see NOTE [replay just in time])."""
+        """Run the backward program; the eager one empties the list as it reads it (see NOTE [replay
+        just in time]), the compiled one takes its arguments as they are."""
         if self.compiled is not None and not torch.is_grad_enabled() and not functorch_active():
-            arguments = tuple(kept_and_tangents)
-            kept_and_tangents.clear()
-            return self.compiled.backward(*arguments)  # type: ignore[no-any-return]
+            return self.compiled.backward(*kept_and_tangents)  # type: ignore[no-any-return]
         return self.programs.backward.forward(kept_and_tangents)  # type: ignore[no-any-return]
 
 
@@ -133,7 +132,8 @@ class _CheckpointFunction(torch.autograd.Function):
         activation_grads = grads[n_returned : n_returned + programs.n_activations]
         kept_after = any(g is not None for g in activation_grads)  # a second derivative through them
         if any(g is not None for g in grads[:n_returned]):
-            # Outputs rebuilt by the epilogue send their gradients through autograd's view nodes.
+            # Outputs rebuilt by the epilogue send their gradients through autograd's view nodes. (A
+            # comprehension: a loop variable would keep the last gradient alive through the backward.)
             tangents = [
                 _zeros(executable.output_metas[i]) if grad_of_output.get(i) is None else grad_of_output[i]
                 for i in executable.differentiable_outputs

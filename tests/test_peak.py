@@ -103,25 +103,12 @@ def test_retain_graph_keeps_them_for_the_next_backward() -> None:
     assert_same_outputs_and_grads(chain, checkpointed, [x])
 
 
-def _peak_bytes(fn: Callable[[torch.Tensor], torch.Tensor], module: torch.nn.Module, x: torch.Tensor) -> int:
-    """Peak bytes above the start of forward+backward, on the CPU (MemTracker sees every storage)."""
-    fn(x).sum().backward()  # traces (remat) and allocates the parameter gradients outside the measurement
-    module.zero_grad(set_to_none=True)
-    x.grad = None
-    tracker = MemTracker()
-    tracker.track_external(module, x)
-    with tracker:
-        before = int(tracker.get_tracker_snapshot("current")[x.device]["Total"])
-        fn(x).sum().backward()
-    return int(tracker.get_tracker_snapshot("peak")[x.device]["Total"]) - before
-
-
 @pytest.mark.parametrize("policy", [policies.save_everything, policies.dots_saveable, policies.save_nothing])
 def test_the_peak_of_a_gpt2_block_is_no_higher_than_eager(policy: remat.Policy) -> None:
     block = models.GPT2Block()
     x = models.gpt2_input(batch=4, seq=16)
-    eager = _peak_bytes(block, block, x)
-    checkpointed = _peak_bytes(remat.checkpoint(block, policy=policy), block, x)
+    eager = _measured_peak(block, [x], list(block.parameters()))
+    checkpointed = _measured_peak(remat.checkpoint(block, policy=policy), [x], list(block.parameters()))
     assert checkpointed <= 1.01 * eager
 
 
