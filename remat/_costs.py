@@ -20,6 +20,17 @@ _SAME_FORMULA: dict[Any, Any] = {
 }
 
 
+def _grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, out_val: Any, **kwargs: Any) -> int:
+    """A grouped product multiplies each row of a group by its group's matrix: 2 * output * inner size,
+    except that two 2-D operands split the inner size among the groups."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return 2 * mat_a.shape[0] * mat_a.shape[1] * mat_b.shape[1]
+    return 2 * out_val.numel() * mat_a.shape[-1]
+
+
+_FORMULAS: dict[Any, Any] = {aten._grouped_mm: _grouped_mm_flops}
+
+
 def estimate_flops(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
     """Estimate the forward FLOPs of `op(*args, **kwargs) -> out`.
 
@@ -28,7 +39,7 @@ def estimate_flops(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: 
     order of magnitude for pointwise ops and reductions.
     """
     packet = getattr(op, "overloadpacket", None)
-    count_flops = flop_registry.get(_SAME_FORMULA.get(packet, packet))
+    count_flops = _FORMULAS.get(packet) or flop_registry.get(_SAME_FORMULA.get(packet, packet))
     if count_flops is not None:
         try:
             return int(count_flops(*args, **kwargs, out_val=out))

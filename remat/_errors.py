@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-from ._fidelity import OverlappingWrite
+from ._fidelity import FakeKernelRefused, OverlappingWrite
 from ._torch import (
     LEAF_UPDATED_IN_PLACE,
     UNTRACEABLE_COLLECTIVE,
@@ -79,6 +79,14 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             f"elements share memory (`{error.op}` into shape {error.shape}, strides {error.strides}: a broadcast "
             "`expand` or an overlapping `unfold`). Eager writes such elements one after another, which a traced "
             "graph cannot express. Write into a copy (`.clone()` the view first) or into the tensor it views."
+        ) from error
+    except FakeKernelRefused as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: `{error.op}`{_at(error)} refused its inputs while "
+            f"tracing: {error.reason.rstrip('.')}. Tracing runs each op's fake kernel (its rule for output shapes and dtypes) "
+            "instead of the op. If eager runs this line without error, that rule is stricter than the real "
+            "kernel: call the op outside the checkpointed function, or give it a rule that matches the kernel "
+            "(`torch.library.register_fake` for a custom op), and tell remat's maintainers which op it was."
         ) from error
     except RuntimeError as error:
         if LEAF_UPDATED_IN_PLACE not in str(error):

@@ -23,11 +23,21 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ._torch import FAKE_DTYPE_ERRATA, FakeTensorMode, TorchDispatchMode, op_schema, random_calls_traced, trace_call
+from ._torch import (
+    FAKE_DTYPE_ERRATA,
+    STRICT_FAKE_KERNELS,
+    FakeTensorMode,
+    TorchDispatchMode,
+    op_schema,
+    random_calls_traced,
+    run_real_kernel_on_zeros,
+    trace_call,
+)
 
 __all__ = [
     "EagerFidelity",
     "EagerLayoutFakeMode",
+    "FakeKernelRefused",
     "FillInEagerLayout",
     "OverlappingWrite",
     "eager_fidelity",
@@ -260,7 +270,14 @@ class EagerLayoutFakeMode(FakeTensorMode):
 
     def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        result: Any = super().dispatch(func, types, args, kwargs)
+        try:
+            if func in STRICT_FAKE_KERNELS and not _on_cuda(args):
+                return run_real_kernel_on_zeros(self, func, args, kwargs)
+            result: Any = super().dispatch(func, types, args, kwargs)
+        except RuntimeError as error:
+            if type(error) is RuntimeError:  # not one of the subclasses that say why tracing cannot go on
+                raise FakeKernelRefused(func, error) from error
+            raise
         erratum = FAKE_DTYPE_ERRATA.get(func)
         if erratum is not None:
             index, eager_dtype = erratum
@@ -285,6 +302,19 @@ class EagerLayoutFakeMode(FakeTensorMode):
             {"dtype": first.dtype, "device": first.device, "memory_format": layout},
         )
         return (fixed, *result[1:])
+
+
+class FakeKernelRefused(RuntimeError):
+    """An op's fake kernel (its rule for output shapes and dtypes) refused its inputs while tracing:
+    the inputs are wrong for the op, or the rule is stricter than the real kernel."""
+
+    def __init__(self, op: Any, error: RuntimeError):
+        super().__init__(f"{op}: {error}")
+        self.op, self.reason = op, str(error)
+
+
+def _on_cuda(args: Sequence[Any]) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args)
 
 
 def _suggested_memory_format(tensor: torch.Tensor) -> torch.memory_format:

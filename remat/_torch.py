@@ -49,6 +49,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    run_fallback_kernel,
     unset_fake_temporarily,
 )
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
@@ -72,6 +73,7 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "FAKE_DTYPE_ERRATA",
+    "STRICT_FAKE_KERNELS",
     "FunctionalTensor",
     "FunctionalTensorMode",
     "GuardOnDataDependentSymNode",
@@ -98,6 +100,7 @@ __all__ = [
     "op_schema",
     "overload_name",
     "release_saved_tensors",
+    "run_real_kernel_on_zeros",
     "saved_tensors_hooks_tracing",
     "source_and_scope",
     "sync",
@@ -189,6 +192,20 @@ if _RELEASE < (2, 13):
         1,
         lambda query, *args, **kwargs: torch.float64 if query.dtype == torch.float64 else torch.float32,
     )
+
+# Ops whose fake kernel refuses inputs that their real kernel accepts off CUDA: `_grouped_mm`'s fake
+# kernel checks what the CUDA kernel needs (bfloat16 only), while the CPU kernel also takes float32
+# and float16, which mixture-of-experts layers on CPU use. A fake mode finds their outputs with
+# `run_real_kernel_on_zeros` instead.
+STRICT_FAKE_KERNELS = frozenset({torch.ops.aten._grouped_mm.default})
+
+
+def run_real_kernel_on_zeros(fake_mode: FakeTensorMode, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Fake outputs of `func(*args, **kwargs)` found by running its real kernel on zeros of the fake
+    inputs' metadata (what a fake mode does for an op that has no fake kernel at all)."""
+    flat_args, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    refusal = RuntimeError(f"{func} cannot run on zeros in place of its fake inputs")
+    return run_fallback_kernel(fake_mode, func, flat_args, spec, refusal)
 
 
 # --- functionalization -----------------------------------------------------------------------------------

@@ -304,15 +304,6 @@ def test_in_place_update_of_a_parameter_is_a_trace_error():
     assert "clone" in str(info.value)
 
 
-def test_other_tracing_errors_pass_through_unchanged():
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        return x @ x  # a shape mismatch, as eager would report it
-
-    with pytest.raises(RuntimeError, match=r"same reduction dim") as info:
-        remat.checkpoint(fn)(torch.randn(2, 3, requires_grad=True))
-    assert not isinstance(info.value, remat.TraceError)
-
-
 def test_second_derivative_through_rrelu_is_refused_not_wrong():
     # torch's derivative of the functional rrelu reads its uninitialized noise input, so a
     # second derivative through a replayed rrelu would be garbage: remat refuses it.
@@ -375,3 +366,23 @@ def test_a_rebound_variable_that_is_no_longer_a_tensor():
     w = None  # read by the lambda
     with pytest.raises(RuntimeError, match=r"the variable `w` .* is NoneType now\. Call `\.cache_clear\(\)`"):
         f(_randn(3))
+
+
+def test_an_op_that_refuses_its_inputs_while_tracing_is_named_with_its_line():
+    def mismatched(a, b):
+        return a @ b  # @mismatched
+
+    with pytest.raises(
+        remat.TraceError,
+        match=r"could not trace `.*mismatched`: `aten.mm.default` at .*"
+        + _where("mismatched")
+        + r".* refused its inputs while tracing: a and b must have same reduction dim.*If eager runs this line "
+        r"without error.*call the op outside the checkpointed function",
+    ):
+        remat.checkpoint(mismatched)(_randn(2, 3), _randn(4, 5))
+
+
+def test_an_op_refusing_its_inputs_is_still_the_runtime_error_eager_raises():
+    with pytest.raises(RuntimeError, match=r"same reduction dim") as info:
+        remat.checkpoint(lambda x: x @ x)(_randn(2, 3))  # a shape mismatch, as eager would report it
+    assert isinstance(info.value, remat.TraceError)

@@ -1,0 +1,135 @@
+"""Mixture-of-experts layers: grouped products, routing and data-dependent sizes.
+
+The models are transformers' own MoE code at small local configs, in their default configuration
+(the grouped-product experts, `torch._grouped_mm`, which also runs on CPU) and with the eager experts
+(a loop over the experts the router chose).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import remat
+import remat.testing
+from remat import policies
+
+transformers = pytest.importorskip("transformers")
+
+_COMMON = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "use_cache": False,
+}
+MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 0,
+            "n_shared_experts": 1,
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+        },
+    ),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "eos_token_id": None, "pad_token_id": None}),
+}
+POLICIES = {
+    "save_nothing": policies.save_nothing,
+    "dots_saveable": policies.dots_saveable,
+    "budget": policies.budget(fraction=0.5),
+}
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2}}
+
+
+def moe_model(name: str, experts: str, dtype: torch.dtype) -> torch.nn.Module:
+    config_class, extra = MOE_CONFIGS[name]
+    config = getattr(transformers, config_class)(**{**_COMMON, **extra})
+    config._experts_implementation = experts
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).to(dtype).train()
+
+
+def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_trains_like_eager(name: str, experts: str, dtype: torch.dtype, policy: Any, steps: int = 1) -> None:
+    """Loss and every gradient of the model with checkpointed decoder layers equal those without,
+    for `steps` batches of new tokens (so new routing), with one trace per layer."""
+    model = moe_model(name, experts, dtype)
+    checkpointed = copy.deepcopy(model)
+    layers = checkpointed.model.layers
+    remat.checkpoint_modules(checkpointed, type(layers[0]), policy=policy)
+    for step in range(steps):
+        ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(step))
+        expected_loss, expected_grads = loss_and_grads(model, ids)
+        loss, grads = loss_and_grads(checkpointed, ids)
+        torch.testing.assert_close(loss, expected_loss, **TOLERANCE[dtype])
+        assert grads.keys() == expected_grads.keys()
+        for parameter, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[parameter], **TOLERANCE[dtype], msg=parameter)
+    assert [layer.forward.cache_info().traces for layer in layers] == [1] * len(layers)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", MOE_CONFIGS)
+def test_moe_models_train_like_eager_in_their_default_configuration(name: str, policy: str) -> None:
+    assert_trains_like_eager(name, "grouped_mm", torch.float32, POLICIES[policy])
+
+
+@pytest.mark.parametrize("name", MOE_CONFIGS)
+def test_moe_models_train_like_eager_in_bfloat16(name: str) -> None:
+    assert_trains_like_eager(name, "grouped_mm", torch.bfloat16, policies.save_nothing)
+
+
+# --- grouped products ---------------------------------------------------------------------------------
+
+
+def grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offsets).tanh()
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything, policies.dots_saveable])
+def test_a_grouped_product_in_float32_on_cpu(policy: remat.Policy) -> None:
+    """`_grouped_mm`'s fake kernel accepts only bfloat16 (the CUDA kernel's rule); the CPU kernel
+    takes float32, and so does remat."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 8, generator=generator, requires_grad=True)
+    b = torch.randn(3, 8, 4, generator=generator, requires_grad=True)
+    offsets = torch.tensor([2, 2, 6], dtype=torch.int32)  # the second group is empty
+    remat.testing.assert_checkpoint_equivalent(grouped, a, b, offsets, policy=policy, rtol=0, atol=0)
+    (call, _) = remat.trace(grouped, a, b, offsets)
+    assert call.op is torch.ops.aten._grouped_mm.default
+    assert call.flops == 2 * 6 * 8 * 4
+    assert policies.dots_saveable(call) is remat.SAVE
