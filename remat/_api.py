@@ -7,12 +7,13 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
 
 import optree
 import torch
 
+from . import _rng
 from ._cache import CacheInfo, LRUCache, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
@@ -20,10 +21,12 @@ from ._compiled import compile_options, compile_programs
 from ._dataflow import with_dataflow
 from ._decide import decide_nested
 from ._dynamo import call_under_dynamo, register
+from ._errors import TraceError
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import partition
 from ._peak import predict_peak
 from ._pytree import FlatArgs, flatten_args
+from ._specialize import ValuesChanged
 from ._torch import functorch_active
 from ._trace import JointGraph, is_tracing, nested_checkpoint, trace_joint
 from ._vjp import Executable, forward_mode_active, run
@@ -98,8 +101,23 @@ class Checkpointed(Generic[P, T]):
             with nested_checkpoint(self.policy):
                 return self.__wrapped__(*args, **kwargs)
         flat = flatten_args("remat.checkpoint", args, kwargs)
-        entry, lifted = self._lookup(flat)
-        outputs = run(entry.executable, [*flat.tensors, *lifted])
+        tried: list[_Entry] = []  # traces whose checks of values failed on these arguments
+        while True:
+            key, entry, lifted, traced = self._lookup(flat, tried)
+            if not entry.joint.value_checks:
+                outputs = run(entry.executable, [*flat.tensors, *lifted])
+                break
+            restore_streams = _rng.snapshot()  # See NOTE [values Python reads].
+            try:
+                outputs = run(entry.executable, [*flat.tensors, *lifted])
+                self._prefer(key, entry)
+                break
+            except ValuesChanged as changed:
+                restore_streams()
+                if traced:
+                    raise _values_differ_between_runs(self, changed) from changed
+                logger.info("retrying %s: a value it read in Python changed (%s)", self, changed)
+                tried.append(entry)
         return cast(T, optree.tree_unflatten(entry.joint.output_spec, list(outputs)))
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
@@ -133,15 +151,17 @@ class Checkpointed(Generic[P, T]):
             self._roots = find_module_roots(self.__wrapped__)
         return self._roots
 
-    def _lookup(self, flat: FlatArgs) -> tuple[_Entry, list[torch.Tensor]]:
+    def _lookup(self, flat: FlatArgs, tried: Sequence[_Entry] = ()) -> tuple[Any, _Entry, list[torch.Tensor], bool]:
+        """The cache key of `flat`, a trace for it (not one of `tried`), the closed-over tensors to
+        call it with, and whether it was traced just now."""
         roots = self.roots
         forward_mode = forward_mode_active()
         key = (flat.static_key(), tuple(map(tensor_key, flat.tensors)), ambient_key(roots.modules), forward_mode)
         entries = self._cache.get(key) or []
         for entry in entries:
             lifted = entry.fetch_if_valid()
-            if lifted is not None:
-                return entry, lifted
+            if lifted is not None and entry not in tried:
+                return key, entry, lifted, False
         if self._last_key is not None and logger.isEnabledFor(logging.INFO):
             logger.info("retracing %s: %s", self, "; ".join(explain_retrace(self._last_key, key, flat)))
         started = time.perf_counter()
@@ -158,12 +178,31 @@ class Checkpointed(Generic[P, T]):
         self._last_key = key
         # A few variants per key (say, a closed-over module in train and eval mode); the oldest goes first.
         self._cache.put(key, [entry, *entries][:_VARIANTS_PER_KEY])
-        return entry, lifted
+        return key, entry, lifted, True
+
+    def _prefer(self, key: Any, entry: _Entry) -> None:
+        """Try `entry` first for `key` from now on (it is a trace specialized on values that held)."""
+        self._cache.update(key, lambda entries: [entry, *(e for e in entries if e is not entry)])
+
+
+def _values_differ_between_runs(checkpointed: Checkpointed[Any, Any], changed: ValuesChanged) -> TraceError:
+    return TraceError(
+        f"{checkpointed!r} reads the value of a tensor in Python, and the value differs between two runs on "
+        f"the same arguments ({changed}): a random draw, or state outside the function. remat traces such "
+        "code for the values it reads, and checks them on every call; compute the value outside the "
+        "function and pass it as an argument (a non-tensor argument is part of the cache key)."
+    )
 
 
 def _executable(
     joint: JointGraph, policy: Any, forward_mode: bool, compile_options: dict[str, Any] | None
 ) -> Executable:
+    if compile_options is not None and joint.value_checks:
+        raise TraceError(
+            "remat.checkpoint(..., compile=...): the function reads the value of a tensor in Python, so its "
+            "trace holds for the values it read and checks them as it runs, which compiled programs cannot "
+            "do. Checkpoint it without `compile=`, or use `torch.compile` around the checkpointed model."
+        )
     programs = partition(joint, decide_nested(policy, joint.trace, joint.regions), forward_mode=forward_mode)
     return Executable(
         programs=programs,
@@ -252,7 +291,7 @@ def _joint_of(
     flat = flatten_args(api, args, kwargs)
     fn = getattr(fn, "checkpointed", fn)  # a CheckpointedModule
     if isinstance(fn, Checkpointed):
-        entry, _ = fn._lookup(flat)
+        _, entry, _, _ = fn._lookup(flat)
         return entry.joint, fn.policy
     if not callable(fn):
         raise TypeError(f"{api}: expected a function or nn.Module, but got {fn!r} of type {type(fn).__qualname__}.")
@@ -327,4 +366,5 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
         policy=policy if policy is not None else save_nothing,
         nested_policies=tuple({id(p): p if p is not None else save_nothing for p, _ in joint.regions}.values()),
         peak=predict_peak(joint, programs),
+        value_checks=joint.value_checks,
     )

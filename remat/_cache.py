@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
@@ -97,6 +97,12 @@ class LRUCache(Generic[V]):
             self._entries.move_to_end(key)
             while len(self._entries) > self.maxsize:
                 self._entries.popitem(last=False)
+
+    def update(self, key: Any, change: Callable[[V], V]) -> None:
+        """Replace the entry of `key`, if there is one, with `change(entry)` (not a new trace)."""
+        with self._lock:
+            if key in self._entries:
+                self._entries[key] = change(self._entries[key])
 
     def clear(self) -> None:
         with self._lock:

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ._torch import OpOverload
+from ._costs import tensor_nbytes
+from ._torch import OpOverload, size_bound
 
 __all__ = ["Call", "Dataflow", "Decision", "TensorMeta", "Trace", "Value"]
 
@@ -46,16 +47,21 @@ class TensorMeta:
     dtype: torch.dtype
     device: torch.device
     nbytes: int
+    # The dims whose size depends on values, given in `shape` at the largest they can be.
+    data_dependent: tuple[int, ...] = dataclasses.field(default=(), repr=False)
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorMeta:
-        """Describe `tensor` (real or fake)."""
-        shape = tuple(int(size) for size in tensor.shape)
-        return cls(shape, tensor.dtype, tensor.device, tensor.numel() * tensor.element_size())
+        """Describe `tensor` (real or fake). A size that depends on the values of the inputs (the
+        length of `nonzero`'s output) is given at the largest it can be; `data_dependent` names it."""
+        shape = tuple(size_bound(size) for size in tensor.shape)
+        data_dependent = tuple(dim for dim, size in enumerate(tensor.shape) if not isinstance(size, int))
+        return cls(shape, tensor.dtype, tensor.device, tensor_nbytes(tensor), data_dependent)
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{dtype}[{','.join(map(str, self.shape))}]"
+        sizes = (f"<={size}" if dim in self.data_dependent else str(size) for dim, size in enumerate(self.shape))
+        return f"{dtype}[{','.join(sizes)}]"
 
 
 @dataclasses.dataclass(frozen=True)

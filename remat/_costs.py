@@ -7,7 +7,9 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["estimate_flops", "output_nbytes"]
+from ._torch import size_bound
+
+__all__ = ["estimate_flops", "output_nbytes", "storage_nbytes", "tensor_nbytes"]
 
 
 aten = torch.ops.aten
@@ -42,15 +44,30 @@ def estimate_flops(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: 
     count_flops = _FORMULAS.get(packet) or flop_registry.get(_SAME_FORMULA.get(packet, packet))
     if count_flops is not None:
         try:
-            return int(count_flops(*args, **kwargs, out_val=out))
+            return size_bound(count_flops(*args, **kwargs, out_val=out))
         except Exception:  # a formula that does not accept these arguments
             pass
-    return sum(t.numel() for t in tensors_in(out))
+    return sum(size_bound(t.numel()) for t in tensors_in(out))
+
+
+# NOTE [data-dependent sizes count at their bound]
+# The size of `nonzero`'s output (or of a boolean-mask index, `masked_select`, ...) is a symbol
+# while tracing. What remat accounts (bytes kept, FLOPs, the peak) is what a memory plan must
+# allow for: the largest value the size can take (n for `nonzero` of n elements), or, where
+# nothing bounds it, the size torch.compile's cost model assumes (`UNBOUNDED_SIZE`).
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of `tensor`'s elements. See NOTE [data-dependent sizes count at their bound]."""
+    return size_bound(tensor.numel() * tensor.element_size())
+
+
+def storage_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the memory `tensor` views. See NOTE [data-dependent sizes count at their bound]."""
+    return size_bound(tensor.untyped_storage().nbytes())
 
 
 def output_nbytes(out: Any) -> int:
     """Bytes of the tensors in `out`."""
-    return sum(t.numel() * t.element_size() for t in tensors_in(out))
+    return sum(tensor_nbytes(t) for t in tensors_in(out))
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from torch import fx
 
 from . import _rng
 from ._calls import Dataflow, Decision, Value
+from ._costs import tensor_nbytes
 from ._partition import (
     _returned_outputs,
     _saved_bytes,
@@ -114,7 +115,7 @@ def dataflow_of(joint: JointGraph) -> Dataflow:
 def nbytes_of_input(joint: JointGraph, value: Value) -> int:
     """Bytes of a copy of the input `value` names."""
     node = joint.primals[-1 - value[0]]
-    return int(node.meta["val"].numel() * node.meta["val"].element_size())
+    return tensor_nbytes(node.meta["val"])
 
 
 def evaluate(dataflow: Dataflow, saved: set[int]) -> tuple[set[int], int]:

@@ -143,7 +143,7 @@ def _selective_contexts(key: int, signature: tuple[Any, ...]) -> tuple[Any, Any]
     # Out of AOTAutograd's fake, functional and proxy modes: the trace is remat's own.
     with disable_current_modes(), unset_fake_temporarily(), torch.enable_grad():
         args, kwargs = _example(signature)
-        entry, _ = checkpointed._lookup(flatten_args("remat.checkpoint", args, kwargs))
+        _, entry, _, _ = checkpointed._lookup(flatten_args("remat.checkpoint", args, kwargs))
     decisions = entry.executable.programs.decisions
     return create_selective_checkpoint_contexts(_RecomputeTags(checkpointed, tuple(entry.joint.trace), decisions))
 

@@ -9,6 +9,7 @@ from types import TracebackType
 from typing import Any
 
 from ._fidelity import FakeKernelRefused, OverlappingWrite
+from ._specialize import FloatRead, UncheckedValue
 from ._torch import (
     LEAF_UPDATED_IN_PLACE,
     UNTRACEABLE_COLLECTIVE,
@@ -29,7 +30,7 @@ class TraceError(RuntimeError):
 
     >>> import torch, remat
     >>> try:
-    ...     remat.trace(lambda x: x if x.sum() > 0 else -x, torch.ones(3))  # branches on a tensor's value
+    ...     remat.trace(lambda x: x * float(x.max()), torch.ones(3))  # a Python float of a tensor's value
     ... except remat.TraceError as error:
     ...     print(str(error).split(":")[0])
     remat.checkpoint could not trace `<lambda>`
@@ -53,10 +54,26 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
     except (DataDependentOutputException, GuardOnDataDependentSymNode) as error:
         raise TraceError(
             f"remat.checkpoint could not trace `{_name(fn)}`: it reads the value of a tensor in Python"
-            f"{_at(error)} (`.item()`, `bool(tensor)`, `if tensor...:` or a Python number made from a tensor). "
-            "Tracing runs on tensors without values, so Python control flow must depend only on shapes and "
-            "non-tensor arguments. Use `torch.where` instead of branching on a tensor, or pass the value as a "
-            "non-tensor argument (it becomes part of the cache key)."
+            f"{_at(error)} (`.item()`, `bool(tensor)`, `if tensor...:` or a Python number made from a tensor) "
+            "where the value cannot be known while tracing: under a torch.func transform, or in backward. "
+            "(Elsewhere remat traces such code for the values it reads, and checks them on each call.) Use "
+            "`torch.where` instead of branching on a tensor, or pass the value as a non-tensor argument (it "
+            "becomes part of the cache key)."
+        ) from error
+    except UncheckedValue as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it reads values of tensors in Python that remat "
+            f"cannot check on later calls ({', '.join(error.args[0])}: a value torch reads inside an op, such as "
+            "an index given as a tensor). Pass such values as Python ints, or compute them outside the function."
+        ) from error
+    except FloatRead as error:
+        where = f" at {error.source}" if error.source else ""
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it reads a float value of a tensor in Python"
+            f"{where} (`float(t)`, `if t.item() > 0.5:`). remat traces code "
+            "that reads tensor values for the values it reads and checks them on each call; a float would "
+            "hold for almost no other call, and each would trace again. Keep the value a tensor (`x * "
+            "x.max()`), use `torch.where` instead of a branch, or pass it as a non-tensor argument."
         ) from error
     except DynamicOutputShapeException as error:
         raise TraceError(

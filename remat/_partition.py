@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _rng
 from ._calls import Decision
+from ._costs import storage_nbytes, tensor_nbytes
 from ._programs import backward_program, device_of, epilogue, forward_program, pure_forward
 from ._trace import JointGraph, is_call, is_free, stops_gradient
 
@@ -420,8 +421,7 @@ def mutated_inputs(joint: JointGraph, returned: Sequence[int]) -> set[fx.Node]:
 
 
 def _nbytes(node: fx.Node) -> int:
-    value = node.meta["val"]
-    return int(value.numel() * value.element_size())
+    return tensor_nbytes(node.meta["val"])
 
 
 # NOTE [kept inputs]
@@ -484,7 +484,7 @@ def _saved_bytes(activations: Sequence[fx.Node], primals: Sequence[fx.Node]) -> 
     for node in activations:
         for value in _tensors(node.meta.get("val")):
             if _storage(value) not in inputs:
-                storages[_storage(value)] = value.untyped_storage().nbytes()
+                storages[_storage(value)] = storage_nbytes(value)
     return sum(storages.values())
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ._costs import storage_nbytes
 from ._partition import Programs, _storage, _tensors
 from ._trace import JointGraph
 from .report import Peak
@@ -32,7 +33,8 @@ __all__ = ["predict_peak"]
 # computed, and a copy of each that autograd cannot store in `.grad` as it is
 # (one that is a tangent, or shares memory with another). Not counted: memory
 # a kernel allocates for itself and frees before it returns, and memory of the
-# caller's own (a loss, say). Sizes that depend on data count as empty.
+# caller's own (a loss, say). Sizes that depend on data count at their bound:
+# see NOTE [data-dependent sizes count at their bound].
 
 
 def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
@@ -140,7 +142,4 @@ def _output_node(graph: fx.Graph) -> fx.Node:
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor.untyped_storage().nbytes())
-    except Exception:  # a size that depends on data: see NOTE [what the peak counts]
-        return 0
+    return storage_nbytes(tensor)

@@ -5,7 +5,9 @@ See NOTE [replaying random calls].
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -13,7 +15,15 @@ from torch import fx
 
 from ._torch import innermost
 
-__all__ = ["has_zero_derivative", "is_random_factory", "replay_with_rng_state", "run_keeping_state", "state_nbytes"]
+__all__ = [
+    "has_zero_derivative",
+    "is_random_factory",
+    "replay_with_rng_state",
+    "run_keeping_state",
+    "snapshot",
+    "state_nbytes",
+    "streams_put_back",
+]
 
 # NOTE [replaying random calls]
 # A random call that backward needs but the policy does not save is replayed
@@ -99,6 +109,30 @@ def replay_with_rng_state(state: torch.Tensor, device: torch.device, op: Any, /,
             return op(*args, **kwargs)
         finally:
             resolved.set_state(current)
+
+
+@contextlib.contextmanager
+def streams_put_back() -> Iterator[None]:
+    """Put the default generators (CPU, and CUDA where it is in use) back as they were on exit."""
+    restore = snapshot()
+    try:
+        yield
+    finally:
+        restore()
+
+
+def snapshot() -> Callable[[], None]:
+    """A function that puts the default generators (CPU, and CUDA where it is in use) back as they are now."""
+    generators = [torch.default_generator]
+    if torch.cuda.is_initialized():
+        generators += list(torch.cuda.default_generators)
+    states = [generator.get_state() for generator in generators]
+
+    def restore() -> None:
+        for generator, state in zip(generators, states, strict=True):
+            generator.set_state(state)
+
+    return restore
 
 
 def state_nbytes(device: torch.device) -> int:

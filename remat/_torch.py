@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import CodeType, FrameType
 from typing import Any
 
@@ -38,6 +39,7 @@ def check_supported(version: str = torch.__version__) -> None:
 
 check_supported()  # before the private imports below, which an unsupported release may lack
 
+import torch._functorch.config
 import torch._ops
 import torch.utils.checkpoint
 from torch._C._functorch import TransformType
@@ -54,10 +56,12 @@ from torch._subclasses.fake_tensor import (
 )
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
 from torch.utils._pytree import tree_map_only
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 __all__ = [
     "COLLECTIVE_NAMESPACES",
@@ -73,6 +77,13 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "FAKE_DTYPE_ERRATA",
+    "ShapeEnv",
+    "UncheckedRealValuesFakeMode",
+    "carry_real_values",
+    "forget_pending_sizes",
+    "insert_value_checks",
+    "real_values_traced",
+    "size_bound",
     "STRICT_FAKE_KERNELS",
     "FunctionalTensor",
     "FunctionalTensorMode",
@@ -198,6 +209,95 @@ if _RELEASE < (2, 13):
 # and float16, which mixture-of-experts layers on CPU use. A fake mode finds their outputs with
 # `run_real_kernel_on_zeros` instead.
 STRICT_FAKE_KERNELS = frozenset({torch.ops.aten._grouped_mm.default})
+
+
+# --- data-dependent sizes -------------------------------------------------------------------------
+# A fake mode with a `ShapeEnv` gives an op whose output size depends on values (`nonzero`, a boolean
+# mask) a size that is a fresh symbol (an "unbacked" SymInt), with the range torch knows for it.
+
+
+def forget_pending_sizes(fake_mode: FakeTensorMode) -> None:
+    """Forget the sizes a run of `fn` outside make_fx created, and what it learned of them: make_fx
+    checks that each new symbol comes out of the op being traced, and would find these."""
+    if fake_mode.shape_env is not None:
+        fake_mode.shape_env.pending_fresh_unbacked_symbols.clear()
+        fake_mode.shape_env.deferred_runtime_asserts.clear()
+
+
+@contextlib.contextmanager
+def real_values_traced() -> Iterator[None]:
+    """Fake modes made inside carry a real tensor beside each fake one and run every op on both, so
+    that a data-dependent value Python reads (`bool(t)`, the length of `nonzero`'s output) takes its
+    real value, noted as a runtime assertion of the `ShapeEnv` (torch's "propagate real tensors", made
+    for torch.export's draft mode). Fake inputs get copies of the real data: nothing real is updated.
+    Torch logs each such value as a warning; here they are expected, and are not logged."""
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_log.level
+    shapes_log.setLevel(logging.ERROR)
+    try:
+        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True):
+            yield
+    finally:
+        shapes_log.setLevel(level)
+
+
+class UncheckedRealValuesFakeMode(FakeTensorMode):
+    """A fake mode that, running real kernels beside the fake ones (`real_values_traced`), does not
+    cross-check their outputs: torch's check compares sizes and storage offsets with `==`, which
+    would tie every data-dependent size (the tokens each expert gets) to its value in this run."""
+
+    def _maybe_infer_fake_kernel_from_pytree_out(  # type: ignore[no-untyped-def]
+        self, func, fake_in, real_in, fake_out, real_out
+    ):
+        return fake_out
+
+
+def carry_real_values(fakes: Sequence[Any], originals: Sequence[Any]) -> None:
+    """Give make_fx's fake inputs the real data of the fakes they were made from (make_fx makes its
+    own, with fresh real tensors of no particular value)."""
+    for fake, original in zip(fakes, originals, strict=True):
+        real = getattr(original, "real_tensor", None)
+        if real is not None:
+            fake.real_tensor = real
+
+
+def insert_value_checks(graph_module: Any, shape_env: ShapeEnv) -> tuple[set[str], dict[str, str | None]]:
+    """Put the runtime assertions `shape_env` noted into the graph, each right after the node that
+    binds its symbols (as `aten._assert_scalar` calls). Return the names of the int symbols they are
+    about, and of the float ones with the user's line that made each: torch's pass leaves out
+    assertions about floats, and about symbols no node of the graph binds."""
+    ints: set[str] = set()
+    floats: dict[str, str | None] = {}
+    for asserts in shape_env.deferred_runtime_asserts.values():
+        for assertion in asserts:
+            for symbol in assertion.expr.free_symbols:
+                if symbol_is_type(symbol, SymT.UNBACKED_FLOAT):
+                    floats[str(symbol)] = _user_line(shape_env.var_to_stack.get(symbol))
+                else:
+                    ints.add(str(symbol))
+    insert_deferred_runtime_asserts(graph_module, shape_env, "remat")
+    return ints, floats
+
+
+def _user_line(stack: Any) -> str | None:
+    frames = [] if stack is None else [f for f in stack.summary() if is_user_code(f.filename)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+
+
+UNBOUNDED_SIZE = 8192  # torch.compile's inductor assumes this size for a data-dependent one
+
+
+def size_bound(size: Any) -> int:
+    """An int size as it is; a data-dependent one as the largest value it can take (`nonzero` of a
+    tensor of n elements: n), or where nothing bounds it (a size made with `.item()`), as the size
+    torch.compile's cost model assumes for such sizes."""
+    if isinstance(size, int):
+        return size
+    node = size.node
+    bound = node.shape_env.bound_sympy(node.expr).upper
+    if not bound.is_Integer:  # `int_oo`, torch's infinity
+        return UNBOUNDED_SIZE
+    return int(bound)
 
 
 def run_real_kernel_on_zeros(fake_mode: FakeTensorMode, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:

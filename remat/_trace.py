@@ -21,6 +21,7 @@ import optree
 import torch
 from torch import fx
 
+from . import _rng
 from ._cache import requires_grad_at_any_level
 from ._calls import Call, TensorMeta, Trace
 from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode, variable_slots
@@ -29,18 +30,26 @@ from ._costs import estimate_flops, output_nbytes
 from ._errors import TraceError, explain_tracing_errors
 from ._fidelity import EagerLayoutFakeMode, eager_fidelity
 from ._pytree import FlatArgs, flatten_outputs
+from ._specialize import CHECKS, check_coverage, check_value, checks_of, refuse_float_reads, use_remat_checks
+from ._specialize import describe as describe_check
 from ._torch import (
     FakeTensorMode,
     FunctionalTensor,
     FunctionalTensorMode,
+    GuardOnDataDependentSymNode,
     OpOverload,
+    ShapeEnv,
+    carry_real_values,
+    forget_pending_sizes,
     from_functional,
     functorch_active,
     get_proxy_mode,
     has_data_mutation,
+    insert_value_checks,
     is_functorch_wrapped,
     make_fx,
     op_schema,
+    real_values_traced,
     sync,
     version_counter,
 )
@@ -88,6 +97,7 @@ class JointGraph:
     reached_modules: tuple[torch.nn.Module, ...]
     regions: tuple[tuple[Any, tuple[int, ...]], ...]  # (policy, call indices) of nested checkpoints
     under_functorch: bool | None  # traced for calls under a torch.func transform, or not; None: for both
+    value_checks: tuple[str, ...] = ()  # what the trace assumes of values Python read: NOTE [values Python reads]
 
 
 def trace_joint(
@@ -95,18 +105,42 @@ def trace_joint(
 ) -> JointGraph:
     """Trace `fn` at the signature of `flat_args` into a `JointGraph` (for forward-mode AD too,
     with `forward_mode`: see NOTE [in-place updates of differentiable inputs])."""
-    fake_mode = EagerLayoutFakeMode(allow_non_fake_inputs=True)  # NOTE [kernels that choose their output layout]
     under_functorch = functorch_active()  # see NOTE [dropout under torch.func]
     outer_regions = _regions.recorded
-    _regions.recorded = []
     try:
         with _ONE_TRACE_AT_A_TIME, explain_tracing_errors(fn), without_saved_tensors_hooks(), outside_functorch():
-            discovery = _discover(fn, flat_args, roots, fake_mode, forward_mode)
-            _warn_about_hooks(discovery.reached_modules, roots)
-            _regions.recorded = []
-            return _trace(fn, flat_args, roots, fake_mode, discovery, under_functorch)
+            try:
+                joint = _trace_once(fn, flat_args, roots, forward_mode, under_functorch, with_values=False)
+            except GuardOnDataDependentSymNode:
+                if under_functorch:  # the inputs' values are not reachable under a transform
+                    raise
+                with real_values_traced(), _rng.streams_put_back():  # See NOTE [values Python reads].
+                    joint = _trace_once(fn, flat_args, roots, forward_mode, under_functorch, with_values=True)
+        _warn_about_hooks(joint.reached_modules, roots)
+        return joint
     finally:
         _regions.recorded = outer_regions
+
+
+def _trace_once(
+    fn: Callable[..., Any],
+    flat_args: FlatArgs,
+    roots: ModuleRoots,
+    forward_mode: bool,
+    under_functorch: bool,
+    with_values: bool,
+) -> JointGraph:
+    # Sizes that depend on data are symbols; every other size is the int it is. See NOTE [kernels
+    # that choose their output layout] and NOTE [data-dependent sizes count at their bound].
+    fake_mode = EagerLayoutFakeMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    _regions.recorded = []
+    streams = _rng.snapshot()
+    discovery = _discover(fn, flat_args, roots, fake_mode, forward_mode)
+    forget_pending_sizes(fake_mode)
+    if with_values:
+        streams()  # the trace draws the numbers discovery drew (and a call will): NOTE [values Python reads]
+    _regions.recorded = []
+    return _trace(fn, flat_args, roots, fake_mode, discovery, under_functorch, with_values)
 
 
 # NOTE [nested checkpoints]
@@ -296,6 +330,7 @@ def _trace(
     fake_mode: FakeTensorMode,
     discovery: _Discovery,
     under_functorch: bool,
+    with_values: bool,
 ) -> JointGraph:
     real_primals = [*flat_args.tensors, *discovery.closed_over]
     n_args = len(flat_args.tensors)
@@ -318,6 +353,8 @@ def _trace(
     copies: list[fx.Node] = []  # the non-leaf copies of dirty inputs, removed after tracing
 
     def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
+        if with_values:
+            carry_real_values(primals, fake_primals)
         with FunctionalTensorMode():
             functional = [FunctionalTensor.to_functional(p) for p in primals]
             inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, differentiated, strict=True)]
@@ -360,6 +397,10 @@ def _trace(
             return [_unwrap(o) for o in outputs], [_unwrap(g) for g in grads if g is not None]
 
     gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
+    guarded_ints: set[str] = set()
+    if with_values:  # See NOTE [values Python reads].
+        guarded_ints, guarded_floats = insert_value_checks(gm, fake_mode.shape_env)  # type: ignore[arg-type]
+        refuse_float_reads(guarded_floats)
     graph = gm.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
     recorded = [(policy, order[start], order[end]) for policy, start, end in _regions.recorded or ()]
@@ -370,6 +411,8 @@ def _trace(
     _end_slices_at_the_size(graph)
     _drop_unread_batch_norm_arguments(graph)
     graph.eliminate_dead_code()
+    use_remat_checks(graph)  # after removing dead code: FX knows torch's assertions, not remat's, to be live
+    check_coverage(graph, guarded_ints)
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     primals = tuple(placeholders[: len(real_primals)])
@@ -385,7 +428,8 @@ def _trace(
     mutations = tuple(
         n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in primals
     )
-    forward_nodes = _forward_nodes(graph, ran_in_fn, tangents, [*outputs, *mutations])
+    value_checks = checks_of(graph)
+    forward_nodes = _forward_nodes(graph, ran_in_fn, tangents, [*outputs, *mutations, *value_checks])
     _mark_replayed_detaches(forward_nodes, detached)
     call_nodes = tuple(n for n in graph.nodes if n in forward_nodes and is_call(n) and n not in mutations)
     for node in call_nodes:
@@ -416,6 +460,7 @@ def _trace(
         lifted=lifted,
         reached_modules=discovery.reached_modules,
         under_functorch=under_functorch if dropout_layout_matters else None,
+        value_checks=tuple(str(describe_check(check)) for check in value_checks if check.target is check_value),
     )
 
 
@@ -556,8 +601,13 @@ def is_free_op(target: Any) -> bool:
 
 
 def is_call(node: fx.Node) -> bool:
-    """Whether `node` is an op call a policy decides about."""
-    return node.op == "call_function" and not is_free(node)
+    """Whether `node` is an op call a policy decides about (not a view, nor a number such as a
+    data-dependent size, which is computed again wherever backward needs it)."""
+    return node.op == "call_function" and not is_free(node) and not _is_number(node) and node.target not in CHECKS
+
+
+def _is_number(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
 def _describe_all(call_nodes: Sequence[fx.Node]) -> Trace:

@@ -116,6 +116,9 @@ class Report:
             wrapped by `remat.checkpoint_modules`), which decide the calls they make.
         peak: the predicted peak bytes of forward and backward, by phase (`remat.Peak`);
             `peak_bytes` is the larger of the two.
+        value_checks: what the trace assumes of tensor values the function read in Python
+            (`if t > 0:`), each checked as forward runs; a call for which one fails runs
+            another trace. Empty for a function that reads none.
 
     `str(report)` is a table in the spirit of JAX's `print_saved_residuals`;
     `report.to_dict()` gives the same as data.
@@ -137,6 +140,7 @@ class Report:
     policy: Any = None
     nested_policies: tuple[Any, ...] = ()  # policies of nested checkpoints, which decide their own calls
     peak: Peak = Peak(0, 0, 0)
+    value_checks: tuple[str, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -172,6 +176,7 @@ class Report:
             "replayed_fraction": self.replayed_fraction,
             "replayed_calls": list(self.replayed_calls),
             "saves_nothing": list(self.saves_nothing),
+            "value_checks": list(self.value_checks),
             "rows": [row.to_dict() for row in self.rows],
         }
 
@@ -207,6 +212,11 @@ class Report:
             f"replayed in backward: {len(self.replayed_calls)} calls, {self.recompute_flops:,} FLOPs "
             f"({self.replayed_fraction:.0%} of the forward's {self.forward_flops:,})",
         ]
+        if self.value_checks:
+            lines.append(
+                f"traced for the values it read in Python: {len(self.value_checks)} checks as forward runs "
+                "(another call's values trace again)"
+            )
         if self.saves_nothing:
             lines.append(
                 f"unused: the policy saves calls {', '.join(map(str, self.saves_nothing))}, but backward reads "

@@ -113,6 +113,19 @@ def test_moe_models_train_like_eager_in_bfloat16(name: str) -> None:
     assert_trains_like_eager(name, "grouped_mm", torch.bfloat16, policies.save_nothing)
 
 
+@pytest.mark.parametrize("name", MOE_CONFIGS)
+def test_moe_models_with_the_eager_experts_train_like_eager_without_retracing(name: str) -> None:
+    """The eager experts loop over the experts the router picked (`nonzero` of the expert mask) and
+    index by each: one trace per set of picked experts, not per routing, so three batches of
+    new tokens (new routing, every expert picked) run on one trace."""
+    assert_trains_like_eager(name, "eager", torch.float32, policies.save_nothing, steps=3)
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "budget"])
+def test_the_eager_experts_under_other_policies(policy: str) -> None:
+    assert_trains_like_eager("mixtral", "eager", torch.float32, POLICIES[policy])
+
+
 # --- grouped products ---------------------------------------------------------------------------------
 
 

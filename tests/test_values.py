@@ -1,0 +1,165 @@
+"""Values that depend on data: sizes (`nonzero`, boolean masks) and values Python reads (`if t > 0:`).
+
+See NOTE [values Python reads] and NOTE [data-dependent sizes count at their bound].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import remat
+import remat.testing
+from remat import policies
+
+POLICIES = [policies.save_nothing, policies.save_everything, policies.dots_saveable, policies.budget(fraction=0.5)]
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
+
+
+# --- sizes that depend on data ---------------------------------------------------------------------
+
+
+def masked(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = (x @ w).tanh()
+    positive = y[y > 0]  # boolean-mask indexing
+    rows = torch.nonzero(y.sum(dim=1) > 0)[:, 0]
+    return positive.exp().sum() + y[rows].cos().sum(), torch.masked_select(y, y < 0).square()
+
+
+def split_by_counts(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    pieces = torch.split(x, counts.tolist())  # split sizes from tensor values
+    return torch.cat([piece.sin() * (i + 1) for i, piece in enumerate(pieces)])
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=repr)
+def test_sizes_that_depend_on_data_trace_once_and_give_eager_gradients(policy: remat.Policy) -> None:
+    checkpointed = remat.checkpoint(masked, policy=policy)
+    w = randn(3, 5, seed=0)
+    for seed in range(4):  # other masks, other sizes: one trace
+        x = randn(4, 3, seed=seed + 1)
+        remat.testing.assert_checkpoint_equivalent(masked, x, w, policy=policy, transforms=("grad", "vjp"))
+        checkpointed(x, w)
+    assert checkpointed.cache_info().traces == 1
+
+
+def test_a_data_dependent_size_is_accounted_at_its_bound() -> None:
+    trace = remat.trace(masked, randn(4, 3, seed=1), randn(3, 5, seed=0))
+    index = next(
+        call for call in trace if call.op is torch.ops.aten.index.Tensor and call.inputs[1][0].dtype == torch.bool
+    )
+    (output,) = index.outputs
+    assert output.shape == (20,) and output.data_dependent == (0,)  # at most 4 * 5 elements
+    assert output.nbytes == 20 * 8 == index.nbytes
+    assert str(output) == "float64[<=20]"
+    assert not any(call.op is torch.ops.aten.sym_size.int for call in trace)  # sizes are not calls
+
+
+def test_split_sizes_from_tensor_values() -> None:
+    x = randn(6, 2, seed=3)
+    checkpointed = remat.checkpoint(split_by_counts)
+    for counts in ([1, 5], [4, 2], [3, 3]):
+        remat.testing.assert_checkpoint_equivalent(split_by_counts, x, torch.tensor(counts))
+        checkpointed(x, torch.tensor(counts))
+    assert checkpointed.cache_info().traces == 1
+
+
+def test_a_value_read_for_arithmetic_stays_symbolic() -> None:
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * x.detach().sum().item()
+
+    checkpointed = remat.checkpoint(scaled)
+    for seed in range(3):
+        remat.testing.assert_checkpoint_equivalent(scaled, randn(3, seed=seed))
+        checkpointed(randn(3, seed=seed))
+    assert checkpointed.cache_info().traces == 1
+
+
+# --- values Python reads --------------------------------------------------------------------------
+
+
+def branches(x: torch.Tensor) -> torch.Tensor:
+    y = torch.nn.functional.dropout(x, 0.5, training=True)  # draws before the value is read
+    if (y > 0).sum() > 2:
+        return y.sin()
+    return y.cos() * 3
+
+
+def loops_over_chosen_rows(x: torch.Tensor) -> torch.Tensor:
+    """A mixture-of-experts loop in miniature: over the rows some test picks, as eager experts do."""
+    chosen = (x > 0).any(dim=1).nonzero()
+    out = torch.zeros_like(x)
+    for row in chosen:
+        row = row[0]
+        if row == x.shape[0]:  # never true: a check that must pass on every call
+            continue
+        out = out.index_add(0, row[None], x[row][None].sin() * (row + 1))
+    return out
+
+
+def experts(x: torch.Tensor, expert_weights: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """The example of docs/debugging.md ("Values that depend on data")."""
+    picked = (x @ router).argmax(-1)  # the expert of each token
+    out = torch.zeros_like(x)
+    for e in torch.nonzero(torch.bincount(picked, minlength=len(expert_weights))):  # the experts picked
+        e = e[0]
+        tokens = torch.nonzero(picked == e)[:, 0]  # how many: a size that depends on data
+        out = out.index_add(0, tokens, x[tokens] @ expert_weights[e])
+    return out
+
+
+def test_the_documented_experts_loop_traces_once_for_every_routing() -> None:
+    weights, router = randn(4, 8, 8, seed=0), randn(8, 4, seed=1).detach()
+    checkpointed = remat.checkpoint(experts)
+    for seed in range(4):
+        x = randn(32, 8, seed=seed + 2)
+        remat.testing.assert_checkpoint_equivalent(experts, x, weights, router)
+        checkpointed(x, weights, router)
+    assert checkpointed.cache_info().traces == 1
+
+
+@pytest.mark.parametrize("fn", [branches, loops_over_chosen_rows])
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=repr)
+def test_code_reading_values_is_traced_for_them_and_checked(
+    fn: Callable[..., torch.Tensor], policy: remat.Policy
+) -> None:
+    for seed in range(6):
+        remat.testing.assert_checkpoint_equivalent(fn, randn(4, 3, seed=seed), policy=policy)
+
+
+def test_a_trace_for_values_is_reused_while_they_hold_and_retraced_when_they_change() -> None:
+    checkpointed = remat.checkpoint(loops_over_chosen_rows)
+    all_rows = torch.ones(4, 3, dtype=torch.float64, requires_grad=True)
+    two_rows = torch.tensor([[1.0] * 3, [-1.0] * 3, [1.0] * 3, [-1.0] * 3], dtype=torch.float64, requires_grad=True)
+    calls = [all_rows, all_rows * 2, two_rows, all_rows, two_rows * 3, all_rows]
+    for x in calls:
+        out = checkpointed(x)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        expected = loops_over_chosen_rows(x)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(grad, torch.autograd.grad(expected.sum(), x)[0])
+    assert checkpointed.cache_info().traces == 2  # one per set of chosen rows
+
+
+def test_a_failed_check_leaves_the_random_stream_as_eager_does() -> None:
+    checkpointed = remat.checkpoint(branches)
+    x = randn(4, 3, seed=0)
+    for seed in range(8):  # the branch taken changes with the dropout mask: checks fail and retry
+        torch.manual_seed(seed)
+        out = checkpointed(x)
+        after = torch.get_rng_state()
+        torch.manual_seed(seed)
+        torch.testing.assert_close(out, branches(x))
+        assert torch.equal(after, torch.get_rng_state())
+    assert checkpointed.cache_info().traces == 2
+
+
+def test_the_report_of_a_trace_for_values_lists_its_checks() -> None:
+    x = torch.ones(4, 3, dtype=torch.float64, requires_grad=True)
+    joint_checks = remat.report(loops_over_chosen_rows, x).value_checks
+    assert joint_checks and all("Runtime assertion failed for expression" in check for check in joint_checks)
