@@ -9,7 +9,9 @@ from types import TracebackType
 from typing import Any
 
 from ._fidelity import OverlappingWrite
+from ._rng import GlobalSeeding
 from ._torch import (
+    DATA_NOT_ALLOCATED,
     LEAF_UPDATED_IN_PLACE,
     UNTRACEABLE_COLLECTIVE,
     DataDependentOutputException,
@@ -80,7 +82,24 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "`expand` or an overlapping `unfold`). Eager writes such elements one after another, which a traced "
             "graph cannot express. Write into a copy (`.clone()` the view first) or into the tensor it views."
         ) from error
+    except GlobalSeeding as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it sets the state of the global random number "
+            f"generator{_at(error)} ({error.how}). A checkpointed function draws its random numbers from the "
+            "generator as it finds it when called; a seed set inside it would take effect only while tracing, "
+            "so later calls would draw other numbers than eager. Seed before calling the checkpointed function "
+            "(keep `torch.manual_seed`, `torch.set_rng_state` and `torch.random.fork_rng` outside it), or draw "
+            "from a `torch.Generator` that you seed outside and pass in with `generator=`."
+        ) from error
     except RuntimeError as error:
+        if DATA_NOT_ALLOCATED in str(error):
+            raise TraceError(
+                f"remat.checkpoint could not trace `{_name(fn)}`: an op{_at(error)} reads the values of a tensor "
+                "argument to decide its output's shape (such as `torch.tensor_split` or `torch.split` given their "
+                "indices or sizes as a tensor). Tracing runs on tensors without values. Pass those values as a "
+                "Python list or int instead (`indices.tolist()` outside the checkpointed function); they become "
+                "part of the cache key."
+            ) from error
         if LEAF_UPDATED_IN_PLACE not in str(error):
             raise
         raise TraceError(

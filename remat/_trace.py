@@ -27,12 +27,12 @@ from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode, variable_s
 from ._contexts import autocast_disabled, outside_functorch, without_saved_tensors_hooks
 from ._costs import estimate_flops, output_nbytes
 from ._errors import TraceError, explain_tracing_errors
-from ._fidelity import EagerLayoutFakeMode, eager_fidelity
+from ._fidelity import EagerLayoutFakeMode, FunctionalModeKeepingChecks, eager_fidelity, kept_as_dead_code
 from ._pytree import FlatArgs, flatten_outputs
+from ._rng import default_generators_watched
 from ._torch import (
     FakeTensorMode,
     FunctionalTensor,
-    FunctionalTensorMode,
     OpOverload,
     from_functional,
     functorch_active,
@@ -100,7 +100,13 @@ def trace_joint(
     outer_regions = _regions.recorded
     _regions.recorded = []
     try:
-        with _ONE_TRACE_AT_A_TIME, explain_tracing_errors(fn), without_saved_tensors_hooks(), outside_functorch():
+        with (
+            _ONE_TRACE_AT_A_TIME,
+            explain_tracing_errors(fn),
+            without_saved_tensors_hooks(),
+            outside_functorch(),
+            default_generators_watched(),  # NOTE [seeding inside a checkpointed function]
+        ):
             discovery = _discover(fn, flat_args, roots, fake_mode, forward_mode)
             _warn_about_hooks(discovery.reached_modules, roots)
             _regions.recorded = []
@@ -318,7 +324,7 @@ def _trace(
     copies: list[fx.Node] = []  # the non-leaf copies of dirty inputs, removed after tracing
 
     def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
-        with FunctionalTensorMode():
+        with FunctionalModeKeepingChecks():
             functional = [FunctionalTensor.to_functional(p) for p in primals]
             inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, differentiated, strict=True)]
             substitutes = {id(real): inputs[n_args + i] for i, real in enumerate(discovery.closed_over)}
@@ -369,7 +375,7 @@ def _trace(
     _use_reshape_for_view(graph)
     _end_slices_at_the_size(graph)
     _drop_unread_batch_norm_arguments(graph)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=kept_as_dead_code)
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     primals = tuple(placeholders[: len(real_primals)])
