@@ -88,8 +88,8 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             f"generator{_at(error)} ({error.how}). A checkpointed function draws its random numbers from the "
             "generator as it finds it when called; a seed set inside it would take effect only while tracing, "
             "so later calls would draw other numbers than eager. Seed before calling the checkpointed function "
-            "(keep `torch.manual_seed`, `torch.set_rng_state` and `torch.random.fork_rng` outside it), or draw "
-            "from a `torch.Generator` that you seed outside and pass in with `generator=`."
+            "(keep `torch.manual_seed`, `torch.set_rng_state` and `torch.random.fork_rng` outside it), or let it "
+            "draw from a `torch.Generator` of your own (`generator=g`) that you seed outside it."
         ) from error
     except RuntimeError as error:
         if DATA_NOT_ALLOCATED in str(error):

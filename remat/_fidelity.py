@@ -14,9 +14,6 @@ that this changes, and are kept here:
 * linalg ops check their results and raise (a singular matrix), through an
   op that functionalization would thread effect tokens through (see
   NOTE [error checks of linalg ops]).
-
-A function that seeds a default generator itself is refused while tracing
-(see NOTE [seeding inside a checkpointed function]).
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ._rng import check_default_generators
 from ._torch import (
     FAKE_DTYPE_ERRATA,
     FakeTensorMode,
@@ -179,15 +175,12 @@ def kept_as_dead_code(node: Any) -> bool:
 
 
 class FunctionalModeKeepingChecks(FunctionalTensorMode):
-    """The `FunctionalTensorMode` of a trace: it traces error checks as they are, and refuses a
-    random call after `fn` set a default generator's state (see `default_generators_watched`)."""
+    """The `FunctionalTensorMode` of a trace, which traces error checks as they are."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func in _ERROR_CHECKS:  # NOTE [error checks of linalg ops]
             args, kwargs = tree_map_only(FunctionalTensor, _unwrap, (args, kwargs or {}))
             return func(*args, **kwargs)  # this mode is off while it dispatches: make_fx records the op
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            check_default_generators()  # NOTE [seeding inside a checkpointed function]
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

@@ -20,8 +20,7 @@ from ._torch import innermost
 
 __all__ = [
     "GlobalSeeding",
-    "check_default_generators",
-    "default_generators_watched",
+    "seeding_refused",
     "has_zero_derivative",
     "is_random_factory",
     "replay_with_rng_state",
@@ -126,18 +125,18 @@ def state_nbytes(device: torch.device) -> int:
 # that `fn` sets itself (`torch.manual_seed(42)`, `torch.set_rng_state(...)`,
 # `torch.random.fork_rng`, OpInfo's `wrapper_set_seed`) would run once, while
 # tracing, and never again: later calls would draw other numbers than eager,
-# silently. So tracing refuses it. Two watches find it: the seeding functions
-# of `torch`, `torch.random` and `torch.cuda` raise `GlobalSeeding` when the
-# tracing thread calls them (other threads call through), and the state of
-# each default generator (the CPU one, and each initialized CUDA one), read
-# when tracing starts, must be the same at every random call and at the end
-# (which also finds `torch.default_generator.manual_seed(...)` and seeding
-# functions imported under another name, unless they set the state the
-# generator already had). A generator that `fn` is given or makes itself is
-# not watched. A state that `fn` did change is put back after the trace, which
-# must leave no trace on the real generators.
+# silently. So tracing refuses it: while a trace runs, the seeding functions of
+# `torch`, `torch.random` and `torch.cuda` raise `GlobalSeeding` when the
+# tracing thread calls them, before they change anything. Other threads call
+# through (they may seed and draw while this one traces), and so does an
+# error unwinding `fn` (the `finally` of `fork_rng` putting its state back),
+# so that the error reported is the first one. Comparing generator states
+# instead would also catch `torch.default_generator.manual_seed(...)`, but
+# cannot tell `fn`'s changes from another thread's draws; a Generator's own
+# methods, and a seeding function imported under another name before the
+# trace, are therefore not watched (docs/debugging.md says so).
 class GlobalSeeding(RuntimeError):
-    """`fn` set the state of a default random number generator while being traced."""
+    """`fn` called a function that sets a default generator's state while being traced."""
 
     def __init__(self, how: str):
         super().__init__(f"the checkpointed function sets a default generator's state ({how})")
@@ -152,26 +151,9 @@ _SEEDING_FUNCTIONS = {
 }
 
 
-class _Watched(threading.local):
-    starts: dict[torch.device, tuple[torch.Generator, torch.Tensor]] | None = None
-
-
-_watched = _Watched()
-
-
-def _default_generators() -> dict[torch.device, torch.Generator]:
-    generators = {torch.device("cpu"): torch.default_generator}
-    if torch.cuda.is_initialized():
-        for index, generator in enumerate(torch.cuda.default_generators):
-            generators[torch.device("cuda", index)] = generator
-    return generators
-
-
 def _refusing(function: Callable[..., Any], how: str, thread: int) -> Callable[..., Any]:
     @functools.wraps(function)
     def refusing(*args: Any, **kwargs: Any) -> Any:
-        # While an error unwinds `fn` (the `finally` of `fork_rng` putting a state back), it calls
-        # through: that error is the one to report, and the states are put back after tracing.
         if threading.get_ident() == thread and sys.exc_info()[1] is None:
             raise GlobalSeeding(how)
         return function(*args, **kwargs)
@@ -180,36 +162,20 @@ def _refusing(function: Callable[..., Any], how: str, thread: int) -> Callable[.
 
 
 @contextlib.contextmanager
-def default_generators_watched() -> Iterator[None]:
-    """Trace inside this: refuse a function that sets the state of a default generator.
+def seeding_refused() -> Iterator[None]:
+    """Trace inside this: the seeding functions raise `GlobalSeeding` on this thread.
 
-    See NOTE [seeding inside a checkpointed function]. Raises `GlobalSeeding` from a seeding
-    call, from `check_default_generators`, or on leaving when a state changed."""
-    outer = _watched.starts
-    _watched.starts = {device: (g, g.get_state()) for device, g in _default_generators().items()}
+    See NOTE [seeding inside a checkpointed function]."""
     thread = threading.get_ident()
     patched = []
-    for module_name, names in _SEEDING_FUNCTIONS.items():
-        module = importlib.import_module(module_name)
-        for name in names:
-            original = getattr(module, name)
-            setattr(module, name, _refusing(original, f"`{module_name}.{name}`", thread))
-            patched.append((module, name, original))
     try:
+        for module_name, names in _SEEDING_FUNCTIONS.items():
+            module = importlib.import_module(module_name)
+            for name in names:
+                original = getattr(module, name)
+                setattr(module, name, _refusing(original, f"`{module_name}.{name}`", thread))
+                patched.append((module, name, original))
         yield
-        check_default_generators()
     finally:
         for module, name, original in reversed(patched):
             setattr(module, name, original)
-        for generator, state in _watched.starts.values():
-            if not torch.equal(generator.get_state(), state):
-                generator.set_state(state)
-        _watched.starts = outer
-
-
-def check_default_generators() -> None:
-    """Raise `GlobalSeeding` if, while tracing, a default generator left the state it had when
-    tracing started (see `default_generators_watched`)."""
-    for device, (generator, state) in (_watched.starts or {}).items():
-        if not torch.equal(generator.get_state(), state):
-            raise GlobalSeeding(f"the state of the default generator of `{device}` changed")

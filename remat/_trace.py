@@ -29,7 +29,7 @@ from ._costs import estimate_flops, output_nbytes
 from ._errors import TraceError, explain_tracing_errors
 from ._fidelity import EagerLayoutFakeMode, FunctionalModeKeepingChecks, eager_fidelity, kept_as_dead_code
 from ._pytree import FlatArgs, flatten_outputs
-from ._rng import default_generators_watched
+from ._rng import seeding_refused
 from ._torch import (
     FakeTensorMode,
     FunctionalTensor,
@@ -105,7 +105,7 @@ def trace_joint(
             explain_tracing_errors(fn),
             without_saved_tensors_hooks(),
             outside_functorch(),
-            default_generators_watched(),  # NOTE [seeding inside a checkpointed function]
+            seeding_refused(),  # NOTE [seeding inside a checkpointed function]
         ):
             discovery = _discover(fn, flat_args, roots, fake_mode, forward_mode)
             _warn_about_hooks(discovery.reached_modules, roots)
