@@ -95,8 +95,8 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
         if DATA_NOT_ALLOCATED in str(error):
             raise TraceError(
                 f"remat.checkpoint could not trace `{_name(fn)}`: an op{_at(error)} reads the values of a tensor "
-                "argument to decide its output's shape (such as `torch.tensor_split` or `torch.split` given their "
-                "indices or sizes as a tensor). Tracing runs on tensors without values. Pass those values as a "
+                "argument to decide its output's shape (such as `torch.tensor_split` given its indices as a tensor). "
+                "Tracing runs on tensors without values. Pass those values as a "
                 "Python list or int instead (`indices.tolist()` outside the checkpointed function); they become "
                 "part of the cache key."
             ) from error

@@ -165,7 +165,8 @@ class _InsideDropout(TorchFunctionMode):
 # Its node has no output, so no policy keeps anything for it and backward
 # never replays it (a replayed `_ex` call is not checked again: its forward
 # already was). Dead-code elimination must keep the node (`kept_as_dead_code`):
-# torch before 2.13 removed it, and with it the check.
+# on a release that does not mark the op effectful, fx would remove it, and
+# with it the check.
 _ERROR_CHECKS = frozenset({aten._linalg_check_errors.default})
 
 
