@@ -9,8 +9,10 @@ from types import TracebackType
 from typing import Any
 
 from ._fidelity import FakeKernelRefused, OverlappingWrite
+from ._rng import GlobalSeeding
 from ._specialize import FloatRead, UncheckedValue
 from ._torch import (
+    DATA_NOT_ALLOCATED,
     LEAF_UPDATED_IN_PLACE,
     UNTRACEABLE_COLLECTIVE,
     DataDependentOutputException,
@@ -51,7 +53,14 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
     """Turn low-level tracing failures into errors that say what to change in `fn`."""
     try:
         yield
-    except (DataDependentOutputException, GuardOnDataDependentSymNode) as error:
+    except DataDependentOutputException as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it calls an op{_at(error)} whose result is a Python "
+            "value computed from tensors' values (such as `torch.equal` or `torch.allclose`), which a trace of "
+            "tensor ops cannot hold. Compute it with tensor ops (`(a == b).all()`), or call it outside the "
+            "checkpointed function."
+        ) from error
+    except GuardOnDataDependentSymNode as error:
         raise TraceError(
             f"remat.checkpoint could not trace `{_name(fn)}`: it reads the value of a tensor in Python"
             f"{_at(error)} (`.item()`, `bool(tensor)`, `if tensor...:` or a Python number made from a tensor) "
@@ -105,7 +114,24 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "kernel: call the op outside the checkpointed function, or give it a rule that matches the kernel "
             "(`torch.library.register_fake` for a custom op), and tell remat's maintainers which op it was."
         ) from error
+    except GlobalSeeding as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it sets the state of the global random number "
+            f"generator{_at(error)} ({error.how}). A checkpointed function draws its random numbers from the "
+            "generator as it finds it when called; a seed set inside it would take effect only while tracing, "
+            "so later calls would draw other numbers than eager. Seed before calling the checkpointed function "
+            "(keep `torch.manual_seed`, `torch.set_rng_state` and `torch.random.fork_rng` outside it), or let it "
+            "draw from a `torch.Generator` of your own (`generator=g`) that you seed outside it."
+        ) from error
     except RuntimeError as error:
+        if DATA_NOT_ALLOCATED in str(error):
+            raise TraceError(
+                f"remat.checkpoint could not trace `{_name(fn)}`: an op{_at(error)} reads the values of a tensor "
+                "argument to decide its output's shape (such as `torch.tensor_split` given its indices as a tensor). "
+                "Tracing runs on tensors without values. Pass those values as a "
+                "Python list or int instead (`indices.tolist()` outside the checkpointed function); they become "
+                "part of the cache key."
+            ) from error
         if LEAF_UPDATED_IN_PLACE not in str(error):
             raise
         raise TraceError(

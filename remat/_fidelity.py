@@ -1,7 +1,7 @@
 """What the functional trace must keep of eager execution that functionalization alone loses.
 
 Tracing rewrites every in-place op as its out-of-place form and predicts
-output layouts with fake tensors. Three eager behaviours depend on details
+output layouts with fake tensors. Four eager behaviours depend on details
 that this changes, and are kept here:
 
 * the numbers an in-place random fill draws depend on the memory layout of
@@ -10,7 +10,10 @@ that this changes, and are kept here:
   kernels (see NOTE [kernels that choose their output layout]);
 * an in-place write through a view is written back through the view's
   inverse, which is exact for every view but `expand`, and undefined where
-  the view's elements share memory (see NOTE [writes through views]).
+  the view's elements share memory (see NOTE [writes through views]);
+* linalg ops check their results and raise (a singular matrix), through an
+  op that functionalization would thread effect tokens through (see
+  NOTE [error checks of linalg ops]).
 """
 
 from __future__ import annotations
@@ -26,12 +29,17 @@ from torch.overrides import TorchFunctionMode
 from ._torch import (
     FAKE_DTYPE_ERRATA,
     STRICT_FAKE_KERNELS,
+    FunctionalTensor,
+    FunctionalTensorMode,
     TorchDispatchMode,
     UncheckedRealValuesFakeMode,
+    from_functional,
     op_schema,
     random_calls_traced,
     run_real_kernel_on_zeros,
+    sync,
     trace_call,
+    tree_map_only,
 )
 
 __all__ = [
@@ -39,9 +47,11 @@ __all__ = [
     "EagerLayoutFakeMode",
     "FakeKernelRefused",
     "FillInEagerLayout",
+    "FunctionalModeKeepingChecks",
     "OverlappingWrite",
     "eager_fidelity",
     "fill_in_eager_layout",
+    "kept_as_dead_code",
     "runnable",
 ]
 
@@ -144,6 +154,43 @@ class _InsideDropout(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         finally:
             self.depth -= inside
+
+
+# NOTE [error checks of linalg ops]
+# `torch.linalg.inv`, `solve`, `cholesky`, `slogdet`, `lu_factor` and friends
+# run their `_ex` form and then `aten._linalg_check_errors(info, ...)`, which
+# raises (a singular matrix, a matrix that is not positive-definite) and
+# returns nothing. Since torch 2.13 functionalization marks that op effectful
+# and wants an effect token threaded through the graph, which only
+# AOTAutograd sets up ("Could not find a token for effect"). The check is a
+# pure read of `info`: it is traced as it is, unfunctionalized, so
+# the forward program runs it where eager does and raises what eager raises.
+# Its node has no output, so no policy keeps anything for it and backward
+# never replays it (a replayed `_ex` call is not checked again: its forward
+# already was). Dead-code elimination must keep the node (`kept_as_dead_code`):
+# on a release that does not mark the op effectful, fx would remove it, and
+# with it the check.
+_ERROR_CHECKS = frozenset({aten._linalg_check_errors.default})
+
+
+def kept_as_dead_code(node: Any) -> bool:
+    """Whether dead-code elimination must keep the traced node `node`: it has side effects."""
+    return bool(node.is_impure()) or node.target in _ERROR_CHECKS
+
+
+class FunctionalModeKeepingChecks(FunctionalTensorMode):
+    """The `FunctionalTensorMode` of a trace, which traces error checks as they are."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in _ERROR_CHECKS:  # NOTE [error checks of linalg ops]
+            args, kwargs = tree_map_only(FunctionalTensor, _unwrap, (args, kwargs or {}))
+            return func(*args, **kwargs)  # this mode is off while it dispatches: make_fx records the op
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _unwrap(functional: FunctionalTensor) -> torch.Tensor:
+    sync(functional)
+    return from_functional(functional)
 
 
 # NOTE [writes through views]

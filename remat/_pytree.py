@@ -64,6 +64,9 @@ def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Fla
     statics: list[Any] = []
     for position, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
+            if leaf.layout != torch.strided:
+                path = optree.tree_paths(tree, none_is_leaf=False, namespace=NAMESPACE)[position]
+                raise TypeError(f"{api}: the argument at {_describe_path(path)} {_NOT_STRIDED.format(leaf.layout)}")
             tensors.append(leaf)
             positions.append(position)
         elif _is_static(leaf):
@@ -85,18 +88,35 @@ def _is_static(value: Any) -> bool:
     return isinstance(value, _STATIC_TYPES)
 
 
+# While tracing, a Python number made from a tensor (`t.item()`) is a symbolic one.
+_SYMBOLIC_NUMBERS = {torch.SymInt: "int", torch.SymFloat: "float", torch.SymBool: "bool"}
+
+
 def flatten_outputs(out: Any) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
     """Flatten `fn`'s output, which must be a pytree of tensors (`None` allowed)."""
     paths, leaves, spec = optree.tree_flatten_with_path(out, none_is_leaf=False, namespace=NAMESPACE)
     for path, leaf in zip(paths, leaves, strict=False):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
-                f"remat.checkpoint: the function returned a {type(leaf).__qualname__} at "
+                f"remat.checkpoint: the function returned a {_SYMBOLIC_NUMBERS.get(type(leaf), type(leaf).__qualname__)} at "
                 f"{_describe_path(path, root='output')}, but a checkpointed function must return a tensor or a "
                 "pytree (tuples, lists, dicts, namedtuples, registered dataclasses) of tensors and None. Return "
                 "non-tensor values from a function outside the checkpoint."
             )
+        if leaf.layout != torch.strided:
+            raise TypeError(
+                f"remat.checkpoint: the function's output at {_describe_path(path, root='output')} "
+                + _NOT_STRIDED.format(leaf.layout)
+            )
     return leaves, spec
+
+
+# Sparse (and other non-strided) tensors have no strides, and their fake tensors trace
+# gradient formulas that fail on dense gradients: refused at the boundary of the function.
+_NOT_STRIDED = (
+    "is a tensor of layout {}, but remat traces dense (`torch.strided`) tensors only. Convert it with "
+    "`.to_dense()` outside the checkpointed function, or keep the sparse computation outside it."
+)
 
 
 def _describe_path(path: tuple[Any, ...], root: str | None = None) -> str:

@@ -6,6 +6,9 @@ See NOTE [replaying random calls].
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,6 +19,8 @@ from torch import fx
 from ._torch import innermost
 
 __all__ = [
+    "GlobalSeeding",
+    "seeding_refused",
     "has_zero_derivative",
     "is_random_factory",
     "replay_with_rng_state",
@@ -138,3 +143,65 @@ def snapshot() -> Callable[[], None]:
 def state_nbytes(device: torch.device) -> int:
     """Bytes of one generator state on `device` (without touching the device)."""
     return torch.default_generator.get_state().numel() if device.type == "cpu" else 16
+
+
+# NOTE [seeding inside a checkpointed function]
+# A traced function records its random calls, not the generator's state: the
+# forward program draws from the generator as it finds it at each call. A seed
+# that `fn` sets itself (`torch.manual_seed(42)`, `torch.set_rng_state(...)`,
+# `torch.random.fork_rng`, OpInfo's `wrapper_set_seed`) would run once, while
+# tracing, and never again: later calls would draw other numbers than eager,
+# silently. So tracing refuses it: while a trace runs, the seeding functions of
+# `torch`, `torch.random` and `torch.cuda` raise `GlobalSeeding` when the
+# tracing thread calls them, before they change anything. Other threads call
+# through (they may seed and draw while this one traces), and so does an
+# error unwinding `fn` (the `finally` of `fork_rng` putting its state back),
+# so that the error reported is the first one. Comparing generator states
+# instead would also catch `torch.default_generator.manual_seed(...)`, but
+# cannot tell `fn`'s changes from another thread's draws; a Generator's own
+# methods, and a seeding function imported under another name before the
+# trace, are therefore not watched (docs/debugging.md says so).
+class GlobalSeeding(RuntimeError):
+    """`fn` called a function that sets a default generator's state while being traced."""
+
+    def __init__(self, how: str):
+        super().__init__(f"the checkpointed function sets a default generator's state ({how})")
+        self.how = how
+
+
+_SEEDING_FUNCTIONS = {
+    "torch": ("manual_seed", "seed", "set_rng_state"),
+    "torch.random": ("manual_seed", "seed", "set_rng_state"),
+    "torch.cuda": ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all"),
+    "torch.cuda.random": ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all"),
+}
+
+
+def _refusing(function: Callable[..., Any], how: str, thread: int) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == thread and sys.exc_info()[1] is None:
+            raise GlobalSeeding(how)
+        return function(*args, **kwargs)
+
+    return refusing
+
+
+@contextlib.contextmanager
+def seeding_refused() -> Iterator[None]:
+    """Trace inside this: the seeding functions raise `GlobalSeeding` on this thread.
+
+    See NOTE [seeding inside a checkpointed function]."""
+    thread = threading.get_ident()
+    patched = []
+    try:
+        for module_name, names in _SEEDING_FUNCTIONS.items():
+            module = importlib.import_module(module_name)
+            for name in names:
+                original = getattr(module, name)
+                setattr(module, name, _refusing(original, f"`{module_name}.{name}`", thread))
+                patched.append((module, name, original))
+        yield
+    finally:
+        for module, name, original in reversed(patched):
+            setattr(module, name, original)

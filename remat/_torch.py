@@ -72,6 +72,7 @@ __all__ = [
     "BoxedCodeGen",
     "apply_without_binding",
     "CtxCustomSave",
+    "DATA_NOT_ALLOCATED",
     "DataDependentOutputException",
     "DynamicOutputShapeException",
     "FakeTensor",
@@ -435,6 +436,8 @@ SAC_BYPASSES_HOOKS: dict[str, Any] = (
 
 LEAF_UPDATED_IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"
 UNTRACEABLE_COLLECTIVE = ("Could not find a token for effect", "c10d")
+# What a kernel that reads a fake tensor's values (`tensor_split` with tensor indices) raises.
+DATA_NOT_ALLOCATED = "data is not allocated yet"
 
 
 # --- frames: where a call came from --------------------------------------------------------------------------

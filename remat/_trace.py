@@ -28,14 +28,14 @@ from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode, variable_s
 from ._contexts import autocast_disabled, outside_functorch, without_saved_tensors_hooks
 from ._costs import estimate_flops, output_nbytes
 from ._errors import TraceError, explain_tracing_errors
-from ._fidelity import EagerLayoutFakeMode, eager_fidelity
+from ._fidelity import EagerLayoutFakeMode, FunctionalModeKeepingChecks, eager_fidelity, kept_as_dead_code
 from ._pytree import FlatArgs, flatten_outputs
+from ._rng import seeding_refused
 from ._specialize import CHECKS, check_coverage, check_value, checks_of, refuse_float_reads, use_remat_checks
 from ._specialize import describe as describe_check
 from ._torch import (
     FakeTensorMode,
     FunctionalTensor,
-    FunctionalTensorMode,
     GuardOnDataDependentSymNode,
     OpOverload,
     ShapeEnv,
@@ -108,7 +108,13 @@ def trace_joint(
     under_functorch = functorch_active()  # see NOTE [dropout under torch.func]
     outer_regions = _regions.recorded
     try:
-        with _ONE_TRACE_AT_A_TIME, explain_tracing_errors(fn), without_saved_tensors_hooks(), outside_functorch():
+        with (
+            _ONE_TRACE_AT_A_TIME,
+            explain_tracing_errors(fn),
+            without_saved_tensors_hooks(),
+            outside_functorch(),
+            seeding_refused(),  # NOTE [seeding inside a checkpointed function]
+        ):
             try:
                 joint = _trace_once(fn, flat_args, roots, forward_mode, under_functorch, with_values=False)
             except GuardOnDataDependentSymNode:
@@ -355,7 +361,7 @@ def _trace(
     def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
         if with_values:
             carry_real_values(primals, fake_primals)
-        with FunctionalTensorMode():
+        with FunctionalModeKeepingChecks():
             functional = [FunctionalTensor.to_functional(p) for p in primals]
             inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, differentiated, strict=True)]
             substitutes = {id(real): inputs[n_args + i] for i, real in enumerate(discovery.closed_over)}
@@ -410,7 +416,7 @@ def _trace(
     _use_reshape_for_view(graph)
     _end_slices_at_the_size(graph)
     _drop_unread_batch_norm_arguments(graph)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=kept_as_dead_code)
     use_remat_checks(graph)  # after removing dead code: FX knows torch's assertions, not remat's, to be live
     check_coverage(graph, guarded_ints)
 

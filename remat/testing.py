@@ -710,7 +710,11 @@ def _aliased_inputs(value: Any, leaves: Sequence[torch.Tensor]) -> tuple[int, ..
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided or not value.numel():
         return ()
     storage = value.untyped_storage().data_ptr()
-    return tuple(i for i, t in enumerate(leaves) if t.numel() and t.untyped_storage().data_ptr() == storage)
+    return tuple(
+        i
+        for i, t in enumerate(leaves)
+        if t.layout == torch.strided and t.numel() and t.untyped_storage().data_ptr() == storage
+    )
 
 
 def _diff(what: str, actual: Any, expected: Any, rtol: float | None, atol: float | None) -> str | None:

@@ -273,6 +273,44 @@ def test_compile_of_a_trace_specialized_on_values_is_refused():
         remat.checkpoint(fn, compile=True)(_randn(3))
 
 
+def test_split_indices_given_as_a_tensor_are_a_trace_error():
+    def fn(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.tensor_split(x, indices)  # @split
+
+    with pytest.raises(remat.TraceError, match=r"reads the values of a tensor argument to decide") as info:
+        remat.checkpoint(fn)(_randn(6), torch.tensor([1, 4]))
+    assert re.search(_where("split"), str(info.value))
+    assert "Pass those values as a Python list" in str(info.value)
+
+
+def test_seeding_the_global_generator_inside_is_a_trace_error():
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(42)  # @seed
+        return torch.nn.functional.dropout(x, 0.5)
+
+    with pytest.raises(remat.TraceError, match=r"sets the state of the global random number generator") as info:
+        remat.checkpoint(fn)(_randn(4))
+    message = str(info.value)
+    assert re.search(_where("seed"), message)
+    assert "(`torch.manual_seed`)" in message
+    assert "Seed before calling the checkpointed function" in message
+    assert "a `torch.Generator` of your own (`generator=g`)" in message
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_sparse_argument_is_refused():
+    sparse = torch.eye(3, dtype=DTYPE).to_sparse_csr()
+    with pytest.raises(
+        TypeError, match=r"the argument at args\[0\] is a tensor of layout torch\.sparse_csr, but remat"
+    ):
+        remat.checkpoint(lambda a, b: torch.sparse.mm(a, b))(sparse, _randn(3, 2))
+
+
+def test_a_sparse_output_is_refused():
+    with pytest.raises(TypeError, match=r"the function's output at output is a tensor of layout torch\.sparse_coo"):
+        remat.checkpoint(lambda x: x.to_sparse())(_randn(3, 3))
+
+
 def test_in_place_update_of_a_leaf_input_that_requires_grad_fails_as_in_eager():
     def fn(x: torch.Tensor) -> torch.Tensor:
         x.mul_(2)
@@ -380,3 +418,14 @@ def test_an_op_refusing_its_inputs_is_still_the_runtime_error_eager_raises():
     with pytest.raises(RuntimeError, match=r"same reduction dim") as info:
         remat.checkpoint(lambda x: x @ x)(_randn(2, 3))  # a shape mismatch, as eager would report it
     assert isinstance(info.value, remat.TraceError)
+
+
+def test_an_op_returning_a_python_value_of_tensors_is_a_trace_error():
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        same = torch.equal(x, x.detach())  # @equal
+        return x.sin() if same else x.cos()
+
+    with pytest.raises(
+        remat.TraceError, match=r"calls an op at .*" + _where("equal") + r".*such as `torch.equal`.*\(a == b\).all\(\)"
+    ):
+        remat.checkpoint(fn)(_randn(3))

@@ -469,3 +469,58 @@ def test_regression_detach_of_a_tensor_updated_in_place_stops_forward_and_second
     torch.testing.assert_close(torch.func.hessian(lambda x: checkpointed(x).sum())(x), hessian)
     second = torch.func.jacrev(torch.func.jacrev(lambda x: _detach_of_an_updated_tensor(x).sum()))(x)
     torch.testing.assert_close(torch.func.jacrev(torch.func.jacrev(lambda x: checkpointed(x).sum()))(x), second)
+
+
+# --- error checks of linalg ops -------------------------------------------------------------------
+
+_CHECKED_LINALG = [
+    pytest.param(torch.linalg.inv, id="inv"),
+    pytest.param(lambda a: torch.linalg.solve(a, a.sum(-1)), id="solve"),
+    pytest.param(lambda a: torch.linalg.cholesky(a @ a.mT + torch.eye(3, dtype=a.dtype)), id="cholesky"),
+    pytest.param(lambda a: torch.linalg.slogdet(a).logabsdet, id="slogdet"),
+    pytest.param(lambda a: torch.linalg.lu_factor(a).LU, id="lu_factor"),
+]
+
+
+def _well_conditioned() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 3, 3, generator=generator, dtype=torch.float64) + 3 * torch.eye(3, dtype=torch.float64)
+    return a.requires_grad_()
+
+
+@POLICIES
+@pytest.mark.parametrize("fn", _CHECKED_LINALG)
+def test_linalg_ops_that_check_their_results_trace_and_match_eager(fn: Callable, policy: Any) -> None:
+    assert_checkpoint_equivalent(fn, _well_conditioned(), policy=policy, transforms=["grad", "vmap"])
+
+
+def test_the_linalg_error_check_is_a_call_of_the_trace_and_runs_once_in_forward() -> None:
+    from conftest import CountOps
+
+    check = torch.ops.aten._linalg_check_errors.default
+    assert [call.op for call in remat.trace(torch.linalg.inv, _well_conditioned())] == [
+        torch.ops.aten.linalg_inv_ex.default,
+        check,
+    ]
+    f = remat.checkpoint(torch.linalg.inv, policy=policies.save_nothing)
+    a = _well_conditioned()
+    f(a)  # traced: what is counted below is the cached call
+    with CountOps() as forward:
+        out = f(a)
+    with CountOps() as backward:
+        out.sum().backward()
+    assert forward.counts[check] == 1
+    assert backward.counts[check] == 0  # the replayed `linalg_inv_ex` is not checked again
+
+
+@pytest.mark.parametrize("calls", [1, 2], ids=["tracing call", "cached call"])
+def test_a_singular_matrix_raises_in_forward_as_in_eager(calls: int) -> None:
+    f = remat.checkpoint(torch.linalg.inv)
+    singular = torch.zeros(3, 3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(torch.linalg.LinAlgError, match="singular") as eager:
+        torch.linalg.inv(singular)
+    if calls == 2:
+        f(_well_conditioned()[0])  # traces the signature with an invertible matrix
+    with pytest.raises(torch.linalg.LinAlgError) as checkpointed:
+        f(singular)
+    assert str(checkpointed.value) == str(eager.value)

@@ -169,8 +169,10 @@ def _output_bytes(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -
 
 # The prediction follows remat's programs. What autograd's engine does outside them is not in it:
 # summing the gradients an input gets along several paths, cloning a gradient it cannot steal into
-# `.grad`. Those make the measured peak of a small random function differ by up to about half.
+# `.grad`. Those make the measured peak of a small random function differ by up to about half, or,
+# for the tiniest, by two gradients of an input (16-byte tensors: 48 bytes predicted, 80 measured).
 _TOLERANCE = 1.6
+_GRADIENT_COPIES = 2
 
 
 @examples(ci=30, soak=1_000)
@@ -183,7 +185,8 @@ def test_the_predicted_peak_is_near_the_measured_one_on_random_functions(data: s
     predicted = remat.report(fn, *args, policy=policy).peak_bytes
     constants = [getattr(fn.constants, field.name) for field in dataclasses.fields(fn.constants)]
     measured = _measured_peak(remat.checkpoint(fn, policy=policy), args, constants)
-    assert measured / _TOLERANCE <= predicted <= measured * _TOLERANCE
+    slack = _GRADIENT_COPIES * max(a.untyped_storage().nbytes() for a in args)
+    assert measured / _TOLERANCE - slack <= predicted <= measured * _TOLERANCE + slack
 
 
 # --- budget(peak_bytes=...) ---------------------------------------------------------------------------

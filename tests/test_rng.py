@@ -470,3 +470,79 @@ def test_saved_bytes_equal_what_saved_tensors_hooks_see(policy: Any, device: tor
     assert measured == report.saved_bytes
     if policy is policies.save_nothing:
         assert measured == 2 * STATE_BYTES[device.type]  # two generator states, nothing else
+
+
+# --- seeding inside a checkpointed function ----------------------------------------------------------
+
+
+def _forks_and_seeds(x: torch.Tensor) -> torch.Tensor:
+    with torch.random.fork_rng():  # puts the state back on leaving: the seed still changes the draws
+        torch.manual_seed(7)
+        return F.dropout(x, 0.5)
+
+
+def _seeds_with_the_state_it_finds(x: torch.Tensor) -> torch.Tensor:
+    torch.set_rng_state(torch.get_rng_state())  # a no-op in eager, but not one remat can tell apart
+    return F.dropout(x, 0.5)
+
+
+@pytest.mark.parametrize("fn", [_forks_and_seeds, _seeds_with_the_state_it_finds], ids=["fork_rng", "set_rng_state"])
+def test_seeding_the_global_generator_inside_is_refused_and_leaves_it_as_found(fn: Callable) -> None:
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    seeding = (torch.manual_seed, torch.random.manual_seed, torch.set_rng_state, torch.cuda.manual_seed_all)
+    with pytest.raises(remat.TraceError, match=r"sets the state of the global random number generator"):
+        remat.checkpoint(fn)(_randn(8, device=torch.device("cpu"), seed=1))
+    assert torch.equal(torch.get_rng_state(), before)
+    assert seeding == (torch.manual_seed, torch.random.manual_seed, torch.set_rng_state, torch.cuda.manual_seed_all)
+
+
+def test_seeding_with_the_seed_the_generator_already_has_is_refused_too() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(0)
+        return F.dropout(x, 0.5)
+
+    torch.manual_seed(0)  # the trace would see no change of state; later calls would draw other numbers
+    with pytest.raises(remat.TraceError, match=r"\(`torch\.manual_seed`\)"):
+        remat.checkpoint(fn)(_randn(8, device=torch.device("cpu"), seed=1))
+
+
+def test_a_generator_seeded_outside_and_closed_over_draws_as_eager_on_every_call() -> None:
+    """What the refusal suggests instead: the function draws from a generator seeded outside it."""
+    generator = torch.Generator()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rand(x.shape, generator=generator, dtype=x.dtype)
+
+    f = remat.checkpoint(fn, policy=policies.save_nothing)
+    x = _randn(8, device=torch.device("cpu"), seed=1)
+    for seed in (3, 4):
+        generator.manual_seed(seed)
+        expected = fn(x)
+        generator.manual_seed(seed)
+        actual = f(x)
+        assert torch.equal(actual, expected)
+        assert torch.equal(torch.autograd.grad(actual.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0])
+
+
+def test_seeding_on_another_thread_while_tracing_is_not_refused() -> None:
+    import threading
+
+    started, seeded = threading.Event(), threading.Event()
+
+    def seed_elsewhere() -> None:
+        started.wait()
+        torch.manual_seed(5)  # the patched function calls through on other threads
+        seeded.set()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        started.set()
+        seeded.wait(timeout=10)
+        return x.sin()
+
+    thread = threading.Thread(target=seed_elsewhere)
+    thread.start()
+    out = remat.checkpoint(fn)(_randn(3, device=torch.device("cpu"), seed=1))
+    thread.join()
+    assert seeded.is_set()
+    assert torch.equal(out, _randn(3, device=torch.device("cpu"), seed=1).sin())

@@ -1,0 +1,217 @@
+"""PyTorch's own OpInfo database as a client: each op's first float64 sample, checkpointed.
+
+For every op of `op_db` chosen below (see `SELECTED`), the first float64
+sample is wrapped as a function of its tensors and checked with
+`remat.testing.assert_checkpoint_equivalent` under `save_nothing` and
+`save_everything`: outputs with their metadata, gradients, in-place updates
+and where the random stream is left, against the unwrapped op. An op either
+passes, or is refused with one of remat's own errors, listed below with the
+reason; nothing may come out silently different, nor as a raw torch error.
+
+OpInfo runs its random ops inside `wrapper_set_seed`, which calls
+`torch.manual_seed(42)` in the op: remat refuses that (see NOTE [seeding
+inside a checkpointed function]), which `test_seeding_inside_is_refused`
+asserts for each; the sweep then runs them without the wrapper, so that their
+kernels are compared too (bit-identical draws, the stream left as eager).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+from conftest import PROFILE
+
+import remat
+import remat.testing
+from remat import policies
+
+pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest (`pip install -e '.[test]'`)")
+
+from torch.testing._internal import common_methods_invocations
+from torch.testing._internal.common_methods_invocations import op_db
+
+# --- what remat refuses, and why -------------------------------------------------------------------
+
+# Python code that reads a tensor's value (`.item()`, `bool(t)`, a number from a tensor): traced for
+# the values it reads and checked on each call (NOTE [values Python reads]), or refused with the line
+# (a float value; a value read inside a kernel). Either way, never different from eager.
+READS_VALUES = {
+    "item",  # `.item()` itself
+    "allclose",  # returns a Python bool
+    "equal",  # returns a Python bool
+    "corrcoef",  # checks its input's values in Python
+    "cov",  # checks its weights' values in Python
+    "nn.functional.gaussian_nll_loss",  # checks `var` for negative values in Python
+    "index_reduce.prod",  # the decomposition checks its index values
+    "scatter_reduce.prod",  # the decomposition checks its index values
+    "tensor_split",  # the first sample gives its split indices as a tensor: pass a list instead
+}
+
+# Ops whose output *size* depends on values: symbolic sizes, or refused by a TraceError that says so
+# (an op without a rule for symbolic sizes); never different from eager.
+SIZE_FROM_VALUES = {
+    "argwhere",
+    "combinations",
+    "masked_select",
+    "nonzero",
+    "unique",
+    "unique_consecutive",
+    "nn.functional.ctc_loss",
+    "linalg.lstsq",
+    "linalg.lstsq.grad_oriented",
+}
+
+# Sparse inputs or outputs: remat traces dense (strided) tensors only.
+SPARSE = {"to_sparse", "sparse.sampled_addmm", "sparse.mm.reduce"}
+
+# Known difference: eager's backward of `linalg.eig` raises when the loss depends on the phase
+# of the eigenvectors (a check of the gradient's values, which torch skips for traced tensors,
+# so remat's traced backward returns the formula's gradient). Forward outputs are compared.
+FORWARD_ONLY = {"linalg.eig"}
+
+# Ops whose output is uninitialized memory: only its metadata can be compared.
+UNINITIALIZED = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
+
+# The ops named in issue 18 (the linalg error checks, tensor indices, seeding inside the op).
+ISSUE_OPS = {
+    "linalg.inv",
+    "linalg.inv_ex",
+    "linalg.solve",
+    "linalg.solve_ex",
+    "linalg.cholesky",
+    "linalg.cholesky_ex",
+    "linalg.slogdet",
+    "logdet",
+    "linalg.lu_factor",
+    "linalg.ldl_factor",
+    "linalg.eigvals",
+    "linalg.tensorinv",
+    "linalg.tensorsolve",
+    "cholesky_inverse",
+    "tensor_split",
+}
+
+
+_DATA_DEPENDENT_REFUSALS = (
+    r"reads (the|a float) value of a tensor|whose result is a Python value|shape depends on the values of its inputs|reads the values of a tensor "
+    r"argument|cannot check on later calls"
+)
+
+
+def _name(op: Any) -> str:
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+def _seeded_by_opinfo(op: Any) -> bool:
+    """Whether OpInfo runs `op` inside `wrapper_set_seed` (a lambda that names it)."""
+    code = getattr(op.op, "__code__", None)
+    return code is not None and "wrapper_set_seed" in code.co_names
+
+
+# The sweep checks every op named above, every op OpInfo seeds, and a deterministic quarter of the
+# rest (by a hash of the name: the same ops on every run and machine), to stay well within a minute
+# on two cores. The soak profile (HYPOTHESIS_PROFILE=soak) checks the whole database (about 620
+# float64 ops on torch 2.13), which takes about three times as long.
+_FLOAT64_OPS = {_name(op): op for op in op_db if torch.float64 in op.supported_dtypes("cpu")}
+_NAMED = READS_VALUES | SIZE_FROM_VALUES | SPARSE | FORWARD_ONLY | ISSUE_OPS
+SELECTED = sorted(
+    name
+    for name, op in _FLOAT64_OPS.items()
+    if name in _NAMED or _seeded_by_opinfo(op) or (PROFILE == "soak" or zlib.crc32(name.encode()) % 4 == 0)
+)
+SEEDED = sorted(name for name, op in _FLOAT64_OPS.items() if _seeded_by_opinfo(op))
+POLICIES = pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=repr)
+
+
+def _first_sample(op: Any) -> Any:
+    torch.manual_seed(0)  # samples are drawn from the global generator
+    sample = next(iter(op.sample_inputs("cpu", torch.float64, requires_grad=op.supports_autograd)), None)
+    if sample is None:
+        pytest.skip(f"OpInfo gives {op.name} no float64 sample on this torch")
+    return sample
+
+
+def _as_function(op: Any, sample: Any) -> tuple[Callable[..., Any], list[torch.Tensor]]:
+    """`op` on `sample`, as a function of the sample's tensors (the rest is fixed)."""
+    leaves, spec = optree.tree_flatten((sample.input, sample.args, sample.kwargs), none_is_leaf=True)
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def fn(*tensors: torch.Tensor) -> Any:
+        filled = list(leaves)
+        for i, tensor in zip(where, tensors, strict=True):
+            filled[i] = tensor
+        first, args, kwargs = optree.tree_unflatten(spec, filled)
+        return op(first, *args, **kwargs)
+
+    fn.__qualname__ = fn.__name__ = op.name
+    return fn, [leaves[i] for i in where]
+
+
+def _unseeded(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return function(*args, **kwargs)
+
+
+@pytest.fixture
+def without_opinfo_seeding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run OpInfo's random ops without the `torch.manual_seed(42)` of `wrapper_set_seed`."""
+    monkeypatch.setattr(common_methods_invocations, "wrapper_set_seed", _unseeded)
+
+
+@pytest.mark.usefixtures("without_opinfo_seeding")
+@pytest.mark.filterwarnings("ignore")  # the ops' own deprecation warnings, many only once a process
+@POLICIES
+@pytest.mark.parametrize("name", SELECTED)
+def test_first_float64_sample(name: str, policy: Any) -> None:
+    op = _FLOAT64_OPS[name]
+    fn, tensors = _as_function(op, _first_sample(op))
+    if name in READS_VALUES | SIZE_FROM_VALUES:
+        try:
+            remat.testing.assert_checkpoint_equivalent(fn, *tensors, policy=policy)
+        except remat.TraceError as error:
+            assert re.search(_DATA_DEPENDENT_REFUSALS, str(error)), error
+        except TypeError as error:  # `item`, `allclose`, `equal`: a Python number is no output of a checkpoint
+            assert re.search(r"the function returned a (float|int|bool) at output", str(error)), error
+    elif name in SPARSE:
+        with pytest.raises(TypeError, match=re.escape("remat traces dense (`torch.strided`) tensors only")):
+            remat.checkpoint(fn, policy=policy)(*tensors)
+    elif name in FORWARD_ONLY | UNINITIALIZED:
+        with torch.no_grad():
+            expected, actual = fn(*tensors), remat.checkpoint(fn, policy=policy)(*tensors)
+        for e, a in zip(optree.tree_leaves(expected), optree.tree_leaves(actual), strict=True):
+            assert (a.shape, a.dtype, a.stride()) == (e.shape, e.dtype, e.stride())
+            if name in FORWARD_ONLY:
+                torch.testing.assert_close(a, e, rtol=0, atol=0)
+    else:
+        remat.testing.assert_checkpoint_equivalent(fn, *tensors, policy=policy)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", SEEDED)
+def test_seeding_inside_is_refused(name: str) -> None:
+    """OpInfo's random ops, as OpInfo runs them (seeding inside the op), are refused; and the
+    refused trace leaves the global generator as it found it."""
+    op = _FLOAT64_OPS[name]
+    fn, tensors = _as_function(op, _first_sample(op))
+    before = torch.get_rng_state()
+    with pytest.raises(remat.TraceError, match=r"sets the state of the global random number generator"):
+        remat.checkpoint(fn)(*tensors)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_the_sweep_covers_the_ops_of_the_issue() -> None:
+    present = {name for name in ISSUE_OPS if name in _FLOAT64_OPS}
+    assert present <= set(SELECTED)
+    assert len(present) >= 10, f"OpInfo lost the linalg ops of issue 18: {sorted(present)}"
+    assert len(SELECTED) >= len(_FLOAT64_OPS) // 4
+
+
+def test_known_outcomes_name_real_ops() -> None:
+    """A renamed or removed op would silently leave a list: every name listed must exist."""
+    unknown = (READS_VALUES | SIZE_FROM_VALUES | SPARSE | FORWARD_ONLY) - set(_FLOAT64_OPS)
+    assert not unknown, f"not in OpInfo's float64 ops: {sorted(unknown)}"
