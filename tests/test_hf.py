@@ -186,3 +186,21 @@ def test_only_some_layers_checkpointed_leaves_the_others_writing_the_cache() -> 
     cache = _returned_cache(actual[-1])
     assert (cache.get_seq_length(0), cache.get_seq_length(1)) == (8, 0)  # layer 0 is not checkpointed
     assert model.model.layers[1].forward.cache_info().traces == 1
+
+
+def test_gpt2_with_dropout_draws_the_same_masks_as_the_unwrapped_model() -> None:
+    reference = models.hf_model("gpt2")
+    for module in reference.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1  # embeddings, attention (sdpa's dropout_p reads it), residuals and MLP
+    model = remat.checkpoint_modules(copy.deepcopy(reference), transformers.GradientCheckpointingLayer)
+    input_ids = models.hf_input_ids()
+
+    actual, expected = [], []
+    for seed in (1, 2):
+        for which, outputs in ((model, actual), (reference, expected)):
+            torch.manual_seed(seed)
+            outputs.extend(_train_steps(which, input_ids, steps=1, use_cache=False))
+
+    assert actual[0].loss.item() != actual[1].loss.item()  # the masks differ between seeds: dropout is on
+    _assert_same_losses_and_grads(model, reference, actual, expected)
