@@ -12,10 +12,12 @@ import copy
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from ._api import DEFAULT_CACHE_SIZE, Checkpointed
 from ._cache import CacheInfo
+from ._caches import without_kv_caches
 
 __all__ = ["checkpoint_modules", "uncheckpoint_modules"]
 
@@ -47,12 +49,20 @@ Which = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module
 # The `_CheckpointedForward` is also the record of what was there before: the
 # instance attribute `forward` it replaced (usually none), which
 # `uncheckpoint_modules` puts back. Nothing else is added to the module.
+#
+# A Hugging Face transformers layer is checkpointed the same way (its class keeps
+# transformers' own gradient-checkpointing wrapper, which stays off); the key/value
+# cache transformers hands it is taken out of the call first: see NOTE [key/value
+# caches in checkpointed layers]. transformers' own gradient checkpointing must be
+# off, or the layer would be checkpointed a second time inside remat's trace.
 
 
 class _CheckpointedForward:
     """The instance attribute `forward` of a module checkpointed by `checkpoint_modules`."""
 
-    def __init__(self, module: nn.Module, policy: Any, cache_size: int, compile: Any):
+    def __init__(self, name: str, module: nn.Module, policy: Any, cache_size: int, compile: Any):
+        self.name = name  # in the model passed to `checkpoint_modules`, for messages
+        self.module = module
         self.replaced: Any = module.__dict__.get("forward", _NOTHING)  # an instance `forward` set before us
         self.checkpointed: Checkpointed[..., Any] = Checkpointed(module.forward, policy, cache_size, compile)
 
@@ -61,6 +71,9 @@ class _CheckpointedForward:
         return self.checkpointed.policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():  # remat checkpoints the call (without gradients, it runs as written)
+            _refuse_transformers_checkpointing(self.name, self.module)
+            args, kwargs = without_kv_caches(self.name, self.module, args, kwargs)
         return self.checkpointed(*args, **kwargs)
 
     def cache_info(self) -> CacheInfo:
@@ -76,6 +89,8 @@ class _CheckpointedForward:
         # forward and a fresh trace cache (traces refer to the original's tensors).
         new = _CheckpointedForward.__new__(_CheckpointedForward)
         memo[id(self)] = new
+        new.name = self.name
+        new.module = copy.deepcopy(self.module, memo)
         new.replaced = copy.deepcopy(self.replaced, memo)
         original = self.checkpointed.__wrapped__
         new.checkpointed = Checkpointed(
@@ -112,6 +127,13 @@ def checkpoint_modules(
     A selected module's submodules are never selected themselves: the
     outermost match wins. `model` itself is a candidate (its name is `""`).
 
+    For a Hugging Face transformers model, `which=transformers.GradientCheckpointingLayer`
+    selects every layer, in one line. While gradients are recorded, a
+    selected layer handed the model's key/value cache is called without it
+    (with a warning: the returned cache stays empty), as transformers' own
+    gradient checkpointing does; a cache that already holds tokens for the
+    layer is refused. See docs/modules.md.
+
     Args:
         model: the `nn.Module` to change in place.
         which: a module class or a tuple of them (selects instances, by
@@ -129,10 +151,12 @@ def checkpoint_modules(
     Raises:
         TypeError: `model` is not an `nn.Module`, or `which` is not a class,
             a tuple of classes or a predicate.
-        ValueError: nothing in `model` matches `which`, or `model` already has
+        ValueError: nothing in `model` matches `which`, `model` already has
             checkpointed submodules (call `uncheckpoint_modules` first: a second
             call is an error rather than a silent no-op, so that a different
-            `policy` is never ignored).
+            `policy` is never ignored), or a selected module has transformers'
+            own gradient checkpointing on (it is also raised by a call that
+            finds it on, or finds a key/value cache holding tokens of the layer).
 
     >>> import torch, remat
     >>> from remat._apply import checkpoint_modules, uncheckpoint_modules
@@ -159,14 +183,16 @@ def checkpoint_modules(
             "Call `remat.uncheckpoint_modules(model)` first to checkpoint it differently."
         )
     selected = list(_select(model, "", matches, set()))
+    for name, module in selected:
+        _refuse_transformers_checkpointing(name, module)
     if not selected:
         raise ValueError(
             f"remat.checkpoint_modules: no module of {type(model).__name__} matches `which`={which!r}. "
             "Check the class (the type of a block, such as `type(model.layers[0])`) or, for a predicate, the "
             f"qualified names it is given, which are those of `model.named_modules()`, e.g. {_some_names(model)}."
         )
-    for module in selected:
-        module.__dict__["forward"] = _CheckpointedForward(module, policy, cache_size, compile)
+    for name, module in selected:
+        module.__dict__["forward"] = _CheckpointedForward(name, module, policy, cache_size, compile)
     return model
 
 
@@ -228,17 +254,32 @@ def _matcher(which: Any) -> Callable[[str, nn.Module], bool]:
 
 def _select(
     module: nn.Module, name: str, matches: Callable[[str, nn.Module], bool], seen: set[int]
-) -> Iterator[nn.Module]:
-    """The modules `matches` selects, in `named_modules()` order, not looking inside a selected one."""
+) -> Iterator[tuple[str, nn.Module]]:
+    """The modules `matches` selects, with their names, in `named_modules()` order, not looking inside a
+    selected one."""
     if id(module) in seen:
         return
     seen.add(id(module))
     if matches(name, module):
-        yield module
+        yield name, module
         return
     for child_name, child in module._modules.items():
         if child is not None:
             yield from _select(child, f"{name}.{child_name}" if name else child_name, matches, seen)
+
+
+def _refuse_transformers_checkpointing(name: str, module: nn.Module) -> None:
+    """A ValueError if transformers' own gradient checkpointing is on in `module` (a transformers layer) or
+    in one of its submodules."""
+    on = [inner for inner in module.modules() if inner.__dict__.get("gradient_checkpointing") is True]
+    if on:
+        raise ValueError(
+            f"remat.checkpoint_modules: {type(module).__name__} at {name or '<model>'!r} has transformers' own "
+            f"gradient checkpointing on (`gradient_checkpointing=True` on {type(on[0]).__name__}), which would "
+            "checkpoint it a second time, with torch.utils.checkpoint, inside remat's trace. Turn it off on the model first with "
+            "`model.gradient_checkpointing_disable()` (`activation_checkpointing_disable()` in newer "
+            "transformers): remat.checkpoint_modules replaces it."
+        )
 
 
 def _checkpointed(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -9,6 +9,8 @@ from typing import Any
 import optree
 import torch
 
+from ._caches import is_kv_cache
+
 __all__ = ["NAMESPACE", "FlatArgs", "flatten_args", "flatten_outputs"]
 
 NAMESPACE = "remat"
@@ -73,6 +75,15 @@ def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Fla
             statics.append(leaf)
         else:
             path = optree.tree_paths(tree, none_is_leaf=False, namespace=NAMESPACE)[position]
+            if is_kv_cache(leaf):  # see NOTE [key/value caches in checkpointed layers]
+                raise TypeError(
+                    f"{api}: the argument at {_describe_path(path)} is a {type(leaf).__qualname__}, a transformers "
+                    "key/value cache, which remat cannot trace through: the layer would write its keys and values "
+                    "into it (or read past ones from it) as a side effect. In training, call the model with "
+                    "`use_cache=False` so that no cache is passed, or checkpoint the model's layers with "
+                    "`remat.checkpoint_modules(model, transformers.GradientCheckpointingLayer, policy=...)`, which "
+                    "leaves an empty cache out of each layer's call, with a warning."
+                )
             raise TypeError(
                 f"{api}: the argument at {_describe_path(path)} is a {type(leaf).__qualname__}, which is neither a "
                 "tensor nor a static value (bool, int, float, str, enum, dtype, device, or a tuple of them). "

@@ -22,6 +22,8 @@ __all__ = [
     "conv_input",
     "conv_net",
     "gpt2_input",
+    "hf_input_ids",
+    "hf_model",
     "make_generator",
     "mlp",
     "mlp_input",
@@ -183,3 +185,44 @@ def pytree_inputs(*, seed: int = 1, requires_grad: bool = True) -> dict[str, Any
             randn(2, 5, seed=seed + 4, requires_grad=requires_grad),
         ),
     }
+
+
+# --- Hugging Face transformers models, from small local configs -------------------------------------
+
+HF_MODELS = ("llama", "gpt2", "t5")
+HF_VOCAB = 100
+
+
+def hf_model(name: str, *, seed: int = 0, dtype: torch.dtype = DTYPE) -> nn.Module:
+    """A two-layer transformers model (`"llama"`, `"gpt2"` or `"t5"`, with a language-model head) in
+    training mode, built from a small local config (no download), dropout off, `config.use_cache` left
+    at its default (True)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if name == "llama":
+        config: Any = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=HF_VOCAB,
+        )  # fmt: skip
+        model: nn.Module = transformers.LlamaForCausalLM(config)
+    elif name == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=HF_VOCAB, bos_token_id=0, eos_token_id=0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+    elif name == "t5":
+        config = transformers.T5Config(
+            d_model=32, d_ff=64, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=HF_VOCAB,
+            decoder_start_token_id=0, dropout_rate=0.0,
+        )  # fmt: skip
+        model = transformers.T5ForConditionalGeneration(config)
+    else:
+        raise ValueError(f"hf_model: unknown model {name!r}; expected one of {HF_MODELS}")
+    return model.to(dtype).train()
+
+
+def hf_input_ids(batch: int = 2, seq: int = 8, *, seed: int = 1) -> torch.Tensor:
+    """Token ids for `hf_model`, from a fixed seed."""
+    return torch.randint(0, HF_VOCAB, (batch, seq), generator=make_generator(seed))

@@ -6,8 +6,10 @@ import os
 import pathlib
 import re
 
+import models
 import pytest
 import torch
+import transformers
 
 import remat
 from remat import policies
@@ -188,6 +190,60 @@ def test_keyword_argument_leaf_that_is_not_static():
 def test_trace_names_itself_for_a_bad_argument():
     with pytest.raises(TypeError, match=r"remat\.trace: the argument at args\[1\] is a object"):
         remat.trace(lambda x, y: x.sin(), _randn(3), object())
+
+
+def test_transformers_cache_passed_to_a_checkpointed_layer_names_use_cache_false():
+    model = models.hf_model("llama")
+    layer = remat.checkpoint(model.model.layers[0])
+    hidden = torch.randn(2, 8, 32, dtype=DTYPE, requires_grad=True)
+    positions = model.model.rotary_emb(hidden, position_ids=torch.arange(8)[None])
+    cache = transformers.DynamicCache(config=model.config)
+    message = (
+        r"remat\.checkpoint: the argument at kwargs\['cache'\] is a DynamicCache, a transformers key/value cache, "
+        r"which remat cannot trace through"
+    )
+    with pytest.raises(TypeError, match=message) as info:
+        layer(hidden, position_embeddings=positions, cache=cache, use_cache=True)
+    assert "call the model with `use_cache=False`" in str(info.value)
+    assert "remat.checkpoint_modules(model, transformers.GradientCheckpointingLayer" in str(info.value)
+
+
+def test_checkpoint_modules_refuses_a_cache_that_already_holds_tokens():
+    model = remat.checkpoint_modules(models.hf_model("llama"), transformers.GradientCheckpointingLayer)
+    input_ids = models.hf_input_ids(seq=8)
+    with torch.no_grad():  # no gradients: the layers run as written and fill the cache with a 5-token prefix
+        cache = model(input_ids[:, :5], use_cache=True).cache
+    with pytest.raises(
+        ValueError,
+        match=r"remat\.checkpoint_modules: LlamaDecoderLayer at 'model\.layers\.0' was called, while gradients are "
+        r"recorded, with a key/value cache \(DynamicCache at kwargs\['cache'\]\) that already holds 5 token\(s\) "
+        r"for this layer\.",
+    ) as info:
+        model(input_ids[:, 5:], cache=cache, labels=input_ids[:, 5:])
+    assert "call the model with `use_cache=False` and no cache (`cache=None`)" in str(info.value)
+    assert "run under `torch.no_grad()`" in str(info.value)
+
+
+def test_checkpoint_modules_refuses_transformers_own_gradient_checkpointing():
+    model = models.hf_model("llama")
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    message = (
+        r"remat\.checkpoint_modules: LlamaDecoderLayer at 'model\.layers\.0' has transformers' own gradient "
+        r"checkpointing on \(`gradient_checkpointing=True` on LlamaDecoderLayer\), which would checkpoint it a "
+        r"second time.*Turn it off on the model first with `model\.gradient_checkpointing_disable\(\)`"
+    )
+    with pytest.raises(ValueError, match=message):
+        remat.checkpoint_modules(model, transformers.GradientCheckpointingLayer)
+
+
+def test_checkpoint_modules_refuses_transformers_checkpointing_turned_on_afterwards():
+    model = remat.checkpoint_modules(models.hf_model("llama"), transformers.GradientCheckpointingLayer)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    input_ids = models.hf_input_ids()
+    with pytest.raises(ValueError, match=r"has transformers' own gradient checkpointing on"):
+        model(input_ids, labels=input_ids, use_cache=False)
 
 
 @pytest.mark.parametrize(
