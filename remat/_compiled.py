@@ -73,7 +73,8 @@ def compile_programs(programs: Programs, options: Mapping[str, Any]) -> Compiled
         raise ValueError(
             "remat.checkpoint: compile={..., 'fullgraph': True} cannot compile a function with random calls that "
             "are replayed: remat runs them outside the compiled graphs, with the generator states it keeps. "
-            "Leave fullgraph unset, or save the random calls (e.g. `policy | (lambda call: call.is_random)`)."
+            "Leave fullgraph unset, or save the random calls: "
+            "`policy=remat.policies.save_any_of(policy, lambda call: call.is_random)`."
         )
     return CompiledPrograms(
         forward=torch.compile(_random_calls_eager(programs.forward), **options),

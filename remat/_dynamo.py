@@ -170,16 +170,34 @@ class _RecomputeTags:
             if op in _ALLOCATIONS:  # an empty tensor an op of the region fills in place: not in the trace
                 return CheckpointPolicy.PREFER_RECOMPUTE
             expected = self.calls[position].name if position < len(self.calls) else "the end of the trace"
-            raise TraceError(
+            raise TraceError(  # each way out named here is tested: see NOTE [regions that differ from the trace]
                 f"{self.checkpointed!r} under torch.compile: call {position} of the compiled region is {op}, "
                 f"but remat's trace of the function has {expected} there, so remat cannot tell the compiler which "
-                "calls to save. Call the function outside the compiled region "
-                "(`torch.compiler.disable`), or compile remat's own programs with "
-                "`remat.checkpoint(fn, policy=..., compile=True)`."
+                "calls to save. The function runs other calls while torch.compile traces it than when remat "
+                "does (a branch on `torch.compiler.is_dynamo_compiling()`, say): make it run the same calls in "
+                "both. Or keep this checkpoint out of the compiled graph: wrap the checkpointed function in "
+                "`torch.compiler.disable` (a graph break, so not with `fullgraph=True`), or leave the model "
+                "uncompiled and compile only remat's programs with `compile=True` on `remat.checkpoint` or "
+                "`remat.checkpoint_modules`. Inside a compiled model `compile=True` changes nothing: the model's "
+                "compilation takes over."
             )
         decision = self.decisions[position]
         self.positions[recompute] = position + 1
         return CheckpointPolicy.MUST_SAVE if decision is Decision.SAVE else CheckpointPolicy.MUST_RECOMPUTE
+
+
+# NOTE [regions that differ from the trace]
+# When the compiled region's calls and remat's trace part ways, remat refuses
+# to guess, and the error names only ways out that work, each tested in
+# tests/test_compile.py: making the function run the same calls in both; a
+# `torch.compiler.disable` around the checkpointed function (Dynamo leaves the
+# call to eager execution, where remat traces and runs it as usual, so the
+# model compiles around it unless `fullgraph=True`); or an uncompiled model
+# whose checkpoints compile remat's own programs (`compile=True`), where
+# Dynamo sees remat's graphs, never the function. A `compile=` argument on a
+# checkpoint inside a compiled model is not a way out: while Dynamo traces the
+# model, the checkpoint becomes a region of the model's graph (see NOTE
+# [checkpoints inside torch.compile]) and its own compilation never runs.
 
 
 # Allocations the region makes for an op that then fills them in place (training-mode batch norm

@@ -1,7 +1,8 @@
 """Small deterministic models and input builders shared by the tests.
 
-Everything is float64 on CPU, has no dropout and no BatchNorm, so a model is a
-pure function of its inputs and parameters: running it twice gives identical
+Everything is float64 on CPU and has no dropout, so a model is a pure function
+of its inputs and parameters (and, for the vision models with BatchNorm, of its
+running statistics, which training updates): running it twice gives identical
 results, and checkpointed runs can be compared exactly with eager ones.
 """
 
@@ -17,10 +18,14 @@ from torch import nn
 
 __all__ = [
     "DTYPE",
+    "BasicBlock",
+    "DepthwiseSeparable",
     "GPT2Block",
+    "InvertedResidual",
     "Pair",
     "conv_input",
     "conv_net",
+    "efficientnet_like",
     "gpt2_input",
     "hf_input_ids",
     "hf_model",
@@ -30,6 +35,8 @@ __all__ = [
     "pytree_fn",
     "pytree_inputs",
     "randn",
+    "resnet18_like",
+    "vision_input",
 ]
 
 DTYPE = torch.float64
@@ -147,6 +154,178 @@ def conv_net(*, seed: int = 0) -> nn.Sequential:
 
 def conv_input(batch: int = 2, *, seed: int = 1, requires_grad: bool = True) -> torch.Tensor:
     return randn(batch, 1, 8, 8, seed=seed, requires_grad=requires_grad)
+
+
+# --- Vision models with BatchNorm ----------------------------------------------------------------
+# Local replicas of torchvision's ResNet `BasicBlock` and timm's EfficientNet blocks, op for op
+# (in-place ReLU and `out += identity` included), for torch releases where torchvision and timm
+# cannot be imported. tests/test_compile_vision.py runs the real ones too where they import.
+
+
+def _vision_seeded(module: nn.Module, seed: int) -> nn.Module:
+    """`module` in float64 with its default initialization drawn from `seed` (the global RNG is left
+    as it was), and BatchNorm weights and biases moved off 1 and 0 so that their gradients differ."""
+    generator = make_generator(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for submodule in module.modules():
+            if isinstance(submodule, (nn.Conv2d, nn.Linear)):
+                submodule.reset_parameters()
+    module = module.to(DTYPE)
+    with torch.no_grad():
+        for submodule in module.modules():
+            if isinstance(submodule, nn.BatchNorm2d):
+                submodule.weight.add_(0.1 * torch.randn(submodule.weight.shape, generator=generator, dtype=DTYPE))
+                submodule.bias.add_(0.1 * torch.randn(submodule.bias.shape, generator=generator, dtype=DTYPE))
+    return module
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet `BasicBlock`: conv3x3-BN-ReLU-conv3x3-BN, plus the identity (or a
+    downsampling conv1x1-BN), then ReLU; in-place ReLU and addition as torchvision writes them."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class _ResNet(nn.Module):
+    def __init__(self, width: int, num_classes: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        stages, inplanes = [], width
+        for i in range(4):  # ResNet-18: four stages of two blocks, the last three downsampling
+            planes, stride = width * 2**i, 1 if i == 0 else 2
+            downsample = None
+            if stride != 1 or inplanes != planes:
+                downsample = nn.Sequential(
+                    nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes)
+                )
+            stages.append(nn.Sequential(BasicBlock(inplanes, planes, stride, downsample), BasicBlock(planes, planes)))
+            inplanes = planes
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(inplanes, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet18_like(width: int = 8, num_classes: int = 10, *, seed: int = 0) -> nn.Module:
+    """torchvision's ResNet-18 (stem, four stages of two `BasicBlock`s, pool, fc) at a small width."""
+    return _vision_seeded(_ResNet(width, num_classes), seed)
+
+
+class _SqueezeExcite(nn.Module):
+    """timm's `SqueezeExcite`: global mean, conv1x1-SiLU-conv1x1, sigmoid gate."""
+
+    def __init__(self, channels: int, reduced: int):
+        super().__init__()
+        self.conv_reduce = nn.Conv2d(channels, reduced, 1)
+        self.act1 = nn.SiLU(inplace=True)
+        self.conv_expand = nn.Conv2d(reduced, channels, 1)
+        self.gate = nn.Sigmoid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.conv_expand(self.act1(self.conv_reduce(x.mean((2, 3), keepdim=True))))
+        return x * self.gate(scale)
+
+
+class _BatchNormAct(nn.BatchNorm2d):
+    """timm's `BatchNormAct2d`: BatchNorm, then an optional in-place SiLU."""
+
+    def __init__(self, channels: int, act: bool = True):
+        super().__init__(channels)
+        self.act = nn.SiLU(inplace=True) if act else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(x))
+
+
+class DepthwiseSeparable(nn.Module):
+    """timm's `DepthwiseSeparableConv` (EfficientNet-B0's first stage): depthwise conv-BN-SiLU,
+    squeeze-excitation, pointwise conv-BN, residual when shapes allow (DropPath off)."""
+
+    def __init__(self, in_chs: int, out_chs: int, kernel: int = 3, stride: int = 1):
+        super().__init__()
+        self.has_skip = stride == 1 and in_chs == out_chs
+        self.conv_dw = nn.Conv2d(in_chs, in_chs, kernel, stride, kernel // 2, groups=in_chs, bias=False)
+        self.bn1 = _BatchNormAct(in_chs)
+        self.se = _SqueezeExcite(in_chs, max(1, in_chs // 4))
+        self.conv_pw = nn.Conv2d(in_chs, out_chs, 1, bias=False)
+        self.bn2 = _BatchNormAct(out_chs, act=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut = x
+        x = self.bn2(self.conv_pw(self.se(self.bn1(self.conv_dw(x)))))
+        return x + shortcut if self.has_skip else x
+
+
+class InvertedResidual(nn.Module):
+    """timm's `InvertedResidual` (the MBConv block of EfficientNet): pointwise expansion conv-BN-SiLU,
+    depthwise conv-BN-SiLU, squeeze-excitation, pointwise projection conv-BN, residual when shapes
+    allow (DropPath off)."""
+
+    def __init__(self, in_chs: int, out_chs: int, kernel: int = 3, stride: int = 1, expansion: int = 6):
+        super().__init__()
+        mid_chs = in_chs * expansion
+        self.has_skip = stride == 1 and in_chs == out_chs
+        self.conv_pw = nn.Conv2d(in_chs, mid_chs, 1, bias=False)
+        self.bn1 = _BatchNormAct(mid_chs)
+        self.conv_dw = nn.Conv2d(mid_chs, mid_chs, kernel, stride, kernel // 2, groups=mid_chs, bias=False)
+        self.bn2 = _BatchNormAct(mid_chs)
+        self.se = _SqueezeExcite(mid_chs, max(1, in_chs // 4))  # timm reduces from the block's input width
+        self.conv_pwl = nn.Conv2d(mid_chs, out_chs, 1, bias=False)
+        self.bn3 = _BatchNormAct(out_chs, act=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut = x
+        x = self.se(self.bn2(self.conv_dw(self.bn1(self.conv_pw(x)))))
+        x = self.bn3(self.conv_pwl(x))
+        return x + shortcut if self.has_skip else x
+
+
+def efficientnet_like(num_classes: int = 10, *, seed: int = 0) -> nn.Module:
+    """An EfficientNet-B0-shaped net, shortened: stem conv-BN-SiLU, a `DepthwiseSeparable` block,
+    `InvertedResidual` blocks (stride 2, kernel 5, with and without the residual), head, pool, fc."""
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False),
+        _BatchNormAct(8),
+        DepthwiseSeparable(8, 8),
+        InvertedResidual(8, 12, stride=2),
+        InvertedResidual(12, 12, kernel=5),
+        nn.Conv2d(12, 32, 1, bias=False),
+        _BatchNormAct(32),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, num_classes),
+    )
+    return _vision_seeded(net, seed)
+
+
+def vision_input(batch: int = 2, size: int = 64, *, seed: int = 1, requires_grad: bool = False) -> torch.Tensor:
+    """Images for the vision models (64x64: ResNet-18's last stage still sees 2x2 per image, so
+    training-mode BatchNorm normalizes over more than two values)."""
+    return randn(batch, 3, size, size, seed=seed, requires_grad=requires_grad)
 
 
 # --- A function of pytrees -----------------------------------------------------------------------
