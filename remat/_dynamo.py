@@ -144,6 +144,13 @@ def _selective_contexts(key: int, signature: tuple[Any, ...]) -> tuple[Any, Any]
     with disable_current_modes(), unset_fake_temporarily(), torch.enable_grad():
         args, kwargs = _example(signature)
         _, entry, _, _ = checkpointed._lookup(flatten_args("remat.checkpoint", args, kwargs))
+    if entry.joint.value_checks:  # traced for the values of made-up example inputs: NOTE [values Python reads]
+        raise TraceError(
+            f"{checkpointed!r} under torch.compile: the function reads the value of a tensor in Python, which "
+            "remat traces for the values it reads, and inside a compiled model it sees no values. Wrap the "
+            "checkpointed function in `torch.compiler.disable` (a graph break: the compiled model calls it "
+            "eagerly, where remat traces and checks values as usual), or leave the model uncompiled."
+        )
     decisions = entry.executable.programs.decisions
     return create_selective_checkpoint_contexts(_RecomputeTags(checkpointed, tuple(entry.joint.trace), decisions))
 

@@ -473,3 +473,23 @@ def test_batch_norm_blocks_train_inside_a_compiled_model(policy: Any) -> None:
         torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
     for (name, ours), theirs in zip(model.named_buffers(), eager.buffers(), strict=True):
         torch.testing.assert_close(ours, theirs, msg=name)  # running statistics, batches tracked
+
+
+def _reads_values(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for row in (x > 0).any(dim=1).nonzero():  # reads which rows: NOTE [values Python reads]
+        row = row[0]
+        out = out.index_add(0, row[None], x[row][None].sin())
+    return out
+
+
+def test_a_function_that_reads_values_inside_a_compiled_model_names_the_way_out() -> None:
+    checkpointed = remat.checkpoint(_reads_values)
+    x = models.randn(4, 3, seed=3)
+    with pytest.raises(remat.TraceError, match=r"reads the value of a tensor in Python.*`torch.compiler.disable`"):
+        torch.compile(lambda x: checkpointed(x * 2).sum(), backend="aot_eager")(x)
+    torch._dynamo.reset()
+    disabled = torch.compiler.disable(checkpointed)
+    assert_same_outputs_and_grads(
+        lambda x: _reads_values(x * 2).sum(), torch.compile(lambda x: disabled(x * 2).sum(), backend="aot_eager"), [x]
+    )
