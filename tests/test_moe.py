@@ -108,9 +108,10 @@ def test_moe_models_train_like_eager_in_their_default_configuration(name: str, p
     assert_trains_like_eager(name, "grouped_mm", torch.float32, POLICIES[policy], steps=2)
 
 
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
 @pytest.mark.parametrize("name", MOE_CONFIGS)
-def test_moe_models_train_like_eager_in_bfloat16(name: str) -> None:
-    assert_trains_like_eager(name, "grouped_mm", torch.bfloat16, policies.save_nothing)
+def test_moe_models_train_like_eager_in_bfloat16(name: str, experts: str) -> None:
+    assert_trains_like_eager(name, experts, torch.bfloat16, policies.save_nothing)
 
 
 @pytest.mark.parametrize("name", MOE_CONFIGS)
