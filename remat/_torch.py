@@ -266,7 +266,8 @@ def insert_value_checks(graph_module: Any, shape_env: ShapeEnv) -> tuple[set[str
     """Put the runtime assertions `shape_env` noted into the graph, each right after the node that
     binds its symbols (as `aten._assert_scalar` calls). Return the names of the int symbols they are
     about, and of the float ones with the user's line that made each: torch's pass leaves out
-    assertions about floats, and about symbols no node of the graph binds."""
+    assertions about floats (or, before 2.13, fails on them: with floats it is not run), and about
+    symbols no node of the graph binds."""
     ints: set[str] = set()
     floats: dict[str, str | None] = {}
     for asserts in shape_env.deferred_runtime_asserts.values():
@@ -276,7 +277,8 @@ def insert_value_checks(graph_module: Any, shape_env: ShapeEnv) -> tuple[set[str
                     floats[str(symbol)] = _user_line(shape_env.var_to_stack.get(symbol))
                 else:
                     ints.add(str(symbol))
-    insert_deferred_runtime_asserts(graph_module, shape_env, "remat")
+    if not floats:
+        insert_deferred_runtime_asserts(graph_module, shape_env, "remat")
     return ints, floats
 
 
