@@ -282,7 +282,7 @@ def _discover(
         fake = _fake_like(fake_mode, tensor)
         if _requires_grad(tensor):
             with fake_mode, torch.enable_grad():
-                fake = fake.requires_grad_().clone()  # not a leaf: see NOTE [in-place updates of ...]
+                fake = fake.requires_grad_().clone()  # see NOTE [in-place updates of differentiable inputs]
         fakes.append(fake)
     versions = [version_counter(fake) for fake in fakes]
     histories = [fake.grad_fn for fake in fakes]
@@ -391,7 +391,7 @@ def _trace(
                             [inputs[i] for i in wrt],
                             [FunctionalTensor.to_functional(t) for t in tangents],
                             allow_unused=True,
-                            create_graph=True,  # differentiable: see NOTE [higher-order derivatives]
+                            create_graph=True,  # differentiable: see NOTE [differentiating the forward again]
                         )
             for primal, value in zip(primals, functional, strict=True):
                 sync(value)
