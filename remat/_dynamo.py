@@ -48,11 +48,6 @@ __all__ = ["call_under_dynamo", "register"]
 _CHECKPOINTED: weakref.WeakValueDictionary[int, Checkpointed[Any, Any]] = weakref.WeakValueDictionary()
 _keys = itertools.count()
 
-_VIEW_OPS = frozenset(
-    {torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default, torch.ops.aten.alias.default}
-)
-
-
 def register(checkpointed: Checkpointed[Any, Any]) -> int:
     """A key under which the selective-checkpoint context finds `checkpointed` again."""
     key = next(_keys)
