@@ -2,7 +2,6 @@
 
 from . import policies as policies
 from ._api import Checkpointed as Checkpointed
-from ._api import checkpoint as checkpoint
 from ._api import report as report
 from ._api import trace as trace
 from ._apply import checkpoint_modules as checkpoint_modules
@@ -13,6 +12,7 @@ from ._calls import Dataflow as Dataflow
 from ._calls import Decision as Decision
 from ._calls import TensorMeta as TensorMeta
 from ._calls import Trace as Trace
+from ._checkpoint import checkpoint as checkpoint
 from ._errors import TraceError as TraceError
 from ._module import CheckpointedModule as CheckpointedModule
 from ._pareto import Pareto as Pareto

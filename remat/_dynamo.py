@@ -9,7 +9,7 @@ import functools
 import itertools
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.checkpoint import (
@@ -24,8 +24,17 @@ from ._pytree import _is_static, flatten_args
 from ._torch import SAC_BYPASSES_HOOKS, disable_current_modes, op_schema, overload_name, unset_fake_temporarily
 from ._trace import is_free_op
 
-if TYPE_CHECKING:
-    from ._api import Checkpointed
+
+class Checkpointed(Protocol):
+    """What this module needs of a checkpointed function (`remat.Checkpointed`, which calls into here)."""
+
+    __wrapped__: Any
+    _compile_key: int
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def _lookup(self, flat: Any, tried: Sequence[Any] = ()) -> tuple[Any, Any, list[torch.Tensor], bool]: ...
+
 
 __all__ = ["call_under_dynamo", "register"]
 
@@ -45,17 +54,18 @@ __all__ = ["call_under_dynamo", "register"]
 # aside as a Trace leaves them; if they ever differ, the region is not
 # guessed at: tracing stops with an error.
 
-_CHECKPOINTED: weakref.WeakValueDictionary[int, Checkpointed[Any, Any]] = weakref.WeakValueDictionary()
+_CHECKPOINTED: weakref.WeakValueDictionary[int, Checkpointed] = weakref.WeakValueDictionary()
 _keys = itertools.count()
 
-def register(checkpointed: Checkpointed[Any, Any]) -> int:
+
+def register(checkpointed: Checkpointed) -> int:
     """A key under which the selective-checkpoint context finds `checkpointed` again."""
     key = next(_keys)
     _CHECKPOINTED[key] = checkpointed
     return key
 
 
-def call_under_dynamo(checkpointed: Checkpointed[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def call_under_dynamo(checkpointed: Checkpointed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What Dynamo traces in place of a checkpointed call. See NOTE [checkpoints inside torch.compile]."""
     signature = _signature((args, kwargs))
     if signature is None:  # a container Dynamo cannot hand over as constants: run remat outside the graph
@@ -72,7 +82,7 @@ def call_under_dynamo(checkpointed: Checkpointed[Any, Any], args: tuple[Any, ...
 
 
 @torch.compiler.disable
-def _outside_the_graph(checkpointed: Checkpointed[Any, Any], *args: Any, **kwargs: Any) -> Any:
+def _outside_the_graph(checkpointed: Checkpointed, *args: Any, **kwargs: Any) -> Any:
     return checkpointed(*args, **kwargs)
 
 

@@ -7,6 +7,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import policies
+from ._api import trace as trace_of
 from ._calls import Decision, Trace, format_bytes
 from ._dataflow import evaluate
 from ._decide import is_collective
@@ -142,9 +144,6 @@ def pareto(
     >>> [p.replay_flops for p in curve.curve][::10]  # 0, 4000 and 8000 bytes: two, one, no sins replayed
     [2000, 1000, 0]
     """
-    from . import policies
-    from ._api import trace as trace_of
-
     trace = trace_of(fn, *args, **kwargs)
     everything = _point("save_everything", trace, set(range(len(trace))), device)
     nothing = _point("save_nothing", trace, set(), device)

@@ -10,8 +10,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from ._calls import Call, Decision, TensorMeta, Trace
+from ._policy import Policy
 from ._torch import op_schema
-from .policies import Policy
 
 __all__ = ["from_sac"]
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from . import policies as _policies
-from ._api import checkpoint as _remat_checkpoint
 from ._calls import Call, Decision, Trace
+from ._checkpoint import checkpoint as _remat_checkpoint
 from ._torch import import_jvp_decompositions
 
 __all__ = [

@@ -1,0 +1,44 @@
+"""The shape of the package: remat's modules import one another without a loop."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "remat"
+
+
+def _imports() -> dict[str, set[str]]:
+    """Each module of remat -> the modules of remat it imports, anywhere in its code."""
+    modules = {path.stem for path in PACKAGE.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.glob("*.py"):
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module.split(".")[0]] if node.module else [alias.name for alias in node.names]
+                imported.update(name for name in names if name in modules)
+        graph[path.stem] = imported - {path.stem}
+    return graph
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = _imports()
+    assert len(graph) > 30 and sum(map(len, graph.values())) > 50
+    loops = []
+    for start in graph:
+        stack = [(start, (start,))]
+        while stack:
+            module, path = stack.pop()
+            for imported in graph[module]:
+                if imported == start:
+                    loops.append(path)
+                elif imported not in path:
+                    stack.append((imported, (*path, imported)))
+    assert not loops, f"import loops: {sorted(set(loops))[:5]}"
+
+
+def test_the_policies_and_the_public_entry_points_sit_on_top() -> None:
+    graph = _imports()
+    assert "_checkpoint" not in set().union(*(graph[m] for m in graph if m not in ("__init__", "testing")))
+    assert "_api" not in graph["_dynamo"]  # the compile integration reaches a checkpoint through a Protocol
