@@ -42,3 +42,27 @@ def test_the_policies_and_the_public_entry_points_sit_on_top() -> None:
     graph = _imports()
     assert "_checkpoint" not in set().union(*(graph[m] for m in graph if m not in ("__init__", "testing")))
     assert "_api" not in graph["_dynamo"]  # the compile integration reaches a checkpoint through a Protocol
+
+
+def _layers() -> dict[str, int]:
+    """Each module -> its layer, from the table of docs/architecture.md."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    layers: dict[str, int] = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].isdigit():
+            for module in cells[2].split(","):
+                layers[module.strip().strip("`")] = int(cells[0])
+    return layers
+
+
+def test_each_module_imports_only_from_its_layer_or_above() -> None:
+    graph, layers = _imports(), _layers()
+    assert set(layers) == set(graph), "docs/architecture.md must place every module of remat in one layer"
+    upward = sorted(
+        (module, imported)
+        for module, imported_modules in graph.items()
+        for imported in imported_modules
+        if layers[imported] > layers[module]
+    )
+    assert not upward, f"imports from a later layer than the importer's: {upward}"
