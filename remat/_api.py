@@ -14,7 +14,7 @@ import optree
 import torch
 
 from . import _rng
-from ._cache import CacheInfo, LRUCache, ambient_key, tensor_key
+from ._cache import CacheInfo, LRUCache, SignatureKey, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
 from ._compiled import compile_options, compile_programs
@@ -87,7 +87,7 @@ class Checkpointed(Generic[P, T]):
         self._compile_options = compile_options(compile)
         self._cache: LRUCache[list[_Entry]] = LRUCache(cache_size)
         self._roots: ModuleRoots | None = None
-        self._last_key: Any = None  # the signature last traced, to explain a retrace
+        self._last_key: SignatureKey | None = None  # the signature last traced, to explain a retrace
         self._bound: weakref.WeakKeyDictionary[Any, Checkpointed[Any, Any]] = weakref.WeakKeyDictionary()
         self._compile_key = register(self)
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
@@ -151,12 +151,16 @@ class Checkpointed(Generic[P, T]):
             self._roots = find_module_roots(self.__wrapped__)
         return self._roots
 
-    def _lookup(self, flat: FlatArgs, tried: Sequence[_Entry] = ()) -> tuple[Any, _Entry, list[torch.Tensor], bool]:
+    def _lookup(
+        self, flat: FlatArgs, tried: Sequence[_Entry] = ()
+    ) -> tuple[SignatureKey, _Entry, list[torch.Tensor], bool]:
         """The cache key of `flat`, a trace for it (not one of `tried`), the closed-over tensors to
         call it with, and whether it was traced just now."""
         roots = self.roots
         forward_mode = forward_mode_active()
-        key = (flat.static_key(), tuple(map(tensor_key, flat.tensors)), ambient_key(roots.modules), forward_mode)
+        key = SignatureKey(
+            flat.static_key(), tuple(map(tensor_key, flat.tensors)), ambient_key(roots.modules), forward_mode
+        )
         entries = self._cache.get(key) or []
         for entry in entries:
             lifted = entry.fetch_if_valid()
@@ -173,14 +177,14 @@ class Checkpointed(Generic[P, T]):
         executable = _executable(joint, self.policy, forward_mode, self._compile_options)
         entry = _Entry(joint, executable, _guard(joint, lifted))
         if logger.isEnabledFor(logging.DEBUG):
-            signature = describe_signature(flat, key[1])
+            signature = describe_signature(flat, key.tensors)
             log_trace(repr(self), signature, time.perf_counter() - started, entry.executable.programs)
         self._last_key = key
         # A few variants per key (say, a closed-over module in train and eval mode); the oldest goes first.
         self._cache.put(key, [entry, *entries][:_VARIANTS_PER_KEY])
         return key, entry, lifted, True
 
-    def _prefer(self, key: Any, entry: _Entry) -> None:
+    def _prefer(self, key: SignatureKey, entry: _Entry) -> None:
         """Try `entry` first for `key` from now on (it is a trace specialized on values that held)."""
         self._cache.update(key, lambda entries: [entry, *(e for e in entries if e is not entry)])
 

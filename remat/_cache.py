@@ -59,9 +59,26 @@ def requires_grad_at_any_level(tensor: torch.Tensor) -> bool:
     return True
 
 
-def ambient_key(modules: Sequence[torch.nn.Module]) -> tuple[Any, ...]:
+class AmbientKey(NamedTuple):
+    """State outside the arguments that changes a trace."""
+
+    autocast: tuple[tuple[bool, torch.dtype], ...]  # (enabled, dtype) on CPU, then CUDA
+    autocast_cache: bool
+    training: tuple[bool, ...]  # the `training` flags of the modules found in the function
+
+
+class SignatureKey(NamedTuple):
+    """What a `remat.Checkpointed` caches a trace under: everything tracing depends on but values."""
+
+    static: Any  # the argument structure and non-tensor leaves (`FlatArgs.static_key()`)
+    tensors: tuple[Any, ...]  # one `tensor_key` per tensor argument
+    ambient: AmbientKey
+    forward_mode: bool  # traced for forward-mode AD too
+
+
+def ambient_key(modules: Sequence[torch.nn.Module]) -> AmbientKey:
     """State outside the arguments that changes a trace: autocast and `training` flags."""
-    return (
+    return AmbientKey(
         tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")),
         torch.is_autocast_cache_enabled(),
         tuple(module.training for module in modules),

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from ._cache import SignatureKey
 from ._calls import Decision, format_bytes
 from ._partition import Programs
 from ._pytree import FlatArgs
@@ -51,34 +52,30 @@ def describe_signature(flat: FlatArgs, tensor_keys: Sequence[tuple[Any, ...]]) -
     return ", ".join(parts) or "no arguments"
 
 
-def explain_retrace(old: Any, new: Any, flat: FlatArgs) -> list[str]:
+def explain_retrace(old: SignatureKey, new: SignatureKey, flat: FlatArgs) -> list[str]:
     """What differs between two signature keys, one line per difference."""
-    (old_static, old_tensors, old_ambient, old_forward), (new_static, new_tensors, new_ambient, new_forward) = old, new
-    if old_static != new_static:
-        old_spec, old_positions, old_leaves = old_static
-        new_spec, new_positions, new_leaves = new_static
-        if old_spec != new_spec or old_positions != new_positions:
-            return [f"the argument structure changed: {old_spec} -> {new_spec}"]
-        names = [n for i, n in enumerate(_leaf_names(flat)) if i not in set(new_positions)]
+    if old.static != new.static:
+        if old.static.spec != new.static.spec or old.static.tensor_positions != new.static.tensor_positions:
+            return [f"the argument structure changed: {old.static.spec} -> {new.static.spec}"]
+        names = [n for i, n in enumerate(_leaf_names(flat)) if i not in set(new.static.tensor_positions)]
         return [
             f"{name} changed: {old_leaf[1]!r} -> {new_leaf[1]!r}"
-            for name, old_leaf, new_leaf in zip(names, old_leaves, new_leaves, strict=True)
+            for name, old_leaf, new_leaf in zip(names, old.static.statics, new.static.statics, strict=True)
             if old_leaf != new_leaf
         ]
     changes = []
     names = _leaf_names(flat)
-    for position, old_key, new_key in zip(new_static[1], old_tensors, new_tensors, strict=True):
+    for position, old_key, new_key in zip(new.static.tensor_positions, old.tensors, new.tensors, strict=True):
         for field, before, after in zip(_TENSOR_FIELDS, old_key, new_key, strict=True):
             if before != after:
                 changes.append(f"{names[position]}.{field} changed: {_short(before)} -> {_short(after)}")
-    if old_ambient != new_ambient:
-        (old_autocast, old_cache, old_training), (new_autocast, new_cache, new_training) = old_ambient, new_ambient
-        if old_autocast != new_autocast or old_cache != new_cache:
-            changes.append(f"the autocast state changed: {old_autocast} -> {new_autocast}")
-        if old_training != new_training:
+    if old.ambient != new.ambient:
+        if old.ambient.autocast != new.ambient.autocast or old.ambient.autocast_cache != new.ambient.autocast_cache:
+            changes.append(f"the autocast state changed: {old.ambient.autocast} -> {new.ambient.autocast}")
+        if old.ambient.training != new.ambient.training:
             changes.append("a module's `training` flag changed (train() / eval())")
-    if old_forward != new_forward:
-        changes.append(f"forward-mode AD (jvp) {'started' if new_forward else 'stopped'}")
+    if old.forward_mode != new.forward_mode:
+        changes.append(f"forward-mode AD (jvp) {'started' if new.forward_mode else 'stopped'}")
     return changes or ["closed-over tensors (parameters, buffers) changed shape, dtype, device or requires_grad"]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -33,6 +33,14 @@ _STATIC_TYPES = (
 )
 
 
+class StaticKey(NamedTuple):
+    """The part of a signature key that the arguments' structure and non-tensor leaves make."""
+
+    spec: optree.PyTreeSpec
+    tensor_positions: tuple[int, ...]  # which leaves are tensors
+    statics: tuple[tuple[type, Any], ...]  # (type, value) of each other leaf
+
+
 @dataclasses.dataclass(frozen=True)
 class FlatArgs:
     """`(args, kwargs)` split into tensor leaves and a static remainder."""
@@ -52,9 +60,9 @@ class FlatArgs:
         args, kwargs = optree.tree_unflatten(self.spec, leaves)
         return tuple(args), dict(kwargs)
 
-    def static_key(self) -> tuple[Any, ...]:
+    def static_key(self) -> StaticKey:
         """Everything but the tensors' values that tracing depends on."""
-        return (self.spec, self.tensor_positions, tuple((type(s), s) for s in self.statics))
+        return StaticKey(self.spec, self.tensor_positions, tuple((type(s), s) for s in self.statics))
 
 
 def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FlatArgs:
