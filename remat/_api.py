@@ -22,6 +22,7 @@ from ._dataflow import with_dataflow
 from ._decide import decide_nested
 from ._dynamo import call_under_dynamo, register
 from ._errors import TraceError
+from ._execute import Executable, forward_mode_active, run
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import partition
 from ._peak import predict_peak
@@ -29,7 +30,6 @@ from ._pytree import FlatArgs, flatten_args
 from ._specialize import ValuesChanged
 from ._torch import functorch_active
 from ._trace import JointGraph, is_tracing, nested_checkpoint, trace_joint
-from ._vjp import Executable, forward_mode_active, run
 from .policies import save_nothing
 from .report import Report, ReportRow
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ._costs import tensor_nbytes
+from ._measure import tensor_nbytes
 from ._torch import OpOverload, size_bound
 
 __all__ = ["Call", "Dataflow", "Decision", "TensorMeta", "Trace", "Value"]

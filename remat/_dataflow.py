@@ -14,7 +14,7 @@ from torch import fx
 
 from . import _rng
 from ._calls import Dataflow, Decision, Value
-from ._costs import tensor_nbytes
+from ._measure import tensor_nbytes
 from ._partition import (
     _returned_outputs,
     _saved_bytes,

@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _rng
 from ._calls import Decision
-from ._costs import storage_nbytes, tensor_nbytes
+from ._measure import storage_nbytes, tensor_nbytes
 from ._programs import backward_program, device_of, epilogue, forward_program, pure_forward
 from ._trace import JointGraph, is_call, is_free, stops_gradient
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._costs import storage_nbytes
+from ._measure import storage_nbytes
 from ._partition import Programs, _storage, _tensors
 from ._trace import JointGraph
 from .report import Peak

@@ -1,7 +1,7 @@
 """The FX programs one partition runs: forward, backward, epilogue and the differentiable forward.
 
 Each is built from nodes of the joint graph and knows nothing of how it is
-called; `_partition` decides what goes in them, `_vjp` runs them.
+called; `_partition` decides what goes in them, `_execute` runs them.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from ._cache import requires_grad_at_any_level
 from ._calls import Call, TensorMeta, Trace
 from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode, variable_slots
 from ._contexts import autocast_disabled, outside_functorch, without_saved_tensors_hooks
-from ._costs import estimate_flops, output_nbytes
 from ._errors import TraceError, explain_tracing_errors
 from ._fidelity import EagerLayoutFakeMode, FunctionalModeKeepingChecks, eager_fidelity, kept_as_dead_code
+from ._measure import estimate_flops, output_nbytes
 from ._pytree import FlatArgs, flatten_outputs
 from ._rng import seeding_refused
 from ._specialize import CHECKS, check_coverage, check_value, checks_of, refuse_float_reads, use_remat_checks

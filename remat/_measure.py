@@ -1,4 +1,4 @@
-"""Cost estimates of one op call: FLOPs and bytes."""
+"""What one op call measures: its FLOPs and the bytes of its tensors (data-dependent sizes at their bound)."""
 
 from __future__ import annotations
 
