@@ -17,7 +17,7 @@ from torch import nn
 
 from ._api import DEFAULT_CACHE_SIZE, Checkpointed
 from ._cache import CacheInfo
-from ._caches import without_kv_caches
+from ._kv_caches import without_kv_caches
 
 __all__ = ["checkpoint_modules", "uncheckpoint_modules"]
 

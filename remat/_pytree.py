@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ._caches import is_kv_cache
+from ._kv_caches import is_kv_cache
 
 __all__ = ["NAMESPACE", "FlatArgs", "flatten_args", "flatten_outputs"]
 
