@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -182,15 +183,36 @@ class Trace(Sequence[Call]):
     ['aten.sin.default', 'aten.cos.default']
     """
 
-    def __init__(self, calls: Sequence[Call], dataflow: Dataflow | None = None):
+    def __init__(
+        self,
+        calls: Sequence[Call],
+        dataflow: Dataflow | None = None,
+        peak_of: Callable[[Sequence[Decision]], Any] | None = None,
+    ):
         self._calls = tuple(calls)
-        self.dataflow = dataflow
+        self._dataflow = dataflow
+        self._peak_of = peak_of
+        self._plans: dict[Any, Any] = {}  # planners' results, each solved once (see `plan_once`)
+        self._plans_lock = threading.RLock()
+
+    @property
+    def dataflow(self) -> Dataflow | None:
         """Who reads which value (for planners); None for a trace made of hand-picked calls."""
-        self.plans: dict[Any, Any] = {}
-        """Planners' results for this trace, by planner: computed once, with the trace."""
-        self.peak_of: Callable[[Sequence[Decision]], Any] | None = None
+        return self._dataflow
+
+    @property
+    def peak_of(self) -> Callable[[Sequence[Decision]], Any] | None:
         """The predicted `remat.Peak` of running the function under given decisions (for planners);
         None for a trace made of hand-picked calls."""
+        return self._peak_of
+
+    def plan_once(self, planner: Any, solve: Callable[[], Any]) -> Any:
+        """`planner`'s result for this trace: `solve()` the first time, the same result after (a trace
+        is shared by the threads that call one checkpointed function: they take turns)."""
+        with self._plans_lock:
+            if planner not in self._plans:
+                self._plans[planner] = solve()
+            return self._plans[planner]
 
     def __len__(self) -> int:
         return len(self._calls)

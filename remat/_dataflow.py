@@ -6,6 +6,7 @@ backward reads, which values each replayed call reads, what keeping each one cos
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from torch import fx
 
 from . import _rng
-from ._calls import Dataflow, Decision, Value
+from ._calls import Dataflow, Decision, Trace, Value
 from ._measure import tensor_nbytes
 from ._partition import (
     _returned_outputs,
@@ -36,9 +37,8 @@ __all__ = ["evaluate", "with_dataflow"]
 def with_dataflow(joint: JointGraph) -> JointGraph:
     """`joint`, its trace carrying what planners read: the graph's `Dataflow`, and the peak
     bytes of the programs any decisions give (`Trace.peak_of`)."""
-    joint.trace.dataflow = dataflow_of(joint)
-    joint.trace.peak_of = functools.partial(_peak_of, joint)
-    return joint
+    trace = Trace(joint.trace, dataflow_of(joint), functools.partial(_peak_of, joint))
+    return dataclasses.replace(joint, trace=trace)
 
 
 def _peak_of(joint: JointGraph, decisions: Sequence[Decision]) -> Peak:

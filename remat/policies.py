@@ -429,17 +429,21 @@ class Budget(Policy):
     def solve(self, trace: Trace) -> Plan:
         """The `Plan` for `trace`: decisions, bytes kept, replay cost, a lower bound on the
         optimal cost (the gap), and the solve time. Cached with the trace."""
-        from ._budget import InfeasibleBudget, InfeasiblePeak, solve, solve_peak  # scipy, on first use
-
         if trace.dataflow is None or (self.peak_bytes is not None and trace.peak_of is None):
             raise TypeError(
                 f"remat.policies.{self!r}: a budget plans over the dataflow of a whole trace, which this trace does "
                 "not carry (a budget inside a nested checkpoint, or a hand-made Trace). Use it on the outermost "
                 "checkpoint, or a per-call policy inside."
             )
-        if self not in trace.plans and self.peak_bytes is not None:
+        return trace.plan_once(self, lambda: self._solve(trace))
+
+    def _solve(self, trace: Trace) -> Plan:
+        from ._budget import InfeasibleBudget, InfeasiblePeak, solve, solve_peak  # scipy, on first use
+
+        assert trace.dataflow is not None
+        if self.peak_bytes is not None:
             try:
-                trace.plans[self] = solve_peak(trace, self.peak_bytes, self.cost, self.exact)
+                return solve_peak(trace, self.peak_bytes, self.cost, self.exact)
             except InfeasiblePeak as error:
                 raise ValueError(
                     f"remat.policies.{self!r}: no plan found peaks as low as {format_bytes(self.peak_bytes)} "
@@ -447,21 +451,19 @@ class Budget(Policy):
                     f"{format_bytes(error.lowest)} ({error.lowest:,} bytes). Raise the bound to at least that, "
                     "or checkpoint smaller pieces of the model."
                 ) from None
-        if self not in trace.plans:
-            budget = self.max_bytes
-            if budget is None:
-                everything = evaluate(trace.dataflow, set(range(len(trace))))[1]
-                budget = math.floor(self.fraction * everything)  # type: ignore[operator]
-            try:
-                trace.plans[self] = solve(trace, budget, self.cost, self.exact)
-            except InfeasibleBudget as error:
-                raise ValueError(
-                    f"remat.policies.{self!r}: no decisions keep as few as {format_bytes(budget)} ({budget:,} bytes) "
-                    f"for this trace; the fewest any keep is {format_bytes(error.minimum)} ({error.minimum:,} bytes: "
-                    "generator states of replayed random calls, and inputs the function overwrites). Raise the "
-                    "budget to at least that."
-                ) from None
-        return trace.plans[self]
+        budget = self.max_bytes
+        if budget is None:
+            everything = evaluate(trace.dataflow, set(range(len(trace))))[1]
+            budget = math.floor(self.fraction * everything)  # type: ignore[operator]
+        try:
+            return solve(trace, budget, self.cost, self.exact)
+        except InfeasibleBudget as error:
+            raise ValueError(
+                f"remat.policies.{self!r}: no decisions keep as few as {format_bytes(budget)} ({budget:,} bytes) "
+                f"for this trace; the fewest any keep is {format_bytes(error.minimum)} ({error.minimum:,} bytes: "
+                "generator states of replayed random calls, and inputs the function overwrites). Raise the "
+                "budget to at least that."
+            ) from None
 
     def _decide(self, call: Call) -> Decision:
         raise TypeError(
