@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _rng
 from ._calls import Decision
-from ._measure import storage_nbytes, tensor_nbytes
+from ._measure import storage_nbytes, tensor_nbytes, tensors_in
 from ._programs import backward_program, device_of, epilogue, forward_program, pure_forward
 from ._trace import JointGraph, is_call, is_free, stops_gradient
 
@@ -144,7 +144,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
 
     replayed_calls = tuple(sorted(call_index[n] for n in replayed if n in call_index))
     produced = [n for n in activations if n.op != "placeholder"] + [n for n in kept_values if n in position]
-    copies_bytes = sum(_nbytes(p) for p in activations if p.op == "placeholder")
+    copies_bytes = sum(tensor_nbytes(p.meta["val"]) for p in activations if p.op == "placeholder")
     rng_state_bytes = sum(_rng.state_nbytes(device_of(node)) for node in random_states)
     return Programs(
         forward=forward_program(
@@ -420,10 +420,6 @@ def mutated_inputs(joint: JointGraph, returned: Sequence[int]) -> set[fx.Node]:
     return mutated & set(joint.primals)
 
 
-def _nbytes(node: fx.Node) -> int:
-    return tensor_nbytes(node.meta["val"])
-
-
 # NOTE [kept inputs]
 # Backward reads inputs by reference: keeping them costs no memory. That is
 # only sound while nobody overwrites them before backward. The forward program
@@ -482,7 +478,7 @@ def _saved_bytes(activations: Sequence[fx.Node], primals: Sequence[fx.Node]) -> 
     inputs = {_storage(p.meta["val"]) for p in primals}
     storages: dict[Any, int] = {}
     for node in activations:
-        for value in _tensors(node.meta.get("val")):
+        for value in tensors_in(node.meta.get("val")):
             if _storage(value) not in inputs:
                 storages[_storage(value)] = storage_nbytes(value)
     return sum(storages.values())
@@ -490,11 +486,3 @@ def _saved_bytes(activations: Sequence[fx.Node], primals: Sequence[fx.Node]) -> 
 
 def _storage(tensor: torch.Tensor) -> Any:
     return StorageWeakRef(tensor.untyped_storage())
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [v for v in value if isinstance(v, torch.Tensor)]
-    return []

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._measure import storage_nbytes
-from ._partition import Programs, _storage, _tensors
+from ._measure import storage_nbytes, tensors_in
+from ._partition import Programs, _storage
 from ._trace import JointGraph
 from .report import Peak
 
@@ -39,7 +39,7 @@ __all__ = ["predict_peak"]
 
 def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
     """The peak bytes of running `programs`' forward, then its backward."""
-    inputs = {_storage(t) for p in joint.primals for t in _tensors(p.meta.get("val"))}
+    inputs = {_storage(t) for p in joint.primals for t in tensors_in(p.meta.get("val"))}
     forward = programs.forward
     forward_peak, after = _walk(forward.graph, inputs, _placeholder_values(forward.graph, joint.primals))
 
@@ -58,7 +58,7 @@ def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
     }
     for placeholder, tangent in zip(placeholders[len(programs.kept) :], joint.tangents, strict=False):
         handed_over[placeholder] = tangent.meta.get("val")
-    tangents = {_storage(t) for node in joint.tangents for t in _tensors(node.meta.get("val"))}  # the caller's
+    tangents = {_storage(t) for node in joint.tangents for t in tensors_in(node.meta.get("val"))}  # the caller's
     free = inputs | held | tangents
     backward_peak, at_end = _walk(backward.graph, free, handed_over)
     # A gradient that is the caller's memory (a tangent passed through), or a second gradient in one
@@ -121,15 +121,15 @@ def _walk(graph: fx.Graph, free_storages: set[Any], values: Mapping[fx.Node, Any
 def _allocated(node: fx.Node, values: Mapping[fx.Node, Any]) -> list[tuple[Any, int]]:
     """(storage, bytes) of each tensor `node` holds."""
     if node.op == "placeholder":
-        return [(_storage(t), _nbytes(t)) for t in _tensors(values.get(node))]
+        return [(_storage(t), storage_nbytes(t)) for t in tensors_in(values.get(node))]
     if "val" not in node.meta:
         if node.target is torch.ops.aten.clone.default:  # the forward's copy of an input it overwrites
             source = node.args[0]
             value = source.meta.get("val") if isinstance(source, fx.Node) else None
             value = value if value is not None else values.get(source)  # type: ignore[arg-type]
-            return [(node, _nbytes(t)) for t in _tensors(value)]
+            return [(node, storage_nbytes(t)) for t in tensors_in(value)]
         return []  # generator states and the tuples of random calls: counted apart
-    return [(_storage(t), _nbytes(t)) for t in _tensors(node.meta["val"])]
+    return [(_storage(t), storage_nbytes(t)) for t in tensors_in(node.meta["val"])]
 
 
 def _placeholder_values(graph: fx.Graph, nodes: Sequence[fx.Node]) -> dict[fx.Node, Any]:
@@ -139,7 +139,3 @@ def _placeholder_values(graph: fx.Graph, nodes: Sequence[fx.Node]) -> dict[fx.No
 
 def _output_node(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return storage_nbytes(tensor)
