@@ -214,13 +214,8 @@ def save_scopes(*names: str) -> Policy:
     >>> remat.policies.save_scopes("Square")
     save_scopes('Square')
     """
-    for name in names:
-        if not isinstance(name, str):
-            raise TypeError(
-                f"remat.policies.save_scopes: expected names of custom autograd.Functions or custom ops as strings "
-                f"(e.g. `save_scopes({type(name).__name__!r})` for a Function class), but got {name!r}."
-            )
-    return _SaveScopes(tuple(names))
+    expected = "names of custom autograd.Functions or custom ops as strings (`save_scopes('Square')` for a Function class `Square`)"
+    return _SaveScopes(_strings("save_scopes", names, expected))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -275,14 +270,18 @@ class _SaveTagged(Policy):
         return f"{name}({', '.join(map(repr, sorted(self.names)))})"
 
 
+def _strings(api: str, values: tuple[Any, ...], expected: str, *, non_empty: bool = False) -> tuple[str, ...]:
+    """`values`, refused with a TypeError naming `api` and what it `expected` unless each is a string
+    (a non-empty one, with `non_empty`)."""
+    for value in values:
+        if not isinstance(value, str) or (non_empty and not value):
+            raise TypeError(f"remat.policies.{api}: expected {expected}, but got {value!r}.")
+    return values
+
+
 def _check_names(api: str, names: tuple[Any, ...]) -> frozenset[str]:
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise TypeError(
-                f"remat.policies.{api}: expected the names given with `remat.tag(x, name)` as non-empty strings, "
-                f"but got {name!r}."
-            )
-    return frozenset(names)
+    expected = "the names given with `remat.tag(x, name)` as non-empty strings"
+    return frozenset(_strings(api, names, expected, non_empty=True))
 
 
 def save_tagged(*names: str) -> Policy:
@@ -350,13 +349,8 @@ def save_modules(*patterns: str) -> Policy:
     >>> [(call.module, remat.policies.save_modules("1", "2")(call)) for call in trace]
     [('0', remat.RECOMPUTE), ('1', remat.SAVE), ('2', remat.SAVE)]
     """
-    for pattern in patterns:
-        if not isinstance(pattern, str):
-            raise TypeError(
-                f"remat.policies.save_modules: expected qualified module names or glob patterns as strings "
-                f"(like 'layers.*.attn'), but got {pattern!r}."
-            )
-    return _SaveModules(tuple(patterns))
+    expected = "qualified module names or glob patterns as strings (like 'layers.*.attn')"
+    return _SaveModules(_strings("save_modules", patterns, expected))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
