@@ -9,6 +9,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
+from ._contexts import AUTOCAST_DEVICES
 from ._torch import is_functorch_wrapped, unwrap_level
 
 __all__ = ["CacheInfo", "LRUCache", "ambient_key", "requires_grad_at_any_level", "tensor_key"]
@@ -79,7 +80,7 @@ class SignatureKey(NamedTuple):
 def ambient_key(modules: Sequence[torch.nn.Module]) -> AmbientKey:
     """State outside the arguments that changes a trace: autocast and `training` flags."""
     return AmbientKey(
-        tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")),
+        tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES),
         torch.is_autocast_cache_enabled(),
         tuple(module.training for module in modules),
     )

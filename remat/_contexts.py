@@ -14,7 +14,10 @@ from ._torch import (
     temporarily_clear_interpreter_stack,
 )
 
-__all__ = ["autocast_disabled", "outside_functorch", "without_saved_tensors_hooks"]
+__all__ = ["AUTOCAST_DEVICES", "autocast_disabled", "outside_functorch", "without_saved_tensors_hooks"]
+
+# The device types whose autocast state a trace depends on (and programs run with turned off).
+AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 # NOTE [autocast is traced, not re-applied]
@@ -28,7 +31,7 @@ class autocast_disabled:
     __slots__ = ("enabled",)
 
     def __enter__(self) -> None:
-        self.enabled = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+        self.enabled = [device for device in AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
         for device in self.enabled:
             torch.set_autocast_enabled(device, False)
 

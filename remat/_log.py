@@ -17,7 +17,7 @@ from typing import Any
 from ._cache import SignatureKey
 from ._calls import Decision, format_bytes
 from ._partition import Programs
-from ._pytree import FlatArgs
+from ._pytree import FlatArgs, describe_path
 
 __all__ = ["describe_signature", "explain_retrace", "log_trace", "logger"]
 
@@ -27,11 +27,7 @@ _TENSOR_FIELDS = ("shape", "stride", "dtype", "device", "requires_grad", "layout
 
 
 def _leaf_names(flat: FlatArgs) -> list[str]:
-    names = []
-    for path in flat.spec.paths():
-        where, *rest = path
-        names.append(("args" if where == 0 else "kwargs") + "".join(f"[{part!r}]" for part in rest))
-    return names
+    return [describe_path(path) for path in flat.spec.paths()]
 
 
 def describe_signature(flat: FlatArgs, tensor_keys: Sequence[tuple[Any, ...]]) -> str:

@@ -11,7 +11,7 @@ import torch
 
 from ._kv_caches import is_kv_cache
 
-__all__ = ["NAMESPACE", "FlatArgs", "flatten_args", "flatten_outputs"]
+__all__ = ["NAMESPACE", "FlatArgs", "describe_path", "flatten_args", "flatten_outputs"]
 
 NAMESPACE = "remat"
 """optree namespace remat flattens with: register custom containers here or globally."""
@@ -76,7 +76,7 @@ def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Fla
         if isinstance(leaf, torch.Tensor):
             if leaf.layout != torch.strided:
                 path = optree.tree_paths(tree, none_is_leaf=False, namespace=NAMESPACE)[position]
-                raise TypeError(f"{api}: the argument at {_describe_path(path)} {_NOT_STRIDED.format(leaf.layout)}")
+                raise TypeError(f"{api}: the argument at {describe_path(path)} {_NOT_STRIDED.format(leaf.layout)}")
             tensors.append(leaf)
             positions.append(position)
         elif _is_static(leaf):
@@ -85,7 +85,7 @@ def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Fla
             path = optree.tree_paths(tree, none_is_leaf=False, namespace=NAMESPACE)[position]
             if is_kv_cache(leaf):  # see NOTE [key/value caches in checkpointed layers]
                 raise TypeError(
-                    f"{api}: the argument at {_describe_path(path)} is a {type(leaf).__qualname__}, a transformers "
+                    f"{api}: the argument at {describe_path(path)} is a {type(leaf).__qualname__}, a transformers "
                     "key/value cache, which remat cannot trace through: the layer would write its keys and values "
                     "into it (or read past ones from it) as a side effect. In training, call the model with "
                     "`use_cache=False` so that no cache is passed, or checkpoint the model's layers with "
@@ -93,7 +93,7 @@ def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Fla
                     "leaves an empty cache out of each layer's call, with a warning."
                 )
             raise TypeError(
-                f"{api}: the argument at {_describe_path(path)} is a {type(leaf).__qualname__}, which is neither a "
+                f"{api}: the argument at {describe_path(path)} is a {type(leaf).__qualname__}, which is neither a "
                 "tensor nor a static value (bool, int, float, str, enum, dtype, device, or a tuple of them). "
                 "Pass tensors as tensors and configuration as static values; a custom container must be "
                 f"registered as a pytree node with optree (namespace={NAMESPACE!r} or global)."
@@ -118,13 +118,13 @@ def flatten_outputs(out: Any) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"remat.checkpoint: the function returned a {_SYMBOLIC_NUMBERS.get(type(leaf), type(leaf).__qualname__)} at "
-                f"{_describe_path(path, root='output')}, but a checkpointed function must return a tensor or a "
+                f"{describe_path(path, root='output')}, but a checkpointed function must return a tensor or a "
                 "pytree (tuples, lists, dicts, namedtuples, registered dataclasses) of tensors and None. Return "
                 "non-tensor values from a function outside the checkpoint."
             )
         if leaf.layout != torch.strided:
             raise TypeError(
-                f"remat.checkpoint: the function's output at {_describe_path(path, root='output')} "
+                f"remat.checkpoint: the function's output at {describe_path(path, root='output')} "
                 + _NOT_STRIDED.format(leaf.layout)
             )
     return leaves, spec
@@ -138,7 +138,8 @@ _NOT_STRIDED = (
 )
 
 
-def _describe_path(path: tuple[Any, ...], root: str | None = None) -> str:
+def describe_path(path: tuple[Any, ...], root: str | None = None) -> str:
+    """`args[0]['w']` for the leaf at `path` of `(args, kwargs)`, or `root[...]` for one of another tree."""
     if root is None:  # argument paths start with 0 (positional) or 1 (keyword)
         kind, *rest = path
         if kind == 0:
