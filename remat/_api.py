@@ -33,7 +33,7 @@ from ._trace import JointGraph, is_tracing, nested_checkpoint, trace_joint
 from .policies import save_nothing
 from .report import Report, ReportRow
 
-__all__ = ["DEFAULT_CACHE_SIZE", "Checkpointed", "report", "trace"]
+__all__ = ["DEFAULT_CACHE_SIZE", "Checkpointed", "DelegatesToCheckpointed", "report", "trace"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -218,6 +218,26 @@ def _executable(
         output_metas=tuple(TensorMeta.of(o.meta["val"]) for o in joint.outputs),
         compiled=None if compile_options is None else compile_programs(programs, compile_options),
     )
+
+
+class DelegatesToCheckpointed:
+    """`policy`, `cache_info()` and `cache_clear()` of a wrapper whose `checkpointed` does the work
+    (a `CheckpointedModule`, the `forward` that `checkpoint_modules` installs)."""
+
+    checkpointed: Checkpointed[..., Any]
+
+    @property
+    def policy(self) -> Any:
+        """The policy this was checkpointed with."""
+        return self.checkpointed.policy
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses, traces and size of the trace cache."""
+        return self.checkpointed.cache_info()
+
+    def cache_clear(self) -> None:
+        """Forget every trace."""
+        self.checkpointed.cache_clear()
 
 
 def _joint_of(

@@ -15,8 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ._api import DEFAULT_CACHE_SIZE, Checkpointed
-from ._cache import CacheInfo
+from ._api import DEFAULT_CACHE_SIZE, Checkpointed, DelegatesToCheckpointed
 from ._kv_caches import without_kv_caches
 
 __all__ = ["checkpoint_modules", "uncheckpoint_modules"]
@@ -57,7 +56,7 @@ Which = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module
 # off, or the layer would be checkpointed a second time inside remat's trace.
 
 
-class _CheckpointedForward:
+class _CheckpointedForward(DelegatesToCheckpointed):
     """The instance attribute `forward` of a module checkpointed by `checkpoint_modules`."""
 
     def __init__(self, name: str, module: nn.Module, policy: Any, cache_size: int, compile: Any):
@@ -66,23 +65,11 @@ class _CheckpointedForward:
         self.replaced: Any = module.__dict__.get("forward", _NOTHING)  # an instance `forward` set before us
         self.checkpointed: Checkpointed[..., Any] = Checkpointed(module.forward, policy, cache_size, compile)
 
-    @property
-    def policy(self) -> Any:
-        return self.checkpointed.policy
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():  # remat checkpoints the call (without gradients, it runs as written)
             _refuse_transformers_checkpointing(self.name, self.module)
             args, kwargs = without_kv_caches(self.name, self.module, args, kwargs)
         return self.checkpointed(*args, **kwargs)
-
-    def cache_info(self) -> CacheInfo:
-        """Hits, misses, traces and size of this module's trace cache."""
-        return self.checkpointed.cache_info()
-
-    def cache_clear(self) -> None:
-        """Forget every trace of this module."""
-        self.checkpointed.cache_clear()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward:
         # A deep copy of a checkpointed model is checkpointed too, with the copy's own

@@ -6,13 +6,12 @@ from typing import Any
 
 from torch import nn
 
-from ._api import Checkpointed
-from ._cache import CacheInfo
+from ._api import Checkpointed, DelegatesToCheckpointed
 
 __all__ = ["CheckpointedModule"]
 
 
-class CheckpointedModule(nn.Module):
+class CheckpointedModule(DelegatesToCheckpointed, nn.Module):
     """An `nn.Module` checkpointed by `remat.checkpoint`: call it like the original.
 
     It shares the wrapped module's parameters, buffers and submodules (the same
@@ -44,25 +43,12 @@ class CheckpointedModule(nn.Module):
     def __wrapped__(self) -> nn.Module:
         return self.checkpointed.__wrapped__  # type: ignore[return-value]
 
-    @property
-    def policy(self) -> Any:
-        """The policy this module was checkpointed with."""
-        return self.checkpointed.policy
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.checkpointed(*args, **kwargs)
 
     def train(self, mode: bool = True) -> CheckpointedModule:
         self.__wrapped__.train(mode)
         return super().train(mode)
-
-    def cache_info(self) -> CacheInfo:
-        """Hits, misses, traces and size of the trace cache."""
-        return self.checkpointed.cache_info()
-
-    def cache_clear(self) -> None:
-        """Forget every trace."""
-        self.checkpointed.cache_clear()
 
     def extra_repr(self) -> str:
         return f"policy={self.policy!r}, module={type(self.__wrapped__).__name__}"
