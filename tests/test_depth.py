@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import models
 import pytest
@@ -13,6 +14,17 @@ import remat
 from remat import policies
 
 DEPTH = 1_500  # calls in a chain; Python's default recursion limit is 1,000 frames
+
+
+@pytest.fixture(autouse=True)
+def default_recursion_limit() -> Iterator[None]:
+    """Python's default limit, whatever an earlier test or library set (inductor raises it)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1_000)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def chain(x: torch.Tensor) -> torch.Tensor:
