@@ -14,6 +14,7 @@ import optree
 import torch
 
 from . import _rng
+from ._accounting import account, saved_calls
 from ._cache import CacheInfo, LRUCache, SignatureKey, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
@@ -178,7 +179,7 @@ class Checkpointed(Generic[P, T]):
         entry = _Entry(joint, executable, _guard(joint, lifted))
         if logger.isEnabledFor(logging.DEBUG):
             signature = describe_signature(flat, key.tensors)
-            log_trace(repr(self), signature, time.perf_counter() - started, entry.executable.programs)
+            log_trace(repr(self), signature, time.perf_counter() - started, joint.trace, executable.programs.decisions)
         self._last_key = key
         # A few variants per key (say, a closed-over module in train and eval mode); the oldest goes first.
         self._cache.put(key, [entry, *entries][:_VARIANTS_PER_KEY])
@@ -295,31 +296,31 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
     """
     joint, own_policy = _joint_of(fn, args, kwargs, "remat.report")
     policy = policy if policy is not None else own_policy
-    programs = partition(joint, decide_nested(policy, joint.trace, joint.regions))
-    replayed = set(programs.replayed_calls)
+    decisions = decide_nested(policy, joint.trace, joint.regions)
+    accounting = account(joint.trace, saved_calls(decisions))
     rows = []
     for call in joint.trace:
-        kept = programs.kept_by_call.get(call.index)
+        kept = accounting.kept_by_call.get(call.index)
         rows.append(
             ReportRow(
                 call,
-                programs.decisions[call.index],
+                decisions[call.index],
                 saved=kept is not None,
-                replayed=call.index in replayed,
-                rng_state_kept=call.index in programs.rng_state_calls,
+                replayed=call.index in accounting.replayed_calls,
+                rng_state_kept=call.index in accounting.rng_state_calls,
                 saved_bytes=kept.nbytes if kept else 0,
                 read_by=kept.read_by if kept else frozenset(),
             )
         )
     return Report(
-        saved_bytes=programs.saved_bytes,
-        rng_state_bytes=programs.rng_state_bytes,
-        recompute_flops=programs.recompute_flops,
-        replayed_calls=programs.replayed_calls,
+        saved_bytes=accounting.saved_bytes,
+        rng_state_bytes=accounting.rng_state_bytes,
+        recompute_flops=accounting.recompute_flops,
+        replayed_calls=accounting.replayed_calls,
         rows=tuple(rows),
         trace=joint.trace,
         policy=policy if policy is not None else save_nothing,
         nested_policies=tuple({id(p): p if p is not None else save_nothing for p, _ in joint.regions}.values()),
-        peak=predict_peak(joint, programs),
+        peak=predict_peak(joint, partition(joint, decisions)),
         value_checks=joint.value_checks,
     )

@@ -15,12 +15,12 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_array
 
+from ._accounting import Accounting, account
 from ._calls import Dataflow, Decision, Trace, Value
-from ._dataflow import evaluate
 from ._decide import is_collective
 from .costs import estimate_seconds, resolve_device
 
-__all__ = ["InfeasibleBudget", "InfeasiblePeak", "Plan", "evaluate", "minimum_bytes", "solve", "solve_peak"]
+__all__ = ["InfeasibleBudget", "InfeasiblePeak", "Plan", "minimum_bytes", "solve", "solve_peak"]
 
 # NOTE [the budget problem]
 # Choose SAVE (s_c = 1) or RECOMPUTE per call. Backward reads some values; a value
@@ -44,7 +44,7 @@ __all__ = ["InfeasibleBudget", "InfeasiblePeak", "Plan", "evaluate", "minimum_by
 #   sum(bytes_v k_v) + sum(state_c g_c) <= budget
 #
 # The exact mode solves it with HiGHS's branch and bound; the fast mode solves its
-# LP relaxation, rounds the saves, and repairs the result with `evaluate`, whose
+# LP relaxation, rounds the saves, and repairs the result with `_accounting.account`, whose
 # accounting is the partitioner's own. The LP optimum bounds the exact optimum from
 # below, so the fast mode reports how far from optimal it can at most be.
 
@@ -221,14 +221,14 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool) -> Plan:
         solution, milp_bound = program.solve(budget, integral=True, time_limit=FAST_TIME_LIMIT)
         bound = max(bound, milp_bound)
         if solution is None:
-            candidates.append(set(forced) | _round_and_repair(dataflow, costs, relaxed[: program.n], budget))
+            candidates.append(set(forced) | _round_and_repair(trace, costs, relaxed[: program.n], budget))
     if solution is not None:
         candidates.append({c for c in range(program.n) if solution[c] > 0.5})
     scored = []
     for saved in candidates:
-        replayed, kept = evaluate(dataflow, saved)
-        if kept <= budget:
-            scored.append((sum(costs[c] for c in replayed), len(saved), sorted(saved), kept))
+        accounting = account(trace, saved)
+        if accounting.saved_bytes <= budget:
+            scored.append((_cost(accounting, costs), len(saved), sorted(saved), accounting.saved_bytes))
     if not scored:
         raise InfeasibleBudget(minimum_bytes(trace))
     total, _, best, kept = min(scored)
@@ -241,38 +241,39 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool) -> Plan:
     )
 
 
-def _round_and_repair(dataflow: Dataflow, costs: Sequence[float], fractions: np.ndarray, budget: int) -> set[int]:
+def _round_and_repair(trace: Trace, costs: Sequence[float], fractions: np.ndarray, budget: int) -> set[int]:
     """Saves from the LP relaxation: try thresholds from high to low and keep the cheapest
     rounding within budget; then greedily add saves that lower the cost and still fit."""
     best: set[int] | None = None
     best_cost = math.inf
     for threshold in sorted({0.5, *(float(f) for f in fractions if f > 1e-6)}, reverse=True):
         saved = {c for c, f in enumerate(fractions) if f >= threshold - 1e-9}
-        replayed, kept = evaluate(dataflow, saved)
-        cost = sum(costs[c] for c in replayed)
-        if kept <= budget and cost < best_cost:
-            best, best_cost = saved, cost
+        kept = account(trace, saved)
+        if kept.saved_bytes <= budget and _cost(kept, costs) < best_cost:
+            best, best_cost = saved, _cost(kept, costs)
     if best is None:
         best = set()
-        replayed, kept = evaluate(dataflow, best)
-        if kept > budget:
-            raise InfeasibleBudget(kept)
-        best_cost = sum(costs[c] for c in replayed)
+        kept = account(trace, best)
+        if kept.saved_bytes > budget:
+            raise InfeasibleBudget(kept.saved_bytes)
+        best_cost = _cost(kept, costs)
     improved = True
     while improved:  # one more save at a time, the best cost per byte first
         improved = False
-        replayed, _ = evaluate(dataflow, best)
         options = []
-        for c in replayed:
-            candidate = best | {c}
-            new_replayed, kept = evaluate(dataflow, candidate)
-            cost = sum(costs[r] for r in new_replayed)
-            if kept <= budget and cost < best_cost:
-                options.append((cost, kept, c))
+        for c in account(trace, best).replayed_calls:
+            candidate = account(trace, best | {c})
+            if candidate.saved_bytes <= budget and _cost(candidate, costs) < best_cost:
+                options.append((_cost(candidate, costs), candidate.saved_bytes, c))
         if options:
             cost, _, c = min(options)
             best, best_cost, improved = best | {c}, cost, True
     return best
+
+
+def _cost(accounting: Accounting, costs: Sequence[float]) -> float:
+    """The replay cost of the calls `accounting` replays."""
+    return sum(costs[c] for c in accounting.replayed_calls)
 
 
 def minimum_bytes(trace: Trace) -> int:
@@ -281,14 +282,14 @@ def minimum_bytes(trace: Trace) -> int:
     assert dataflow is not None
     forced = frozenset(call.index for call in trace if is_collective(call))
     if not len(trace):
-        return evaluate(dataflow, set())[1]
+        return account(trace, set()).saved_bytes
     program = _Program(dataflow, [0.0] * len(trace), forced)
     objective = np.zeros(program.size)
     for j, a in program.budget_row.items():
         objective[j] = a
     solution, _ = program.solve(math.inf, integral=True, objective=objective)
     assert solution is not None
-    return evaluate(dataflow, {c for c in range(program.n) if solution[c] > 0.5})[1]
+    return account(trace, {c for c in range(program.n) if solution[c] > 0.5}).saved_bytes
 
 
 class InfeasibleBudget(ValueError):
@@ -321,9 +322,9 @@ def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool) -> Plan:
     started = time.perf_counter()
     costs = call_costs(trace, cost)
     forced = {call.index for call in trace if is_collective(call)}
-    low, high = minimum_bytes(trace), evaluate(dataflow, set(range(len(trace))))[1]
+    low, high = minimum_bytes(trace), account(trace, range(len(trace))).saved_bytes
     budgets = sorted({low + (high - low) * i // (PEAK_CANDIDATES - 1) for i in range(PEAK_CANDIDATES)})
-    candidates = [_plan_of(dataflow, costs, forced), _plan_of(dataflow, costs, set(range(len(trace))))]
+    candidates = [_plan_of(trace, costs, forced), _plan_of(trace, costs, set(range(len(trace))))]
     candidates += [solve(trace, budget, cost, exact) for budget in budgets]
     best: tuple[float, int, Plan] | None = None
     peaks: dict[tuple[Decision, ...], int] = {}  # candidates often repeat a plan: partition each once
@@ -342,11 +343,11 @@ def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool) -> Plan:
     )
 
 
-def _plan_of(dataflow: Dataflow, costs: Sequence[float], saved: set[int]) -> Plan:
-    replayed, kept = evaluate(dataflow, saved)
-    total = sum(costs[c] for c in replayed)
+def _plan_of(trace: Trace, costs: Sequence[float], saved: set[int]) -> Plan:
+    kept = account(trace, saved)
+    total = _cost(kept, costs)
     decisions = tuple(Decision.SAVE if c in saved else Decision.RECOMPUTE for c in range(len(costs)))
-    return Plan(decisions, kept, total, lower_bound=total, seconds=0.0)
+    return Plan(decisions, kept.saved_bytes, total, lower_bound=total, seconds=0.0)
 
 
 class InfeasiblePeak(ValueError):

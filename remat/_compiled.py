@@ -69,7 +69,7 @@ def compile_options(compile: Any) -> dict[str, Any] | None:
 
 
 def compile_programs(programs: Programs, options: Mapping[str, Any]) -> CompiledPrograms:
-    if options.get("fullgraph") and programs.rng_state_calls:
+    if options.get("fullgraph") and any(kept.rng_state for kept in programs.kept):
         raise ValueError(
             "remat.checkpoint: compile={..., 'fullgraph': True} cannot compile a function with random calls that "
             "are replayed: remat runs them outside the compiled graphs, with the generator states it keeps. "

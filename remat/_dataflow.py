@@ -16,22 +16,22 @@ from torch import fx
 from . import _rng
 from ._calls import Dataflow, Decision, Trace, Value
 from ._measure import tensor_nbytes
-from ._partition import (
-    _returned_outputs,
-    _saved_bytes,
-    _varying,
-    backward_nodes_of,
-    mutated_inputs,
-    needed_by_backward,
-    partition,
-    reads_any_value,
-)
+from ._partition import partition
 from ._peak import predict_peak
 from ._programs import device_of
+from ._rules import (
+    backward_nodes_of,
+    kept_bytes,
+    mutated_inputs,
+    needed_by_backward,
+    reads_any_value,
+    returned_outputs,
+    varying,
+)
 from ._trace import JointGraph
 from .report import Peak
 
-__all__ = ["evaluate", "with_dataflow"]
+__all__ = ["with_dataflow"]
 
 
 def with_dataflow(joint: JointGraph) -> JointGraph:
@@ -47,7 +47,7 @@ def _peak_of(joint: JointGraph, decisions: Sequence[Decision]) -> Peak:
 
 def dataflow_of(joint: JointGraph) -> Dataflow:
     call_index = {node: i for i, node in enumerate(joint.call_nodes)}
-    mutated = mutated_inputs(joint, _returned_outputs(joint))
+    mutated = mutated_inputs(joint, returned_outputs(joint))
     primal_index = {node: i for i, node in enumerate(joint.primals)}
     value_nodes: dict[Value, fx.Node] = {}
     resolved: dict[fx.Node, frozenset[Value]] = {}
@@ -90,7 +90,7 @@ def dataflow_of(joint: JointGraph) -> Dataflow:
         if node.target is operator.getitem and node.args[0] in call_index:
             values_read(node)
     nbytes = {
-        value: nbytes_of_input(joint, value) if node.op == "placeholder" else _saved_bytes([node], joint.primals)
+        value: nbytes_of_input(joint, value) if node.op == "placeholder" else kept_bytes([node], joint.primals)
         for value, node in value_nodes.items()
     }
 
@@ -98,8 +98,8 @@ def dataflow_of(joint: JointGraph) -> Dataflow:
     for node in mutated:
         value = (-1 - primal_index[node], 0)
         nbytes.setdefault(value, nbytes_of_input(joint, value))
-    varying = _varying(joint, forward_mode=False)
-    returned = {joint.outputs[i] for i in _returned_outputs(joint)}
+    with_derivative = varying(joint, forward_mode=False)
+    returned = {joint.outputs[i] for i in returned_outputs(joint)}
     return Dataflow(
         reads=reads,
         backward_reads=backward_reads,
@@ -107,7 +107,7 @@ def dataflow_of(joint: JointGraph) -> Dataflow:
         rng_state_nbytes=tuple(
             _rng.state_nbytes(device_of(node)) if node in random_calls else 0 for node in joint.call_nodes
         ),
-        varying=frozenset(v for v, node in value_nodes.items() if node in varying),
+        varying=frozenset(v for v, node in value_nodes.items() if node in with_derivative),
         returned=frozenset(v for v, node in value_nodes.items() if node in returned),
     )
 
@@ -116,34 +116,3 @@ def nbytes_of_input(joint: JointGraph, value: Value) -> int:
     """Bytes of a copy of the input `value` names."""
     node = joint.primals[-1 - value[0]]
     return tensor_nbytes(node.meta["val"])
-
-
-def evaluate(dataflow: Dataflow, saved: set[int]) -> tuple[set[int], int]:
-    """The calls the partitioner replays and the bytes it keeps when exactly `saved` are saved."""
-    replayed: set[int] = set()
-    kept: set[Value] = set()
-    stack = list(dataflow.backward_reads)
-    while stack:
-        value = stack.pop()
-        call = value[0]
-        if call < 0 or call in saved:
-            kept.add(value)
-        elif call not in replayed:
-            replayed.add(call)
-            stack.extend(dataflow.reads[call])
-    states = {c for c in replayed if dataflow.rng_state_nbytes[c]}
-    # What differentiating the kept values again recomputes: see `partition`'s pure forward.
-    recomputed: set[int] = set()
-    stack = [v for v in kept if v[0] >= 0 and v in dataflow.varying and v not in dataflow.returned]
-    copies = {v for v in kept if v[0] < 0}
-    while stack:
-        value = stack.pop()
-        call = value[0]
-        if call < 0:
-            copies.add(value)
-        elif call not in recomputed:
-            recomputed.add(call)
-            stack.extend(v for v in dataflow.reads[call] if v not in kept or v in dataflow.varying or v[0] < 0)
-    states |= {c for c in recomputed if dataflow.rng_state_nbytes[c]}
-    kept_bytes = sum(dataflow.nbytes.get(value, 0) for value in kept | copies)
-    return replayed, kept_bytes + sum(dataflow.rng_state_nbytes[c] for c in states)

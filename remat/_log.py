@@ -14,9 +14,9 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from ._accounting import account, saved_calls
 from ._cache import SignatureKey
-from ._calls import Decision, format_bytes
-from ._partition import Programs
+from ._calls import Decision, Trace, format_bytes
 from ._pytree import FlatArgs, describe_path
 
 __all__ = ["describe_signature", "explain_retrace", "log_trace", "logger"]
@@ -81,20 +81,19 @@ def _short(value: Any) -> str:
     return str(value).removeprefix("torch.")
 
 
-def log_trace(name: str, signature: str, seconds: float, programs: Programs) -> None:
+def log_trace(name: str, signature: str, seconds: float, trace: Trace, decisions: Sequence[Decision]) -> None:
     """The DEBUG record of one trace."""
     if not logger.isEnabledFor(logging.DEBUG):
         return
-    decisions = programs.decisions
-    n_saved = sum(decision is Decision.SAVE for decision in decisions)
+    accounting = account(trace, saved_calls(decisions))
     logger.debug(
         "traced %s in %.1f ms at (%s): %d calls, policy saves %d; keeps %s from %d calls, replays %d calls in backward",
         name,
         seconds * 1e3,
         signature,
         len(decisions),
-        n_saved,
-        format_bytes(programs.saved_bytes),
-        len(programs.saved_calls),
-        len(programs.replayed_calls),
+        sum(decision is Decision.SAVE for decision in decisions),
+        format_bytes(accounting.saved_bytes),
+        len(accounting.saved_calls),
+        len(accounting.replayed_calls),
     )

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from ._torch import size_bound
 
-__all__ = ["estimate_flops", "output_nbytes", "storage_nbytes", "tensor_nbytes"]
+__all__ = ["estimate_flops", "output_nbytes", "storage_key", "storage_nbytes", "tensor_nbytes", "tensors_in"]
 
 
 aten = torch.ops.aten
@@ -63,6 +64,11 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
 def storage_nbytes(tensor: torch.Tensor) -> int:
     """Bytes of the memory `tensor` views. See NOTE [data-dependent sizes count at their bound]."""
     return size_bound(tensor.untyped_storage().nbytes())
+
+
+def storage_key(tensor: torch.Tensor) -> Any:
+    """A hashable name for the memory `tensor` views (which does not keep it alive)."""
+    return StorageWeakRef(tensor.untyped_storage())
 
 
 def output_nbytes(out: Any) -> int:

@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import policies
+from ._accounting import account, saved_calls
 from ._api import trace as trace_of
 from ._calls import Decision, Trace, format_bytes
-from ._dataflow import evaluate
 from ._decide import is_collective
 from .costs import estimate_seconds
 
@@ -103,13 +103,13 @@ class Pareto:
 
 def _point(label: str, trace: Trace, saved: set[int], device: str) -> ParetoPoint:
     saved = saved | {call.index for call in trace if is_collective(call)}  # always saved
-    replayed, kept = evaluate(trace.dataflow, saved)  # type: ignore[arg-type]
+    kept = account(trace, saved)
     decisions = [Decision.SAVE if c in saved else Decision.RECOMPUTE for c in range(len(trace))]
     return ParetoPoint(
         label,
-        kept,
-        sum(trace[c].flops for c in replayed),
-        sum(estimate_seconds(trace[c], device) for c in replayed),
+        kept.saved_bytes,
+        kept.recompute_flops,
+        sum(estimate_seconds(trace[c], device) for c in kept.replayed_calls),
         trace.peak_of(decisions).bytes,  # type: ignore[misc]
     )
 
@@ -153,7 +153,7 @@ def pareto(
     curve = []
     for limit in budgets:
         plan = policies.budget(max_bytes=int(limit), exact=True).solve(trace)
-        saved = {i for i, d in enumerate(plan.decisions) if d is Decision.SAVE}
+        saved = saved_calls(plan.decisions)
         curve.append(_point(f"budget(max_bytes={int(limit)})", trace, saved, device))
     dots = {i for i, d in enumerate(policies.dots_saveable.plan(trace)) if d is Decision.SAVE}
     return Pareto(tuple(curve), (nothing, _point("dots_saveable", trace, dots, device), everything), device)

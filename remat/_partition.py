@@ -15,17 +15,24 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _rng
 from ._calls import Decision
-from ._measure import storage_nbytes, tensor_nbytes, tensors_in
-from ._programs import backward_program, device_of, epilogue, forward_program, pure_forward
-from ._trace import JointGraph, is_call, is_free, stops_gradient
+from ._programs import backward_program, epilogue, forward_program, pure_forward
+from ._rules import (
+    backward_nodes_of,
+    differentiable,
+    mutated_inputs,
+    needed_by_backward,
+    overwritten,
+    reads_any_value,
+    returned_outputs,
+    varying,
+)
+from ._trace import JointGraph, stops_gradient
 
 __all__ = ["Kept", "Programs", "partition"]
 
@@ -51,20 +58,13 @@ class Kept:
 
 
 @dataclasses.dataclass(frozen=True)
-class KeptOutputs:
-    """What is kept of one saved call's outputs, and what reads it."""
-
-    nbytes: int  # distinct storages, inputs' excluded
-    read_by: frozenset[str]  # "backward" (the gradient formulas) and/or "replay" (replayed calls)
-
-
-@dataclasses.dataclass(frozen=True)
 class Programs:
     """Everything needed to run one signature under one set of decisions.
 
     The Function's forward returns `(*returned outputs, *activations, *generator
     states)`; `kept` says which of its inputs and outputs `ctx.save_for_backward`
-    keeps, and every program that runs later takes `*kept` first.
+    keeps, and every program that runs later takes `*kept` first. What the
+    decisions cost (bytes kept, calls replayed) is `_accounting`'s.
     """
 
     forward: fx.GraphModule  # primals -> (*returned outputs, *activations, *states)
@@ -80,13 +80,21 @@ class Programs:
     pure_unsupported: str | None  # why the programs cannot be differentiated again, if they cannot
     kept: tuple[Kept, ...]
     decisions: tuple[Decision, ...]
-    saved_calls: tuple[int, ...]  # calls whose outputs are kept
-    kept_by_call: dict[int, KeptOutputs]  # for each call in saved_calls: what is kept and who reads it
-    replayed_calls: tuple[int, ...]
-    rng_state_calls: tuple[int, ...]  # random calls whose generator state is kept
-    saved_bytes: int  # activations and generator states
-    rng_state_bytes: int
-    recompute_flops: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """Which nodes of a joint graph the programs keep, replay and recompute."""
+
+    returned: tuple[int, ...]  # indices of the outputs the Function returns
+    returned_nodes: list[fx.Node]
+    backward_nodes: list[fx.Node]
+    kept_values: dict[fx.Node, None]  # what backward reads without replaying, in order of first need
+    replayed: set[fx.Node]  # what backward replays
+    activations: list[fx.Node]  # kept values the forward returns besides the outputs (copies of inputs included)
+    constants: set[fx.Node]  # kept values without a derivative: the pure forward reads them as they are
+    recomputed: set[fx.Node]  # what the pure forward recomputes
+    random_states: list[fx.Node]  # random calls whose generator state is kept
 
 
 def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode: bool = False) -> Programs:
@@ -96,11 +104,59 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
     (for their tangents), so the random calls they depend on keep their state too.
     """
     decisions = tuple(decisions)
+    split = _split(joint, decisions, forward_mode)
     primal_index = {node: i for i, node in enumerate(joint.primals)}
-    returned = _returned_outputs(joint)
-    overwritten = _overwritten(joint)
-    mutated = mutated_inputs(joint, returned)
+    position = {node: p for p, node in reversed(list(enumerate(split.returned_nodes)))}
+    activations, random_states = split.activations, split.random_states
+    kept: list[Kept] = []
+    copied = {a for a in activations if a.op == "placeholder"}
+    for node in split.kept_values:
+        if node.op == "placeholder" and node not in copied:  # by reference: see NOTE [kept inputs]
+            kept.append(Kept(node, primal=primal_index[node]))
+        elif node in position:
+            kept.append(Kept(node, output=position[node]))
+    kept += [Kept(node, activation=k) for k, node in enumerate(activations)]
+    kept += [Kept(node, activation=len(activations) + k, rng_state=True) for k, node in enumerate(random_states)]
+    kept_pairs = [(k.node, k.rng_state) for k in kept]
+    holder = {k.node: i for i, k in enumerate(kept) if k.node.op == "placeholder" and not k.rng_state}
+    returned = split.returned
+    return Programs(
+        forward=forward_program(
+            joint, _dirty_as_inputs(joint, split.returned_nodes), activations, copied, random_states
+        ),
+        backward=backward_program(joint, kept_pairs, split.backward_nodes),
+        pure=pure_forward(
+            joint,
+            forward_mode,
+            kept_pairs,
+            {**{p: p for p in holder}, **{c: c for c in split.constants}},
+            [*split.returned_nodes, *activations] if forward_mode else activations,  # copies of inputs included
+        ),
+        pure_returns_outputs=forward_mode,
+        pure_inputs=tuple((i, primal_index[node]) for node, i in holder.items()),
+        epilogue=epilogue(joint, returned, overwritten(joint))
+        if returned[: joint.n_user_outputs] != tuple(range(joint.n_user_outputs))
+        else None,
+        returned=returned,
+        n_activations=len(activations),
+        pure_unsupported=_pure_unsupported(joint, split),
+        without_tangent=_without_tangent(
+            joint, returned, activations, split.constants, len(random_states), forward_mode
+        ),
+        output_sources=(
+            *_output_sources(joint, returned),
+            *([frozenset(range(len(joint.primals)))] * len(activations)),  # kept values: never marked here
+            *([frozenset()] * len(random_states)),
+        ),
+        kept=tuple(kept),
+        decisions=decisions,
+    )
 
+
+def _split(joint: JointGraph, decisions: Sequence[Decision], forward_mode: bool) -> _Split:
+    """What backward keeps and replays under `decisions`, and what the pure forward recomputes."""
+    returned = returned_outputs(joint)
+    mutated = mutated_inputs(joint, returned)
     backward_nodes = backward_nodes_of(joint)
     kept_values, replayed, read_as_they_were = _kept_and_replayed(joint, decisions, backward_nodes)
 
@@ -110,8 +166,8 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
     returned_nodes = [joint.outputs[i] for i in returned]
     activations = [n for n in kept_values if n.op != "placeholder" and n not in returned_nodes]
     activations += [p for p in kept_values if p in mutated and p in read_as_they_were]  # kept as copies
-    varying = _varying(joint, forward_mode)
-    constants = {n for n in kept_values if n.op != "placeholder" and n not in varying}
+    with_derivative = varying(joint, forward_mode)
+    constants = {n for n in kept_values if n.op != "placeholder" and n not in with_derivative}
     targets = [*returned_nodes, *activations] if forward_mode else activations
     recomputed, recomputed_from = _ancestors(
         [t for t in targets if t not in constants], joint.forward_nodes, stop=constants
@@ -120,105 +176,32 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         if primal in recomputed:
             kept_values.setdefault(primal, None)
     activations += [p for p in joint.primals if p in recomputed_from and p in mutated and p not in activations]
-    call_index = {node: i for i, node in enumerate(joint.call_nodes)}
     # A random call keeps its generator state if backward replays it or the pure forward
     # recomputes it. See NOTE [replaying random calls].
     random_states = [
         n
-        for n in joint.call_nodes
-        if joint.trace[call_index[n]].is_random and (n in replayed or n in recomputed) and n not in constants
+        for call, n in zip(joint.trace, joint.call_nodes, strict=True)
+        if call.is_random and (n in replayed or n in recomputed) and n not in constants
     ]
-
-    position = {node: p for p, node in reversed(list(enumerate(returned_nodes)))}
-    kept: list[Kept] = []
-    copied = {a for a in activations if a.op == "placeholder"}
-    for node in kept_values:
-        if node.op == "placeholder" and node not in copied:  # by reference: see NOTE [kept inputs]
-            kept.append(Kept(node, primal=primal_index[node]))
-        elif node in position:
-            kept.append(Kept(node, output=position[node]))
-    kept += [Kept(node, activation=k) for k, node in enumerate(activations)]
-    kept += [Kept(node, activation=len(activations) + k, rng_state=True) for k, node in enumerate(random_states)]
-    kept_pairs = [(k.node, k.rng_state) for k in kept]
-    holder = {k.node: i for i, k in enumerate(kept) if k.node.op == "placeholder" and not k.rng_state}
-
-    replayed_calls = tuple(sorted(call_index[n] for n in replayed if n in call_index))
-    produced = [n for n in activations if n.op != "placeholder"] + [n for n in kept_values if n in position]
-    copies_bytes = sum(tensor_nbytes(p.meta["val"]) for p in activations if p.op == "placeholder")
-    rng_state_bytes = sum(_rng.state_nbytes(device_of(node)) for node in random_states)
-    return Programs(
-        forward=forward_program(
-            joint,
-            _dirty_as_inputs(joint, returned_nodes),
-            activations,
-            {p for p in activations if p.op == "placeholder"},
-            random_states,
-        ),
-        backward=backward_program(joint, kept_pairs, backward_nodes),
-        pure=pure_forward(
-            joint,
-            forward_mode,
-            kept_pairs,
-            {**{p: p for p in holder}, **{c: c for c in constants}},
-            [*returned_nodes, *activations] if forward_mode else activations,  # copies of inputs included
-        ),
-        pure_returns_outputs=forward_mode,
-        pure_inputs=tuple((i, primal_index[node]) for node, i in holder.items()),
-        epilogue=epilogue(joint, returned, overwritten)
-        if returned[: joint.n_user_outputs] != tuple(range(joint.n_user_outputs))
-        else None,
-        returned=returned,
-        n_activations=len(activations),
-        pure_unsupported=next(
-            (
-                f"{joint.trace[call_index[n]]}: {_NOT_TWICE_DIFFERENTIABLE[n.target]}"
-                for n in joint.call_nodes
-                if (n in recomputed or n in replayed) and n.target in _NOT_TWICE_DIFFERENTIABLE
-            ),
-            None,
-        ),
-        without_tangent=_without_tangent(joint, returned, activations, constants, len(random_states), forward_mode),
-        output_sources=(
-            *_output_sources(joint, returned),
-            *([frozenset(range(len(joint.primals)))] * len(activations)),  # kept values: never marked here
-            *([frozenset()] * len(random_states)),
-        ),
-        kept=tuple(kept),
-        decisions=decisions,
-        saved_calls=tuple(sorted({call_index[_producer(n)] for n in produced if _producer(n) in call_index})),
-        kept_by_call=_kept_by_call(joint, produced, replayed, call_index),
-        replayed_calls=replayed_calls,
-        rng_state_calls=tuple(call_index[n] for n in random_states),
-        saved_bytes=_saved_bytes(produced, joint.primals) + copies_bytes + rng_state_bytes,
-        rng_state_bytes=rng_state_bytes,
-        recompute_flops=sum(joint.trace[i].flops for i in replayed_calls),
+    return _Split(
+        returned,
+        returned_nodes,
+        backward_nodes,
+        kept_values,
+        replayed,
+        activations,
+        constants,
+        recomputed,
+        random_states,
     )
 
 
-def _kept_by_call(
-    joint: JointGraph, produced: Sequence[fx.Node], replayed: set[fx.Node], call_index: dict[fx.Node, int]
-) -> dict[int, KeptOutputs]:
-    """For each saved call, the bytes of its kept outputs and whether backward's gradient
-    formulas, replayed calls, or (through the pure forward) neither read them."""
-    by_call: dict[int, list[fx.Node]] = {}
-    for node in produced:
-        if _producer(node) in call_index:
-            by_call.setdefault(call_index[_producer(node)], []).append(node)
-    grads = set(joint.grads)
-
-    def readers(node: fx.Node) -> set[str]:
-        found = {"backward"} if node in grads else set()
-        for user in node.users:
-            if user not in joint.forward_nodes:
-                found.add("backward")
-            elif user in replayed:
-                found |= readers(user) if is_free(user) else {"replay"}  # a view replayed for its readers
-        return found
-
-    return {
-        index: KeptOutputs(_saved_bytes(nodes, joint.primals), frozenset().union(*map(readers, nodes)))
-        for index, nodes in by_call.items()
-    }
+def _pure_unsupported(joint: JointGraph, split: _Split) -> str | None:
+    """Why differentiating the kept values again would not be exact, if it would not."""
+    for call, node in zip(joint.trace, joint.call_nodes, strict=True):
+        if (node in split.recomputed or node in split.replayed) and node.target in _NOT_TWICE_DIFFERENTIABLE:
+            return f"{call}: {_NOT_TWICE_DIFFERENTIABLE[node.target]}"
+    return None
 
 
 # Ops whose functional form torch differentiates wrongly a second time.
@@ -246,42 +229,12 @@ def _without_tangent(
     derivative at all (`constants`: a view of one rebuilt outside the Function must not
     require grad), nor generator states.
     """
-    differentiable = set(joint.differentiable_outputs)
+    requiring_grad = set(joint.differentiable_outputs)
     return (
-        *(not _is_float(joint.outputs[i]) or (i not in differentiable and not forward_mode) for i in returned),
-        *(not _is_float(a) or not _differentiable(a) or a in constants for a in activations),
+        *(not _is_float(joint.outputs[i]) or (i not in requiring_grad and not forward_mode) for i in returned),
+        *(not _is_float(a) or not differentiable(a) or a in constants for a in activations),
         *([True] * n_states),
     )
-
-
-def _is_float(node: fx.Node) -> bool:
-    value = node.meta["val"]
-    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
-
-
-def _differentiable(node: fx.Node) -> bool:
-    """Whether autograd differentiates the value of `node` (false for, say, the mean and
-    rstd outputs of `native_layer_norm`: double backward must not ask for their derivative)."""
-    if node.target is operator.getitem:
-        producer, index = node.args
-        flags = producer.meta.get("remat_differentiable_outputs")  # type: ignore[union-attr]
-        return flags is None or bool(flags[index])  # type: ignore[index]
-    return True
-
-
-def backward_nodes_of(joint: JointGraph) -> list[fx.Node]:
-    """The nodes of the backward part of `joint`, in graph order."""
-    return [n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in joint.forward_nodes]
-
-
-def needed_by_backward(joint: JointGraph, backward_nodes: Sequence[fx.Node]) -> list[fx.Node]:
-    """The forward values (and inputs) backward's own nodes read, in order of first need."""
-    primals = set(joint.primals)
-    needed: list[fx.Node] = []
-    for user in backward_nodes:
-        needed.extend(n for n in user.all_input_nodes if n in joint.forward_nodes or n in primals)
-    needed.extend(g for g in joint.grads if g in joint.forward_nodes or g in primals)
-    return needed
 
 
 def _kept_and_replayed(
@@ -325,15 +278,6 @@ def _kept_and_replayed(
     return kept, replayed, as_they_were
 
 
-def reads_any_value(node: fx.Node) -> set[fx.Node]:
-    """Inputs of `node` whose value does not matter to what a replay of it uses: the running
-    statistics of a training-mode batch norm (the replay only needs the normalized output and
-    the batch statistics; the new running statistics it computes are dropped)."""
-    if node.target is aten._native_batch_norm_legit_functional.default and node.args[5] is True:
-        return {a for a in node.args[3:5] if isinstance(a, fx.Node)}
-    return set()
-
-
 def _ancestors(
     targets: Sequence[fx.Node], within: frozenset[fx.Node], stop: set[fx.Node]
 ) -> tuple[set[fx.Node], set[fx.Node]]:
@@ -353,28 +297,6 @@ def _ancestors(
     return found, value_read
 
 
-def _varying(joint: JointGraph, forward_mode: bool) -> set[fx.Node]:
-    """Forward nodes whose value has a derivative with respect to some differentiable input.
-
-    Differentiable inputs are those requiring grad (any floating input under forward
-    mode). Derivatives stop at detaches and no_grad regions of `fn` (forward mode sees
-    through the latter), and at random draws, whose outputs have none.
-    """
-    if forward_mode:
-        varying = {p for p in joint.primals if p.meta["val"].is_floating_point() or p.meta["val"].is_complex()}
-    else:
-        varying = {joint.primals[i] for i in joint.grad_of}
-    for node in joint.graph.nodes:
-        if node not in joint.forward_nodes or stops_gradient(node, forward_mode=forward_mode):
-            continue
-        if node.target is operator.getitem and (node.args[0] not in varying or not _differentiable(node)):
-            continue
-        differentiable = node.op == "call_function" and not _rng.has_zero_derivative(node)
-        if differentiable and any(arg in varying for arg in node.all_input_nodes):
-            varying.add(node)
-    return varying
-
-
 def _output_sources(joint: JointGraph, returned: Sequence[int]) -> tuple[frozenset[int], ...]:
     """For each returned output, the primals it has a derivative from, as eager's autograd sees
     it: those reaching it through differentiable calls (derivatives stop at detaches, no_grad
@@ -390,7 +312,7 @@ def _output_sources(joint: JointGraph, returned: Sequence[int]) -> tuple[frozens
             continue
         if stops_gradient(node):
             continue
-        if node.target is operator.getitem and not _differentiable(node):
+        if node.target is operator.getitem and not differentiable(node):
             continue
         if node.op == "call_function" and not _rng.is_random_factory(node):
             forward[node] = frozenset().union(*(forward.get(arg, frozenset()) for arg in node.all_input_nodes))
@@ -412,77 +334,6 @@ def _dirty_as_inputs(joint: JointGraph, returned_nodes: Sequence[fx.Node]) -> li
     return [dirty.get(node, node) for node in returned_nodes]
 
 
-def mutated_inputs(joint: JointGraph, returned: Sequence[int]) -> set[fx.Node]:
-    """Inputs the forward overwrites, and inputs the caller can overwrite through an output that is a
-    view of them: whatever reads one later reads a copy of the value it had. See NOTE [kept inputs]."""
-    mutated = set(_overwritten(joint).values())
-    mutated |= {_view_base(joint.outputs[i]) for i in range(joint.n_user_outputs) if i not in returned}
-    return mutated & set(joint.primals)
-
-
-# NOTE [kept inputs]
-# Backward reads inputs by reference: keeping them costs no memory. That is
-# only sound while nobody overwrites them before backward. The forward program
-# may (in-place updates of inputs and buffers), and so may the caller, through
-# an output that is a view of an input: eager allows `out = f(x); out.mul_(2)`
-# when `f` returns `x[0]` and its backward does not read `x`. In both cases a
-# copy of the input, taken before anything overwrites it, is kept instead.
-
-
-def _producer(node: fx.Node) -> fx.Node:
-    """The call whose memory `node` names (itself, or the base of a view or getitem)."""
-    while not is_call(node) and node.op == "call_function" and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
-def _view_base(node: fx.Node) -> fx.Node:
-    """Follow views down to the node whose memory they show: through the views of a multi-output
-    view op (`unbind`, `split`, `chunk`), not through the outputs of other multi-output calls."""
-    while node.op == "call_function" and is_free(node):
-        if node.target is operator.getitem and not getattr(node.args[0].target, "is_view", False):  # type: ignore[union-attr]
-            break
-        node = node.args[0]  # type: ignore[assignment]
-    return node
-
-
-def _returned_outputs(joint: JointGraph) -> tuple[int, ...]:
-    """Indices of the outputs the Function returns. The other user outputs are views of
-    inputs or of returned outputs, or repeats of them, and are rebuilt by the epilogue;
-    the new values of dirty inputs are always returned (as the inputs themselves)."""
-    overwritten = _overwritten(joint)
-
-    def base_of(node: fx.Node) -> fx.Node:
-        base = _view_base(node)
-        return overwritten.get(base, base)
-
-    user_outputs = joint.outputs[: joint.n_user_outputs]
-    returned: dict[fx.Node, int] = {}
-    for i, output in enumerate(user_outputs):  # first, outputs that own their memory
-        if output.op != "placeholder" and base_of(output) is output:
-            returned.setdefault(output, i)
-    for i, output in enumerate(user_outputs):  # then views of something that is not an output
-        base = base_of(output)
-        if base.op != "placeholder" and base not in returned:
-            returned.setdefault(output, i)
-    return (*sorted(returned.values()), *range(joint.n_user_outputs, len(joint.outputs)))
-
-
-def _overwritten(joint: JointGraph) -> dict[fx.Node, fx.Node]:
-    """The final value of each input `fn` updates in place -> that input, which holds it after forward."""
-    return {m.args[1]: m.args[0] for m in joint.mutations}  # type: ignore[misc]
-
-
-def _saved_bytes(activations: Sequence[fx.Node], primals: Sequence[fx.Node]) -> int:
-    """Bytes of the distinct storages of `activations` that are not inputs' storages."""
-    inputs = {_storage(p.meta["val"]) for p in primals}
-    storages: dict[Any, int] = {}
-    for node in activations:
-        for value in tensors_in(node.meta.get("val")):
-            if _storage(value) not in inputs:
-                storages[_storage(value)] = storage_nbytes(value)
-    return sum(storages.values())
-
-
-def _storage(tensor: torch.Tensor) -> Any:
-    return StorageWeakRef(tensor.untyped_storage())
+def _is_float(node: fx.Node) -> bool:
+    value = node.meta["val"]
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())

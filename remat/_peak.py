@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._measure import storage_nbytes, tensors_in
-from ._partition import Programs, _storage
+from . import _rng
+from ._measure import storage_key, storage_nbytes, tensors_in
+from ._partition import Programs
+from ._programs import device_of
 from ._trace import JointGraph
 from .report import Peak
 
@@ -39,7 +41,7 @@ __all__ = ["predict_peak"]
 
 def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
     """The peak bytes of running `programs`' forward, then its backward."""
-    inputs = {_storage(t) for p in joint.primals for t in tensors_in(p.meta.get("val"))}
+    inputs = {storage_key(t) for p in joint.primals for t in tensors_in(p.meta.get("val"))}
     forward = programs.forward
     forward_peak, after = _walk(forward.graph, inputs, _placeholder_values(forward.graph, joint.primals))
 
@@ -58,7 +60,7 @@ def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
     }
     for placeholder, tangent in zip(placeholders[len(programs.kept) :], joint.tangents, strict=False):
         handed_over[placeholder] = tangent.meta.get("val")
-    tangents = {_storage(t) for node in joint.tangents for t in tensors_in(node.meta.get("val"))}  # the caller's
+    tangents = {storage_key(t) for node in joint.tangents for t in tensors_in(node.meta.get("val"))}  # the caller's
     free = inputs | held | tangents
     backward_peak, at_end = _walk(backward.graph, free, handed_over)
     # A gradient that is the caller's memory (a tangent passed through), or a second gradient in one
@@ -72,7 +74,7 @@ def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
             seen.add(storage)
     backward_peak = max(backward_peak, sum(at_end.values()) + copied)
     # Generator states (a few KiB each) are counted as kept from forward to the end of backward.
-    states = programs.rng_state_bytes
+    states = sum(_rng.state_nbytes(device_of(kept.node)) for kept in programs.kept if kept.rng_state)
     return Peak(
         forward=forward_peak + states,
         after_forward=sum(after.values()) + states,
@@ -121,7 +123,7 @@ def _walk(graph: fx.Graph, free_storages: set[Any], values: Mapping[fx.Node, Any
 def _allocated(node: fx.Node, values: Mapping[fx.Node, Any]) -> list[tuple[Any, int]]:
     """(storage, bytes) of each tensor `node` holds."""
     if node.op == "placeholder":
-        return [(_storage(t), storage_nbytes(t)) for t in tensors_in(values.get(node))]
+        return [(storage_key(t), storage_nbytes(t)) for t in tensors_in(values.get(node))]
     if "val" not in node.meta:
         if node.target is torch.ops.aten.clone.default:  # the forward's copy of an input it overwrites
             source = node.args[0]
@@ -129,7 +131,7 @@ def _allocated(node: fx.Node, values: Mapping[fx.Node, Any]) -> list[tuple[Any, 
             value = value if value is not None else values.get(source)  # type: ignore[arg-type]
             return [(node, storage_nbytes(t)) for t in tensors_in(value)]
         return []  # generator states and the tuples of random calls: counted apart
-    return [(_storage(t), storage_nbytes(t)) for t in tensors_in(node.meta["val"])]
+    return [(storage_key(t), storage_nbytes(t)) for t in tensors_in(node.meta["val"])]
 
 
 def _placeholder_values(graph: fx.Graph, nodes: Sequence[fx.Node]) -> dict[fx.Node, Any]:

@@ -19,8 +19,8 @@ import fnmatch
 import math
 from typing import TYPE_CHECKING, Any
 
+from ._accounting import account
 from ._calls import Call, Decision, Trace, format_bytes, op_name
-from ._dataflow import evaluate
 from ._policy import Policy, save_all_of, save_any_of, save_unless
 from ._sac import from_sac
 from ._torch import HigherOrderOperator, OpOverload, OpOverloadPacket
@@ -447,7 +447,7 @@ class Budget(Policy):
                 ) from None
         budget = self.max_bytes
         if budget is None:
-            everything = evaluate(trace.dataflow, set(range(len(trace))))[1]
+            everything = account(trace, range(len(trace))).saved_bytes
             budget = math.floor(self.fraction * everything)  # type: ignore[operator]
         try:
             return solve(trace, budget, self.cost, self.exact)

@@ -1,0 +1,156 @@
+"""The partitioner's rules, read off a joint graph.
+
+What backward reads, which outputs the `autograd.Function` returns (the others are views rebuilt
+outside it), which inputs are overwritten, which values have a derivative, what keeping values costs.
+`_partition` builds its programs by these rules and `_dataflow` describes the graph to planners by
+them, so that what a planner counts is what the partitioner keeps.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from . import _rng
+from ._measure import storage_key, storage_nbytes, tensors_in
+from ._trace import JointGraph, is_free, stops_gradient
+
+__all__ = [
+    "backward_nodes_of",
+    "differentiable",
+    "kept_bytes",
+    "mutated_inputs",
+    "needed_by_backward",
+    "overwritten",
+    "reads_any_value",
+    "returned_outputs",
+    "varying",
+    "view_base",
+]
+
+aten = torch.ops.aten
+
+
+def backward_nodes_of(joint: JointGraph) -> list[fx.Node]:
+    """The nodes of the backward part of `joint`, in graph order."""
+    return [n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in joint.forward_nodes]
+
+
+def needed_by_backward(joint: JointGraph, backward_nodes: Sequence[fx.Node]) -> list[fx.Node]:
+    """The forward values (and inputs) backward's own nodes read, in order of first need."""
+    primals = set(joint.primals)
+    needed: list[fx.Node] = []
+    for user in backward_nodes:
+        needed.extend(n for n in user.all_input_nodes if n in joint.forward_nodes or n in primals)
+    needed.extend(g for g in joint.grads if g in joint.forward_nodes or g in primals)
+    return needed
+
+
+def reads_any_value(node: fx.Node) -> set[fx.Node]:
+    """Inputs of `node` whose value does not matter to what a replay of it uses: the running
+    statistics of a training-mode batch norm (the replay only needs the normalized output and
+    the batch statistics; the new running statistics it computes are dropped)."""
+    if node.target is aten._native_batch_norm_legit_functional.default and node.args[5] is True:
+        return {a for a in node.args[3:5] if isinstance(a, fx.Node)}
+    return set()
+
+
+def returned_outputs(joint: JointGraph) -> tuple[int, ...]:
+    """Indices of the outputs the Function returns. The other user outputs are views of
+    inputs or of returned outputs, or repeats of them, and are rebuilt by the epilogue;
+    the new values of dirty inputs are always returned (as the inputs themselves)."""
+    final_values = overwritten(joint)
+
+    def base_of(node: fx.Node) -> fx.Node:
+        base = view_base(node)
+        return final_values.get(base, base)
+
+    user_outputs = joint.outputs[: joint.n_user_outputs]
+    returned: dict[fx.Node, int] = {}
+    for i, output in enumerate(user_outputs):  # first, outputs that own their memory
+        if output.op != "placeholder" and base_of(output) is output:
+            returned.setdefault(output, i)
+    for i, output in enumerate(user_outputs):  # then views of something that is not an output
+        base = base_of(output)
+        if base.op != "placeholder" and base not in returned:
+            returned.setdefault(output, i)
+    return (*sorted(returned.values()), *range(joint.n_user_outputs, len(joint.outputs)))
+
+
+def view_base(node: fx.Node) -> fx.Node:
+    """Follow views down to the node whose memory they show: through the views of a multi-output
+    view op (`unbind`, `split`, `chunk`), not through the outputs of other multi-output calls."""
+    while node.op == "call_function" and is_free(node):
+        if node.target is operator.getitem and not getattr(node.args[0].target, "is_view", False):  # type: ignore[union-attr]
+            break
+        node = node.args[0]  # type: ignore[assignment]
+    return node
+
+
+def overwritten(joint: JointGraph) -> dict[fx.Node, fx.Node]:
+    """The final value of each input `fn` updates in place -> that input, which holds it after forward."""
+    return {m.args[1]: m.args[0] for m in joint.mutations}  # type: ignore[misc]
+
+
+def mutated_inputs(joint: JointGraph, returned: Sequence[int]) -> set[fx.Node]:
+    """Inputs the forward overwrites, and inputs the caller can overwrite through an output that is a
+    view of them: whatever reads one later reads a copy of the value it had. See NOTE [kept inputs]."""
+    mutated = set(overwritten(joint).values())
+    mutated |= {view_base(joint.outputs[i]) for i in range(joint.n_user_outputs) if i not in returned}
+    return mutated & set(joint.primals)
+
+
+# NOTE [kept inputs]
+# Backward reads inputs by reference: keeping them costs no memory. That is
+# only sound while nobody overwrites them before backward. The forward program
+# may (in-place updates of inputs and buffers), and so may the caller, through
+# an output that is a view of an input: eager allows `out = f(x); out.mul_(2)`
+# when `f` returns `x[0]` and its backward does not read `x`. In both cases a
+# copy of the input, taken before anything overwrites it, is kept instead.
+
+
+def varying(joint: JointGraph, forward_mode: bool) -> set[fx.Node]:
+    """Forward nodes whose value has a derivative with respect to some differentiable input.
+
+    Differentiable inputs are those requiring grad (any floating input under forward
+    mode). Derivatives stop at detaches and no_grad regions of `fn` (forward mode sees
+    through the latter), and at random draws, whose outputs have none.
+    """
+    if forward_mode:
+        found = {p for p in joint.primals if p.meta["val"].is_floating_point() or p.meta["val"].is_complex()}
+    else:
+        found = {joint.primals[i] for i in joint.grad_of}
+    for node in joint.graph.nodes:
+        if node not in joint.forward_nodes or stops_gradient(node, forward_mode=forward_mode):
+            continue
+        if node.target is operator.getitem and (node.args[0] not in found or not differentiable(node)):
+            continue
+        has_derivative = node.op == "call_function" and not _rng.has_zero_derivative(node)
+        if has_derivative and any(arg in found for arg in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def differentiable(node: fx.Node) -> bool:
+    """Whether autograd differentiates the value of `node` (false for, say, the mean and
+    rstd outputs of `native_layer_norm`: double backward must not ask for their derivative)."""
+    if node.target is operator.getitem:
+        producer, index = node.args
+        flags = producer.meta.get("remat_differentiable_outputs")  # type: ignore[union-attr]
+        return flags is None or bool(flags[index])  # type: ignore[index]
+    return True
+
+
+def kept_bytes(activations: Sequence[fx.Node], primals: Sequence[fx.Node]) -> int:
+    """Bytes of the distinct storages of `activations` that are not inputs' storages."""
+    inputs = {storage_key(p.meta["val"]) for p in primals}
+    storages: dict[Any, int] = {}
+    for node in activations:
+        for value in tensors_in(node.meta.get("val")):
+            if storage_key(value) not in inputs:
+                storages[storage_key(value)] = storage_nbytes(value)
+    return sum(storages.values())
