@@ -82,87 +82,116 @@ class _Program:
     def __init__(self, dataflow: Dataflow, costs: Sequence[float], forced: frozenset[int] = frozenset()):
         n = len(costs)
         self.n = n
+        self.dataflow = dataflow
         self.values = sorted(dataflow.nbytes)
         self.states = [c for c in range(n) if dataflow.rng_state_nbytes[c]]
         # Variables: s (saved), r (replayed), p (recomputed to differentiate again), k (kept), g (states).
-        value_index = {v: 3 * n + i for i, v in enumerate(self.values)}
-        state_index = {c: 3 * n + len(self.values) + i for i, c in enumerate(self.states)}
+        self._value_index = {v: 3 * n + i for i, v in enumerate(self.values)}
+        self._state_index = {c: 3 * n + len(self.values) + i for i, c in enumerate(self.states)}
         self.size = 3 * n + len(self.values) + len(self.states)
-        rows: list[dict[int, float]] = []
-        upper: list[float] = []
-
-        def row(coefficients: dict[int, float], bound: float) -> None:
-            rows.append(coefficients)
-            upper.append(bound)
-
-        def s(c: int) -> int:
-            return c
-
-        def r(c: int) -> int:
-            return n + c
-
-        def p(c: int) -> int:
-            return 2 * n + c
-
-        readers: dict[Value, list[int]] = {v: [] for v in self.values}
-        for c in range(n):
-            row({s(c): 1, r(c): 1}, 1)
-        for c in forced:  # collectives: see NOTE [collectives are never replayed]
-            row({s(c): -1}, -1)
-        for value in dataflow.backward_reads:
-            call = value[0]
-            if value not in value_index:
-                continue
-            if call >= 0:
-                row({s(call): -1, r(call): -1}, -1)
-                row({s(call): 1, value_index[value]: -1}, 0)
-            else:  # an overwritten input, always kept as a copy
-                row({value_index[value]: -1}, -1)
+        self.rows: list[dict[int, float]] = []
+        self.upper: list[float] = []
+        self._readers: dict[Value, list[int]] = {v: [] for v in self.values}  # the calls whose replay reads v
         for user, reads in enumerate(dataflow.reads):
             for value in reads:
-                call = value[0]
-                if value not in value_index:
-                    continue
-                readers[value].append(user)
-                if call >= 0:
-                    row({r(user): 1, s(call): -1, r(call): -1}, 0)
-                    row({s(call): 1, r(user): 1, value_index[value]: -1}, 1)
-                    # recomputing `user` to differentiate again reads `value`, unless it is a kept constant
-                    if value in dataflow.varying:
-                        row({p(user): 1, p(call): -1}, 0)
-                    else:
-                        row({p(user): 1, p(call): -1, value_index[value]: -1}, 0)
-                else:
-                    row({r(user): 1, value_index[value]: -1}, 0)
-                    row({p(user): 1, value_index[value]: -1}, 0)
-        # replayed only if backward or another replay reads one of its values (so no replay is
-        # spurious: a spurious one could claim a read that keeps a constant, stopping a walk for free)
-        values_of: dict[int, list[Value]] = {}
-        for value in self.values:
-            values_of.setdefault(value[0], []).append(value)
-        for c in range(n):
-            if not any(v in dataflow.backward_reads for v in values_of.get(c, [])):
-                row({r(c): 1, **{r(u): -1 for v in values_of.get(c, []) for u in readers[v] if u != c}}, 0)
-        for value in self.values:  # kept only if saved and read (so no constant stops a walk for free)
-            call = value[0]
-            if call >= 0:
-                row({value_index[value]: 1, s(call): -1}, 0)
-                if value not in dataflow.backward_reads:
-                    row({value_index[value]: 1, **{r(u): -1 for u in readers[value]}}, 0)
-                if value in dataflow.varying and value not in dataflow.returned:
-                    row({value_index[value]: 1, p(call): -1}, 0)
+                if value in self._value_index:
+                    self._readers[value].append(user)
+        self._one_decision_per_call(forced)
+        self._backward_reads()
+        self._replays_read()
+        self._replayed_only_if_read()
+        self._kept_only_if_saved_and_read()
         for c in self.states:
-            row({r(c): 1, state_index[c]: -1}, 0)
-            row({p(c): 1, state_index[c]: -1}, 0)
-        self.budget_row = {value_index[v]: float(dataflow.nbytes[v]) for v in self.values}
-        self.budget_row.update({state_index[c]: float(dataflow.rng_state_nbytes[c]) for c in self.states})
-        self.rows, self.upper = rows, upper
+            self._row({self._r(c): 1, self._g(c): -1}, 0)
+            self._row({self._p(c): 1, self._g(c): -1}, 0)
+        self.budget_row = {self._k(v): float(dataflow.nbytes[v]) for v in self.values}
+        self.budget_row.update({self._g(c): float(dataflow.rng_state_nbytes[c]) for c in self.states})
         scale = max(costs, default=0.0) or 1.0
         # Replay cost first; among equal costs, fewer saves (a tiny tie-break, well below any real cost).
         self.objective = np.zeros(self.size)
         self.objective[n : 2 * n] = np.asarray(costs) / scale
         self.objective[:n] = 1e-9
         self.scale = scale
+
+    # The columns of each variable.
+    def _s(self, c: int) -> int:
+        return c
+
+    def _r(self, c: int) -> int:
+        return self.n + c
+
+    def _p(self, c: int) -> int:
+        return 2 * self.n + c
+
+    def _k(self, value: Value) -> int:
+        return self._value_index[value]
+
+    def _g(self, c: int) -> int:
+        return self._state_index[c]
+
+    def _row(self, coefficients: dict[int, float], bound: float) -> None:
+        """The constraint sum(a_j x_j) <= bound."""
+        self.rows.append(coefficients)
+        self.upper.append(bound)
+
+    def _one_decision_per_call(self, forced: frozenset[int]) -> None:
+        for c in range(self.n):
+            self._row({self._s(c): 1, self._r(c): 1}, 1)
+        for c in forced:  # collectives: see NOTE [collectives are never replayed]
+            self._row({self._s(c): -1}, -1)
+
+    def _backward_reads(self) -> None:
+        """A value backward reads is kept (its call saved) or recomputed (its call replayed)."""
+        for value in self.dataflow.backward_reads:
+            call = value[0]
+            if value not in self._value_index:
+                continue
+            if call >= 0:
+                self._row({self._s(call): -1, self._r(call): -1}, -1)
+                self._row({self._s(call): 1, self._k(value): -1}, 0)
+            else:  # an overwritten input, always kept as a copy
+                self._row({self._k(value): -1}, -1)
+
+    def _replays_read(self) -> None:
+        """A replay (or a recomputation to differentiate again) reads its inputs: kept or replayed too."""
+        for user, reads in enumerate(self.dataflow.reads):  # in this order, for the solver's sake
+            for value in reads:
+                call = value[0]
+                if value not in self._value_index:
+                    continue
+                if call >= 0:
+                    self._row({self._r(user): 1, self._s(call): -1, self._r(call): -1}, 0)
+                    self._row({self._s(call): 1, self._r(user): 1, self._k(value): -1}, 1)
+                    # recomputing `user` to differentiate again reads `value`, unless it is a kept constant
+                    if value in self.dataflow.varying:
+                        self._row({self._p(user): 1, self._p(call): -1}, 0)
+                    else:
+                        self._row({self._p(user): 1, self._p(call): -1, self._k(value): -1}, 0)
+                else:
+                    self._row({self._r(user): 1, self._k(value): -1}, 0)
+                    self._row({self._p(user): 1, self._k(value): -1}, 0)
+
+    def _replayed_only_if_read(self) -> None:
+        """So that no replay is spurious: a spurious one could claim a read that keeps a constant,
+        stopping a walk for free."""
+        values_of: dict[int, list[Value]] = {}
+        for value in self.values:
+            values_of.setdefault(value[0], []).append(value)
+        for c in range(self.n):
+            if not any(v in self.dataflow.backward_reads for v in values_of.get(c, [])):
+                readers = {self._r(u): -1.0 for v in values_of.get(c, []) for u in self._readers[v] if u != c}
+                self._row({self._r(c): 1, **readers}, 0)
+
+    def _kept_only_if_saved_and_read(self) -> None:
+        """So that no constant stops a walk for free; a kept varying value is recomputed to differentiate again."""
+        for value in self.values:
+            call = value[0]
+            if call >= 0:
+                self._row({self._k(value): 1, self._s(call): -1}, 0)
+                if value not in self.dataflow.backward_reads:
+                    self._row({self._k(value): 1, **{self._r(u): -1 for u in self._readers[value]}}, 0)
+                if value in self.dataflow.varying and value not in self.dataflow.returned:
+                    self._row({self._k(value): 1, self._p(call): -1}, 0)
 
     def constraints(self, budget: float) -> Any:
         matrix = lil_array((len(self.rows) + 1, self.size))

@@ -51,6 +51,7 @@ def user_line(tb: TracebackType | None) -> str | None:
 @contextmanager
 def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
     """Turn low-level tracing failures into errors that say what to change in `fn`."""
+    # Long by design: one `except` per failure, each its message, read top to bottom like a table.
     try:
         yield
     except DataDependentOutputException as error:

@@ -339,77 +339,119 @@ def _trace(
     with_values: bool,
 ) -> JointGraph:
     real_primals = [*flat_args.tensors, *discovery.closed_over]
-    n_args = len(flat_args.tensors)
-    differentiated = [_requires_grad(t) for t in real_primals]
-    n_user_outputs = len(discovery.output_fakes)
-    dirty = discovery.dirty
-    differentiable = (
-        *(i for i, o in enumerate(discovery.output_fakes) if o.requires_grad),
-        *(n_user_outputs + j for j, i in enumerate(dirty) if differentiated[i]),  # others: forward mode only
-    )
     fake_primals = [_fake_like(fake_mode, t) for t in real_primals]
+    joint = _JointFunction(fn, flat_args, roots, discovery, fake_primals, under_functorch, with_values)
     with fake_mode:
         fake_tangents = [torch.empty_like(o) for o in discovery.output_fakes if o.requires_grad]
-        fake_tangents += [torch.empty_like(fake_primals[i]) for i in dirty if differentiated[i]]
+        fake_tangents += [torch.empty_like(fake_primals[i]) for i in discovery.dirty if joint.differentiated[i]]
+    gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
+    guarded_ints: set[str] = set()
+    if with_values:  # See NOTE [values Python reads].
+        assert fake_mode.shape_env is not None
+        guarded_ints, guarded_floats = insert_value_checks(gm, fake_mode.shape_env)
+        refuse_float_reads(guarded_floats)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}  # nested checkpoints' regions, before clean-up
+    regions = [
+        (policy, frozenset(n for n, i in order.items() if order[start] < i <= order[end]))
+        for policy, start, end in _regions.recorded or ()
+    ]
+    _clean_up(gm.graph, joint.copies, guarded_ints)
+    return _joint_graph(gm, fn, roots, fake_mode, discovery, joint, under_functorch, len(real_primals), regions)
 
-    ran_in_fn: set[fx.Node] = set()  # the graph's nodes when fn returned (some may be dead code later)
-    dropout_layout_matters = False  # see NOTE [dropout under torch.func]
-    detached: set[fx.Node] = set()  # the nodes `fn` detached
-    grad_of: list[int] = []
-    copies: list[fx.Node] = []  # the non-leaf copies of dirty inputs, removed after tracing
 
-    def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
-        if with_values:
-            carry_real_values(primals, fake_primals)
+class _JointFunction:
+    """`fn` and its gradients, as one function of (primals, tangents) for `make_fx` to trace.
+
+    Tracing it also records what the graph alone does not say: the nodes `fn` itself ran
+    (`ran_in_fn`) and detached (`detached`), which primals have a gradient (`grad_of`), the
+    copies of dirty inputs to remove afterwards (`copies`), and whether dropout's layout
+    matters (NOTE [dropout under torch.func]).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        flat_args: FlatArgs,
+        roots: ModuleRoots,
+        discovery: _Discovery,
+        fake_primals: list[torch.Tensor],
+        under_functorch: bool,
+        with_values: bool,
+    ):
+        self.fn, self.flat_args, self.roots, self.discovery = fn, flat_args, roots, discovery
+        self.fake_primals, self.under_functorch, self.with_values = fake_primals, under_functorch, with_values
+        self.n_args = len(flat_args.tensors)
+        self.differentiated = [_requires_grad(t) for t in [*flat_args.tensors, *discovery.closed_over]]
+        n_user_outputs = len(discovery.output_fakes)
+        self.differentiable = (
+            *(i for i, o in enumerate(discovery.output_fakes) if o.requires_grad),
+            *(n_user_outputs + j for j, i in enumerate(discovery.dirty) if self.differentiated[i]),  # others: jvp only
+        )
+        self.ran_in_fn: set[fx.Node] = set()  # the graph's nodes when fn returned (some may be dead code later)
+        self.detached: set[fx.Node] = set()
+        self.grad_of: list[int] = []
+        self.copies: list[fx.Node] = []  # the non-leaf copies of dirty inputs
+        self.dropout_layout_matters = False
+
+    def __call__(self, primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
+        if self.with_values:
+            carry_real_values(primals, self.fake_primals)
+        dirty = self.discovery.dirty
         with FunctionalModeKeepingChecks():
             functional = [FunctionalTensor.to_functional(p) for p in primals]
-            inputs = [f.requires_grad_() if grad else f for f, grad in zip(functional, differentiated, strict=True)]
-            substitutes = {id(real): inputs[n_args + i] for i, real in enumerate(discovery.closed_over)}
-            proxy_mode = get_proxy_mode()
-            assert proxy_mode is not None
-            graph = proxy_mode.tracer.graph
+            inputs = [
+                f.requires_grad_() if grad else f for f, grad in zip(functional, self.differentiated, strict=True)
+            ]
             with torch.enable_grad():
-                arguments = list(inputs[:n_args])
-                for i in dirty:
-                    arguments[i] = inputs[i].clone()
-                    copies.append(next(iter(reversed(graph.nodes))))
-                with capture_mode(roots, substitutes) as mode, eager_fidelity(under_functorch) as fidelity:
-                    args, kwargs = flat_args.rebuild(arguments)
-                    outputs, _ = flatten_outputs(fn(*args, **kwargs))
-                outputs = [mode.substitute(o) for o in outputs] + [arguments[i] for i in dirty]
-                ran_in_fn.update(graph.nodes)
-                detached.update(mode.detached)
-                nonlocal dropout_layout_matters
-                dropout_layout_matters = fidelity.dropout_layout_matters
-                wrt = [i for i, grad in enumerate(differentiated) if grad]
-                diff_outputs = [outputs[i] for i in differentiable]
-                grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
-                if diff_outputs and wrt:
-                    with autocast_disabled():  # as eager's backward runs: NOTE [autocast is traced, not re-applied]
-                        grads = torch.autograd.grad(
-                            diff_outputs,
-                            [inputs[i] for i in wrt],
-                            [FunctionalTensor.to_functional(t) for t in tangents],
-                            allow_unused=True,
-                            create_graph=True,  # differentiable: see NOTE [differentiating the forward again]
-                        )
+                arguments, outputs = self._run_fn(inputs)
+                wrt = [i for i, grad in enumerate(self.differentiated) if grad]
+                grads = self._gradients([outputs[i] for i in self.differentiable], [inputs[i] for i in wrt], tangents)
             for primal, value in zip(primals, functional, strict=True):
                 sync(value)
                 if has_data_mutation(value):
                     primal.copy_(_unwrap(value))
             for i in dirty:
                 primals[i].copy_(_unwrap(arguments[i]))
-            grad_of.extend(i for i, g in zip(wrt, grads, strict=True) if g is not None)
+            self.grad_of.extend(i for i, g in zip(wrt, grads, strict=True) if g is not None)
             return [_unwrap(o) for o in outputs], [_unwrap(g) for g in grads if g is not None]
 
-    gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
-    guarded_ints: set[str] = set()
-    if with_values:  # See NOTE [values Python reads].
-        guarded_ints, guarded_floats = insert_value_checks(gm, fake_mode.shape_env)  # type: ignore[arg-type]
-        refuse_float_reads(guarded_floats)
-    graph = gm.graph
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    recorded = [(policy, order[start], order[end]) for policy, start, end in _regions.recorded or ()]
+    def _run_fn(self, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+        """Run `fn` on the functional inputs (dirty ones copied, so that autograd sees the update);
+        its arguments and outputs, then the new values of the dirty inputs."""
+        proxy_mode = get_proxy_mode()
+        assert proxy_mode is not None
+        graph = proxy_mode.tracer.graph
+        arguments = list(inputs[: self.n_args])
+        for i in self.discovery.dirty:
+            arguments[i] = inputs[i].clone()
+            self.copies.append(next(iter(reversed(graph.nodes))))
+        substitutes = {id(real): inputs[self.n_args + i] for i, real in enumerate(self.discovery.closed_over)}
+        with capture_mode(self.roots, substitutes) as mode, eager_fidelity(self.under_functorch) as fidelity:
+            args, kwargs = self.flat_args.rebuild(arguments)
+            outputs, _ = flatten_outputs(self.fn(*args, **kwargs))
+        self.ran_in_fn.update(graph.nodes)
+        self.detached.update(mode.detached)
+        self.dropout_layout_matters = fidelity.dropout_layout_matters
+        return arguments, [mode.substitute(o) for o in outputs] + [arguments[i] for i in self.discovery.dirty]
+
+    @staticmethod
+    def _gradients(
+        outputs: list[Any], wrt: list[torch.Tensor], tangents: list[torch.Tensor]
+    ) -> Sequence[torch.Tensor | None]:
+        if not outputs or not wrt:
+            return [None] * len(wrt)
+        with autocast_disabled():  # as eager's backward runs: NOTE [autocast is traced, not re-applied]
+            return torch.autograd.grad(
+                outputs,
+                wrt,
+                [FunctionalTensor.to_functional(t) for t in tangents],
+                allow_unused=True,
+                create_graph=True,  # differentiable: see NOTE [differentiating the forward again]
+            )
+
+
+def _clean_up(graph: fx.Graph, copies: list[fx.Node], guarded_ints: set[str]) -> None:
+    """Remove the copies of dirty inputs, rewrite views to run as eager ran them, drop dead code."""
     for copy in copies:
         copy.replace_all_uses_with(copy.args[0])  # type: ignore[arg-type]
         graph.erase_node(copy)
@@ -420,14 +462,26 @@ def _trace(
     use_remat_checks(graph)  # after removing dead code: FX knows torch's assertions, not remat's, to be live
     check_coverage(graph, guarded_ints)
 
+
+def _joint_graph(
+    gm: fx.GraphModule,
+    fn: Callable[..., Any],
+    roots: ModuleRoots,
+    fake_mode: FakeTensorMode,
+    discovery: _Discovery,
+    joint: _JointFunction,
+    under_functorch: bool,
+    n_primals: int,
+    regions: list[tuple[Any, frozenset[fx.Node]]],
+) -> JointGraph:
+    """The `JointGraph` of a traced and cleaned-up graph: its parts named, its calls described."""
+    graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    primals = tuple(placeholders[: len(real_primals)])
-    tangents = tuple(placeholders[len(real_primals) :])
+    primals, tangents = tuple(placeholders[:n_primals]), tuple(placeholders[n_primals:])
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     returned = list(output_node.args[0])
-    n_outputs = n_user_outputs + len(dirty)
-    outputs = tuple(returned[:n_outputs])
-    grads = tuple(returned[n_outputs:])
+    n_outputs = len(discovery.output_fakes) + len(discovery.dirty)
+    outputs, grads = tuple(returned[:n_outputs]), tuple(returned[n_outputs:])
     constants = {n.target: getattr(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
     _check_no_unlifted_parameters(constants)
 
@@ -435,37 +489,35 @@ def _trace(
         n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in primals
     )
     value_checks = checks_of(graph)
-    forward_nodes = _forward_nodes(graph, ran_in_fn, tangents, [*outputs, *mutations, *value_checks])
-    _mark_replayed_detaches(forward_nodes, detached)
+    forward_nodes = _forward_nodes(graph, joint.ran_in_fn, tangents, [*outputs, *mutations, *value_checks])
+    _mark_replayed_detaches(forward_nodes, joint.detached)
     call_nodes = tuple(n for n in graph.nodes if n in forward_nodes and is_call(n) and n not in mutations)
     for node in call_nodes:
         if isinstance(node.meta.get("val"), (tuple, list)):
             node.meta["remat_differentiable_outputs"] = _differentiable_outputs(node, fake_mode)
     variables = variable_slots(fn)
-    lifted = tuple(roots.slot_of(t, discovery.reached_modules, variables) for t in discovery.closed_over)
     return JointGraph(
         graph=graph,
         constants=constants,
         primals=primals,
         tangents=tangents,
         outputs=outputs,
-        n_user_outputs=n_user_outputs,
-        dirty=dirty,
+        n_user_outputs=len(discovery.output_fakes),
+        dirty=discovery.dirty,
         output_spec=discovery.output_spec,
-        differentiable_outputs=differentiable,
+        differentiable_outputs=joint.differentiable,
         grads=grads,
-        grad_of=tuple(grad_of),
+        grad_of=tuple(joint.grad_of),
         forward_nodes=forward_nodes,
         mutations=mutations,
         call_nodes=call_nodes,
         trace=_describe_all(call_nodes),
         regions=tuple(
-            (policy, tuple(i for i, node in enumerate(call_nodes) if start < order[node] <= end))
-            for policy, start, end in recorded
+            (policy, tuple(i for i, node in enumerate(call_nodes) if node in region)) for policy, region in regions
         ),
-        lifted=lifted,
+        lifted=tuple(roots.slot_of(t, discovery.reached_modules, variables) for t in discovery.closed_over),
         reached_modules=discovery.reached_modules,
-        under_functorch=under_functorch if dropout_layout_matters else None,
+        under_functorch=under_functorch if joint.dropout_layout_matters else None,
         value_checks=tuple(str(describe_check(check)) for check in value_checks if check.target is check_value),
     )
 
