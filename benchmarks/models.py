@@ -63,7 +63,12 @@ MOE = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen2_moe": (
         "Qwen2MoeConfig",
-        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
     ),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "deepseek_v3": (
@@ -98,7 +103,12 @@ DENSE: dict[str, tuple[str, dict[str, Any], str, str]] = {
     "gemma3": ("Gemma3TextConfig", {**DECODER, "head_dim": 8}, "CausalLM", "ids"),
     "phi3": ("Phi3Config", DECODER, "CausalLM", "ids"),
     "gpt_neox": ("GPTNeoXConfig", DECODER, "CausalLM", "ids"),
-    "falcon": ("FalconConfig", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}, "CausalLM", "ids"),
+    "falcon": (
+        "FalconConfig",
+        {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4},
+        "CausalLM",
+        "ids",
+    ),
     "mamba": ("MambaConfig", {"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": VOCAB}, "CausalLM", "ids"),
     "bert": ("BertConfig", {**SMALL_BERT, "vocab_size": VOCAB}, "MaskedLM", "ids"),
     "roberta": ("RobertaConfig", {**SMALL_BERT, "vocab_size": VOCAB}, "MaskedLM", "ids"),

@@ -18,48 +18,9 @@ import remat.testing
 from remat import policies
 
 transformers = pytest.importorskip("transformers")
+from benchmarks.models import DECODER, MOE  # noqa: E402  (the configs the models benchmark runs)
 
-_COMMON = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 100,
-    "use_cache": False,
-}
-MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        {
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32,
-        },
-    ),
-    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        {
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "n_group": 2,
-            "topk_group": 1,
-            "first_k_dense_replace": 0,
-            "n_shared_experts": 1,
-            "num_key_value_heads": 4,
-            "kv_lora_rank": 16,
-            "q_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 8,
-        },
-    ),
-    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "eos_token_id": None, "pad_token_id": None}),
-}
+_COMMON = {**DECODER, "use_cache": False}
 POLICIES = {
     "save_nothing": policies.save_nothing,
     "dots_saveable": policies.dots_saveable,
@@ -69,7 +30,7 @@ TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol
 
 
 def moe_model(name: str, experts: str, dtype: torch.dtype) -> torch.nn.Module:
-    config_class, extra = MOE_CONFIGS[name]
+    config_class, extra = MOE[name]
     config = getattr(transformers, config_class)(**{**_COMMON, **extra})
     config._experts_implementation = experts
     torch.manual_seed(0)
@@ -103,18 +64,18 @@ def assert_trains_like_eager(name: str, experts: str, dtype: torch.dtype, policy
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name", MOE_CONFIGS)
+@pytest.mark.parametrize("name", MOE)
 def test_moe_models_train_like_eager_in_their_default_configuration(name: str, policy: str) -> None:
     assert_trains_like_eager(name, "grouped_mm", torch.float32, POLICIES[policy], steps=2)
 
 
 @pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
-@pytest.mark.parametrize("name", MOE_CONFIGS)
+@pytest.mark.parametrize("name", MOE)
 def test_moe_models_train_like_eager_in_bfloat16(name: str, experts: str) -> None:
     assert_trains_like_eager(name, experts, torch.bfloat16, policies.save_nothing)
 
 
-@pytest.mark.parametrize("name", MOE_CONFIGS)
+@pytest.mark.parametrize("name", MOE)
 def test_moe_models_with_the_eager_experts_train_like_eager_without_retracing(name: str) -> None:
     """The eager experts loop over the experts the router picked (`nonzero` of the expert mask) and
     index by each: one trace per set of picked experts, not per routing, so three batches of
