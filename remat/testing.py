@@ -13,14 +13,16 @@ import it; use `import remat.testing`.
 
 >>> import torch, remat.testing
 >>> remat.testing.assert_checkpoint_equivalent(lambda x: x.sin().exp(), torch.randn(3, requires_grad=True))
+CheckpointedRun(outputs=Tensor(shape=(3,), dtype=torch.float32), input_grads=(Tensor(shape=(3,), dtype=torch.float32),), param_grads=())
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -35,6 +37,7 @@ from ._torch import import_jvp_decompositions
 
 __all__ = [
     "CATALOG",
+    "CheckpointedRun",
     "RandomFunction",
     "Step",
     "assert_checkpoint_equivalent",
@@ -568,15 +571,71 @@ def policies(trace: Trace, *, save_calls: bool = True) -> st.SearchStrategy[Any]
 
 # --- the equivalence check ----------------------------------------------------------------------------
 
+# In float64, remat runs the same aten kernels as eager, in the same order in the forward: the
+# outputs and gradients differ by round-off at most.
 _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-7, 1e-9),
-    torch.complex128: (1e-7, 1e-9),
+    torch.float64: (1e-10, 1e-12),
+    torch.complex128: (1e-10, 1e-12),
     torch.float32: (1e-4, 1e-5),
     torch.complex64: (1e-4, 1e-5),
     torch.bfloat16: (2e-2, 2e-2),
     torch.float16: (1e-2, 1e-2),
 }
 TRANSFORMS = ("grad", "vmap", "jvp", "vjp")
+_API = "remat.testing.assert_checkpoint_equivalent"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CheckpointedRun:
+    """What the checkpointed function computed in `assert_checkpoint_equivalent`, which returns it.
+
+    The check runs both functions on fresh copies of the arguments, so the
+    gradients it compared are on tensors the caller never sees. A test that
+    says more about the run (that an output needs no grad, that no gradient
+    reached an integer input) reads them here. Where the check passed, they
+    are also what `fn` computed, to within its tolerances.
+
+    Attributes:
+        outputs: the output pytree of the call.
+        input_grads: the `.grad` of each input tensor after backward, or None
+            where no gradient reached it: the tensor leaves of the positional
+            arguments, then of the keyword arguments, in `optree` order (a
+            dict's keys sorted).
+        param_grads: the `.grad` of each tensor of `params`, in order, or None.
+
+    >>> import torch, remat.testing
+    >>> x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    >>> y = torch.randn(3, dtype=torch.float64)
+    >>> run = remat.testing.assert_checkpoint_equivalent(lambda x, y: (x * y).sin(), x, y)
+    >>> [grad is not None for grad in run.input_grads]
+    [True, False]
+    >>> run.outputs.shape
+    torch.Size([3])
+    """
+
+    outputs: Any
+    input_grads: tuple[torch.Tensor | None, ...]
+    param_grads: tuple[torch.Tensor | None, ...]
+
+    def __repr__(self) -> str:  # the tensors by shape and dtype: a model's would fill the screen
+        fields = (f"{field.name}={_summary(getattr(self, field.name))}" for field in dataclasses.fields(self))
+        return f"CheckpointedRun({', '.join(fields)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorSummary:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __repr__(self) -> str:
+        return f"Tensor(shape={self.shape}, dtype={self.dtype})"
+
+
+def _summary(tree: Any) -> str:
+    def summary(leaf: Any) -> Any:
+        return _TensorSummary(tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
+
+    return repr(optree.tree_map(summary, tree, none_is_leaf=False))
 
 
 def _checkpoint(fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
@@ -625,16 +684,17 @@ def _is_float(tensor: torch.Tensor) -> bool:
 def _scalar(fn: Callable[..., Any], seed: int) -> Callable[..., torch.Tensor]:
     """A scalar reduction of `fn`: the sum of each float output times a fixed random weight."""
 
-    def scalar(*args: Any) -> torch.Tensor:
+    def scalar(*args: Any, **kwargs: Any) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed + 1)
-        outputs = [o for o in _tensor_leaves(fn(*args)) if _is_float(o)]
+        outputs = [o for o in _tensor_leaves(fn(*args, **kwargs)) if _is_float(o)]
         return sum(((o * _random_like(o, generator)).sum() for o in outputs), torch.zeros(()))
 
     return scalar
 
 
-def _transformed(name: str, fn: Callable[..., Any], args: tuple[Any, ...], seed: int) -> Callable[..., Any]:
-    """`fn` under the torch.func transform `name`, as a function of the same args (or stacked ones)."""
+def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+    """`fn` under the torch.func transform `name`, as a function of the same arguments (or stacked
+    positional ones); keyword arguments are passed through, neither differentiated nor batched."""
     if name == "grad":
         return torch.func.grad(_scalar(fn, seed))
     if name == "vmap":
@@ -644,15 +704,15 @@ def _transformed(name: str, fn: Callable[..., Any], args: tuple[Any, ...], seed:
         # warn (an error where warnings are errors): import them here, quietly.
         import_jvp_decompositions()
 
-        def jvp(*primals: Any) -> Any:
+        def jvp(*primals: Any, **kwargs: Any) -> Any:
             generator = torch.Generator().manual_seed(seed + 2)
             tangents = tuple(_random_like(t, generator) for t in primals)
-            return torch.func.jvp(fn, primals, tangents)
+            return torch.func.jvp(functools.partial(fn, **kwargs) if kwargs else fn, primals, tangents)
 
         return jvp
 
-    def vjp(*primals: Any) -> Any:
-        outputs, pullback = torch.func.vjp(fn, *primals)[:2]
+    def vjp(*primals: Any, **kwargs: Any) -> Any:
+        outputs, pullback = torch.func.vjp(functools.partial(fn, **kwargs) if kwargs else fn, *primals)[:2]
         generator = torch.Generator().manual_seed(seed + 3)
         cotangents = optree.tree_map(lambda t: _random_like(t, generator) if _is_float(t) else None, outputs)
         return outputs, pullback(cotangents)
@@ -662,32 +722,44 @@ def _transformed(name: str, fn: Callable[..., Any], args: tuple[Any, ...], seed:
 
 @dataclasses.dataclass
 class _Run:
-    outputs: list[torch.Tensor]
+    tree: Any  # the output pytree
+    outputs: list[Any]  # its leaves
     spec: Any
     layouts: list[tuple[int, ...] | None]  # per output: the strides of its dimensions of size > 1
     aliases: list[tuple[int, ...]]  # per output: the input tensors whose memory it shares
     inputs_after: list[torch.Tensor]  # the input tensors' values after the call (in-place updates)
     input_grads: list[torch.Tensor | None]
     param_grads: list[torch.Tensor | None]
+    backpropagated: tuple[int, ...]  # the outputs given a cotangent
     rng_after: torch.Tensor  # the CPU generator's state after the call and backward
 
 
-def _run(fn: Callable[..., Any], args: Any, params: Sequence[torch.Tensor], seed: int, backward: bool) -> _Run:
+def _run(
+    fn: Callable[..., Any],
+    args: Any,
+    kwargs: dict[str, Any],
+    params: Sequence[torch.Tensor],
+    seed: int,
+    backward: bool,
+    backprop: frozenset[int] | None,
+) -> _Run:
     for param in params:
         param.grad = None
-    args = _fresh(args)
-    leaves = _tensor_leaves(args)
+    args, kwargs = _fresh((args, kwargs))
+    leaves = _tensor_leaves((args, kwargs))
     torch.manual_seed(seed)
-    outputs, spec = optree.tree_flatten(fn(*args), none_is_leaf=False)
+    tree = fn(*args, **kwargs)
+    outputs, spec = optree.tree_flatten(tree, none_is_leaf=False)
     generator = torch.Generator().manual_seed(seed)
-    pairs = [
-        (o, _random_like(o, generator))
-        for o in outputs
-        if isinstance(o, torch.Tensor) and _is_float(o) and o.requires_grad
-    ]
-    if backward and pairs:
-        torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+    # One cotangent per float output, drawn in order, so that an output gets the same one in both runs.
+    cotangents = {
+        i: _random_like(o, generator) for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and _is_float(o)
+    }
+    backpropagated = tuple(i for i in cotangents if outputs[i].requires_grad and (backprop is None or i in backprop))
+    if backward and backpropagated:
+        torch.autograd.backward([outputs[i] for i in backpropagated], [cotangents[i] for i in backpropagated])
     return _Run(
+        tree=tree,
         outputs=outputs,
         spec=spec,
         layouts=[_layout(o) for o in outputs],
@@ -695,6 +767,7 @@ def _run(fn: Callable[..., Any], args: Any, params: Sequence[torch.Tensor], seed
         inputs_after=[t.detach().clone() for t in leaves],
         input_grads=[t.grad for t in leaves],
         param_grads=[None if p.grad is None else p.grad.clone() for p in params],
+        backpropagated=backpropagated if backward else (),
         rng_after=torch.get_rng_state(),
     )
 
@@ -717,17 +790,24 @@ def _aliased_inputs(value: Any, leaves: Sequence[torch.Tensor]) -> tuple[int, ..
     )
 
 
+def _kind(value: Any) -> str:
+    return "a tensor" if isinstance(value, torch.Tensor) else f"{value!r} ({type(value).__name__})"
+
+
 def _diff(what: str, actual: Any, expected: Any, rtol: float | None, atol: float | None) -> str | None:
     """Why `actual` does not match `expected`, or None if it does."""
     if expected is None or actual is None:
         if expected is None and actual is None:
             return None
         return f"{what}: expected {'no gradient' if expected is None else 'a gradient'}, got {'None' if actual is None else 'one'}"
+    if isinstance(actual, torch.Tensor) != isinstance(expected, torch.Tensor):
+        return f"{what}: expected {_kind(expected)}, got {_kind(actual)}"
     if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
         return None if actual == expected else f"{what}: expected {expected!r}, got {actual!r}"
-    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+    if actual.shape != expected.shape or actual.dtype != expected.dtype or actual.device != expected.device:
         return (
-            f"{what}: expected shape {tuple(expected.shape)} {expected.dtype}, got {tuple(actual.shape)} {actual.dtype}"
+            f"{what}: expected shape {tuple(expected.shape)} {expected.dtype} on {expected.device}, "
+            f"got {tuple(actual.shape)} {actual.dtype} on {actual.device}"
         )
     default_rtol, default_atol = _TOLERANCES.get(expected.dtype, (0.0, 0.0))
     rtol = default_rtol if rtol is None else rtol
@@ -781,34 +861,77 @@ def _compare(label: str, expected: _Run, actual: _Run, rtol: float | None, atol:
     return [p for p in problems if p]
 
 
+def _check_backprop_outputs(backprop: frozenset[int], expected: _Run) -> None:
+    """Raise if `backprop` names an output of `fn` that cannot be backpropagated through."""
+    differentiable = [
+        i for i, o in enumerate(expected.outputs) if isinstance(o, torch.Tensor) and _is_float(o) and o.requires_grad
+    ]
+    for i in sorted(backprop):
+        if i >= len(expected.outputs):
+            raise ValueError(
+                f"{_API}: backprop={sorted(backprop)} names output {i}, but fn returns {len(expected.outputs)} "
+                f"outputs (the leaves of its output pytree). Choose among {differentiable}."
+            )
+        if i not in differentiable:
+            output = expected.outputs[i]
+            what = (
+                f"a {output.dtype} tensor that does not require grad"
+                if isinstance(output, torch.Tensor)
+                else f"{output!r}, not a tensor"
+            )
+            raise ValueError(
+                f"{_API}: backprop={sorted(backprop)} names output {i} of fn, {what}: no gradient flows "
+                f"through it. Choose among the float outputs that require grad, {differentiable}."
+            )
+
+
+def _check_gradients_reach_something(expected: _Run) -> None:
+    """Raise if backward ran through `fn` but no input or parameter got a gradient: nothing to compare."""
+    if expected.backpropagated and all(g is None for g in (*expected.input_grads, *expected.param_grads)):
+        raise ValueError(
+            f"{_API}: backward through the outputs of fn reached no input tensor and no tensor of params, "
+            f"so no gradient would be compared (outputs {list(expected.backpropagated)} require grad through "
+            "tensors fn closes over). Pass those tensors as params=, such as params=module.parameters() for "
+            "a function that calls a module, or give fn an input that requires grad."
+        )
+
+
 def _run_and_compare(
     label: str,
     fn: Callable[..., Any],
     checkpointed: Callable[..., Any],
     args: Any,
+    kwargs: dict[str, Any],
     params: Sequence[torch.Tensor],
     seed: int,
     backward: bool,
+    backprop: frozenset[int] | None,
     rtol: float | None,
     atol: float | None,
-) -> list[str]:
+) -> tuple[list[str], _Run | None]:
     """Run both; compare what they computed, or, where `fn` raises, that the checkpoint raises too.
 
-    Under a transform (`label`), a program eager refuses is not compared: remat may run it where
-    eager cannot (its views are traced as reshapes, which never fail)."""
+    Returns the differences and the checkpoint's run (None where `fn` raised). Under a transform
+    (`label`), a program eager refuses is not compared: remat may run it where eager cannot (its
+    views are traced as reshapes, which never fail)."""
     try:
-        expected = _run(fn, args, params, seed, backward)
+        expected = _run(fn, args, kwargs, params, seed, backward, backprop)
     except Exception as error:  # eager refuses this program: so must the checkpoint
         if label:
-            return []
+            return [], None
         try:
-            _run(checkpointed, args, params, seed, backward)
+            _run(checkpointed, args, kwargs, params, seed, backward, backprop)
         except type(error):
-            return []
+            return [], None
         except Exception as other:
-            return [f"{label}eager raises {type(error).__name__}: {error}; the checkpoint raises {other!r}"]
-        return [f"{label}eager raises {type(error).__name__}: {error}; the checkpoint does not"]
-    return _compare(label, expected, _run(checkpointed, args, params, seed, backward), rtol, atol)
+            return [f"{label}eager raises {type(error).__name__}: {error}; the checkpoint raises {other!r}"], None
+        return [f"{label}eager raises {type(error).__name__}: {error}; the checkpoint does not"], None
+    if backward and backprop is not None:
+        _check_backprop_outputs(backprop, expected)
+    if backward and not label:
+        _check_gradients_reach_something(expected)
+    actual = _run(checkpointed, args, kwargs, params, seed, backward, backprop)
+    return _compare(label, expected, actual, rtol, atol), actual
 
 
 def _strides(value: Any) -> tuple[int, ...] | None:
@@ -825,80 +948,198 @@ def _stack(args: Any, size: int = 2) -> Any:
     return optree.tree_map(stack, args, none_is_leaf=False)
 
 
+def _checked_kwargs(kwargs: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+        raise TypeError(
+            f"{_API}: expected kwargs to be a dict from argument names to values (pytrees of tensors and "
+            f"static values) for fn and the checkpoint, but got {type(kwargs).__name__}: {kwargs!r}."
+        )
+    return dict(kwargs)
+
+
+def _checked_params(params: Any, fn: Callable[..., Any]) -> list[torch.Tensor]:
+    if params is None:
+        return list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    if isinstance(params, (torch.Tensor, torch.nn.Module, Mapping)) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"{_API}: expected params to be an iterable of tensors (such as module.parameters() or a list), "
+            f"but got {type(params).__name__}. Wrap one tensor in a list; for a module pass module.parameters()."
+        )
+    params = list(params)
+    for i, param in enumerate(params):
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"{_API}: expected params to hold tensors, but params[{i}] is {_kind(param)}.")
+        if not param.is_leaf:
+            raise ValueError(
+                f"{_API}: params[{i}] is not a leaf tensor (it was computed, by {type(param.grad_fn).__name__}): "
+                "backward fills the .grad of leaves only. Pass the leaf tensors it is computed from."
+            )
+    return params
+
+
+def _checked_backprop(backprop: Any) -> frozenset[int] | None:
+    if backprop is None:
+        return None
+    if isinstance(backprop, (str, bytes)) or not isinstance(backprop, Iterable):
+        raise TypeError(
+            f"{_API}: expected backprop to be a sequence of output positions (ints), but got "
+            f"{type(backprop).__name__}: {backprop!r}. For one output, pass [i]."
+        )
+    positions = list(backprop)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions):
+        raise ValueError(
+            f"{_API}: expected backprop to hold positions of outputs of fn (ints from 0, among the leaves of "
+            f"its output pytree), but got {positions!r}."
+        )
+    return frozenset(positions)
+
+
 def assert_checkpoint_equivalent(
     fn: Callable[..., Any],
     *args: Any,
     policy: Any = None,
+    checkpointed: Callable[..., Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    params: Iterable[torch.Tensor] | None = None,
+    backprop: Iterable[int] | None = None,
     transforms: Sequence[str] = (),
     device: str | torch.device | None = None,
     seed: int = 0,
     rtol: float | None = None,
     atol: float | None = None,
-) -> None:
+) -> CheckpointedRun | None:
     """Assert that `remat.checkpoint(fn, policy=policy)` computes what `fn` computes, gradients included.
 
-    Both run on fresh copies of `args` (any pytrees of tensors), each after
-    `torch.manual_seed(seed)` so random ops draw the same numbers; the same
-    seeded random cotangents are backpropagated through every float output
-    that requires grad. Compared: the output structure and every output with
-    its metadata (`requires_grad`, the strides of its dimensions longer than
-    one, which inputs it shares memory with), the values of the inputs after
-    the call (in-place updates), the gradient of every input tensor, for an
-    `nn.Module` `fn` the `.grad` of each parameter, and where the CPU random
-    stream is left after forward and backward. Tolerances depend on the dtype
-    (tight for float64, loose for bfloat16 and float16) unless given.
+    Both run on fresh copies of `args` and `kwargs` (any pytrees of tensors
+    and static values), each after `torch.manual_seed(seed)` so random ops
+    draw the same numbers; the same seeded random cotangents are
+    backpropagated through every float output that requires grad (or those
+    in `backprop`). Compared: the output structure and every output with its
+    metadata (`requires_grad`, device, the strides of its dimensions longer
+    than one, which inputs it shares memory with), the values of the inputs
+    after the call (in-place updates), the gradient of every input tensor,
+    the `.grad` of each tensor in `params` (for an `nn.Module` `fn`, its
+    parameters), and where the CPU random stream is left after forward and
+    backward. Where `fn` raises, the checkpoint must raise an exception of
+    the same type. Tolerances depend on the dtype (tight for float64, loose
+    for bfloat16 and float16) unless given.
 
     Args:
         fn: a function of tensors, or an `nn.Module`.
         *args: its positional arguments.
         policy: the policy to checkpoint with.
+        checkpointed: compare `fn` with this callable instead of
+            `remat.checkpoint(fn, policy=policy)`: a model after
+            `remat.checkpoint_modules`, a method decorated with
+            `remat.checkpoint`, a compiled checkpoint. Not with `policy`.
+        kwargs: keyword arguments for both, copied fresh like `args`.
+        params: tensors both functions close over (leaf tensors, such as
+            `model.parameters()`) whose `.grad` is compared; each `.grad` is
+            cleared before each run and holds the checkpoint's afterwards.
+            Default: the parameters of `fn` if it is an `nn.Module`, else none.
+        backprop: backpropagate only through the outputs at these positions
+            (among the leaves of the output pytree, in `optree` order), each a
+            float tensor that requires grad in `fn`.
         transforms: also compare these `torch.func` transforms of `fn` with
             those of its checkpoint: `"grad"` (the gradient of a fixed random
             weighted sum of the outputs, with respect to the first argument),
-            `"vmap"` (over a batch of 2 stacked copies of the arguments, with
-            `randomness="different"`), `"jvp"` and `"vjp"` (with seeded random
-            tangents and cotangents). `grad`, `jvp` and `vjp` take detached
-            copies of the arguments; the `vmap` outputs are also backpropagated.
-        device: move the arguments (and a module `fn`) there first.
+            `"vmap"` (over a batch of 2 stacked copies of the positional
+            arguments, with `randomness="different"`), `"jvp"` and `"vjp"`
+            (with seeded random tangents and cotangents). `grad`, `jvp` and
+            `vjp` take detached copies of the arguments; the `vmap` outputs
+            are also backpropagated. Keyword arguments are passed through,
+            neither differentiated nor batched.
+        device: move the arguments, and `fn` and `checkpointed` where they
+            are modules, there first (not the tensors of `params`).
         seed: the seed for random ops and cotangents.
         rtol: relative tolerance, instead of the dtype's.
         atol: absolute tolerance, instead of the dtype's.
+
+    Returns:
+        The checkpoint's run (`CheckpointedRun`): its outputs and gradients,
+        for further assertions; None where `fn` raised (and the checkpoint
+        raised alike).
 
     Raises:
         AssertionError: listing every output and gradient that differs, with
             its shape, dtype, maximum absolute and relative error and the worst
             element.
+        ValueError: for both `policy` and `checkpointed`, for `backprop`
+            naming an output that cannot be backpropagated through, and where
+            backward reaches no input and none of `params` (so no gradient
+            would be compared).
+        TypeError: for arguments of the wrong type.
 
     >>> import torch, remat, remat.testing
     >>> x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
     >>> remat.testing.assert_checkpoint_equivalent(lambda x: (x @ x).relu().sum(1), x, transforms=["grad", "vjp"])
+    CheckpointedRun(outputs=Tensor(shape=(4,), dtype=torch.float64), input_grads=(Tensor(shape=(4, 4), dtype=torch.float64),), param_grads=())
+
+    Comparing with a function of your own, here one that `remat.checkpoint`
+    decorates, which closes over a weight:
+
+    >>> w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    >>> def layer(x):
+    ...     return (x @ w).tanh()
+    >>> @remat.checkpoint(policy=remat.policies.dots_saveable)
+    ... def checkpointed_layer(x):
+    ...     return (x @ w).tanh()
+    >>> run = remat.testing.assert_checkpoint_equivalent(layer, x, checkpointed=checkpointed_layer, params=[w])
+    >>> run.param_grads[0].shape
+    torch.Size([4, 4])
     """
     unknown = [t for t in transforms if t not in TRANSFORMS]
     if unknown:
-        raise ValueError(
-            f"remat.testing.assert_checkpoint_equivalent: expected transforms from {TRANSFORMS}, but got {unknown}."
-        )
+        raise ValueError(f"{_API}: expected transforms from {TRANSFORMS}, but got {unknown}.")
+    if checkpointed is not None:
+        if policy is not None:
+            raise ValueError(
+                f"{_API}: got both policy={policy!r} and checkpointed={checkpointed!r}. Give policy= to compare "
+                "fn with remat.checkpoint(fn, policy=policy), or checkpointed= to compare fn with a callable "
+                "of your own (checkpointed with the policy you want), not both."
+            )
+        if not callable(checkpointed):
+            raise TypeError(
+                f"{_API}: expected checkpointed to be a callable to compare with fn, but got "
+                f"{type(checkpointed).__name__}: {checkpointed!r}."
+            )
+    call_kwargs = _checked_kwargs(kwargs)
+    positions = _checked_backprop(backprop)
     if device is not None:
         args = _to_device(args, device)
-        if isinstance(fn, torch.nn.Module):
-            fn.to(device)
-    params: list[torch.Tensor] = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
-    checkpointed = _checkpoint(fn, policy)
-    problems = _run_and_compare("", fn, checkpointed, args, params, seed, True, rtol, atol)
+        call_kwargs = _to_device(call_kwargs, device)
+        for module in (fn, checkpointed):
+            if isinstance(module, torch.nn.Module):
+                module.to(device)
+    tensors = _checked_params(params, fn)
+    if checkpointed is None:
+        checkpointed = _checkpoint(fn, policy)
+        header = f"remat.checkpoint(fn, policy={policy!r}) differs from fn = {fn!r}:"
+    else:
+        header = f"checkpointed = {checkpointed!r} differs from fn = {fn!r}:"
+    problems, run = _run_and_compare(
+        "", fn, checkpointed, args, call_kwargs, tensors, seed, True, positions, rtol, atol
+    )
     for name in transforms:
         # grad, jvp and vjp are compared as pure functions of detached inputs; vmap also backpropagates.
-        call_args = _stack(args) if name == "vmap" else _detached(args)
+        vmap = name == "vmap"
         problems += _run_and_compare(
             f"[{name}] ",
-            _transformed(name, fn, args, seed),
-            _transformed(name, checkpointed, args, seed),
-            call_args,
-            params,
+            _transformed(name, fn, seed),
+            _transformed(name, checkpointed, seed),
+            _stack(args) if vmap else _detached(args),
+            call_kwargs if vmap else _detached(call_kwargs),
+            tensors,
             seed,
-            name == "vmap",
+            vmap,
+            positions,
             rtol,
             atol,
-        )
+        )[0]
     if problems:
-        header = f"remat.checkpoint(fn, policy={policy!r}) differs from fn = {fn!r}:"
         raise AssertionError("\n  ".join([header, *problems]))
+    if run is None:
+        return None
+    return CheckpointedRun(run.tree, tuple(run.input_grads), tuple(run.param_grads))

@@ -1,10 +1,7 @@
-"""Shared fixtures, hypothesis profiles and the one comparison helper of the test suite.
+"""Shared fixtures, hypothesis profiles, tolerances and measuring helpers of the test suite.
 
-`assert_same_outputs_and_grads(fn, checkpointed, args, ...)` is how tests say
-"the checkpointed function behaves exactly like the original": it runs both
-on fresh copies of the same inputs, backpropagates the same random cotangents
-through every output that requires grad, and compares outputs, input
-gradients and the `.grad` of module parameters.
+Tests say "the checkpointed function behaves exactly like the original" with
+the public `remat.testing.assert_checkpoint_equivalent`, the check users get.
 """
 
 from __future__ import annotations
@@ -13,11 +10,10 @@ import collections
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import models
-import optree
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
@@ -90,123 +86,11 @@ NO_NUMPY_IS_FINE = "ignore:Failed to initialize NumPy:UserWarning"
 
 # --- tolerances ------------------------------------------------------------------------------------
 
-# float64: remat runs the same aten kernels as eager, in the same order for the
-# forward, so differences are round-off at most.
+# float64, for tests that compare tensors themselves: remat runs the same aten kernels as eager,
+# in the same order for the forward, so differences are round-off at most (the float64 defaults of
+# `remat.testing.assert_checkpoint_equivalent` are these).
 RTOL = 1e-10
 ATOL = 1e-12
-
-COTANGENT_SEED = 1234
-
-
-def _leaves(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
-    return optree.tree_flatten(tree, none_is_leaf=False)
-
-
-def _fresh(tree: Any) -> Any:
-    """A copy of `tree` whose tensors are new leaves with the same values and requires_grad."""
-
-    def copy(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return leaf.detach().clone().requires_grad_(leaf.requires_grad)
-        return leaf
-
-    return optree.tree_map(copy, tree, none_is_leaf=False)
-
-
-def _cotangents(outputs: Sequence[torch.Tensor], seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        torch.randn(o.shape, generator=generator, dtype=o.dtype).to(o.device)
-        if o.is_floating_point() or o.is_complex()
-        else torch.zeros(())  # placeholder, never used: integer outputs have no gradient
-        for o in outputs
-    ]
-
-
-def run_and_backprop(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: dict[str, Any] | None = None,
-    *,
-    params: Iterable[torch.Tensor] = (),
-    backprop: Sequence[int] | None = None,
-    seed: int = COTANGENT_SEED,
-) -> dict[str, Any]:
-    """Run `fn` on fresh copies of the inputs and backpropagate seeded cotangents.
-
-    Returns the output pytree, its flat tensor leaves, the input leaves' grads
-    and the params' grads (each `.grad` is cleared before the run).
-    `backprop` chooses which flat outputs get a cotangent (default: all that
-    require grad).
-    """
-    params = list(params)
-    for p in params:
-        p.grad = None
-    args_copy, kwargs_copy = _fresh((tuple(args), dict(kwargs or {})))
-    out = fn(*args_copy, **kwargs_copy)
-    flat_out, spec = _leaves(out)
-    input_leaves = [leaf for leaf in _leaves((args_copy, kwargs_copy))[0] if isinstance(leaf, torch.Tensor)]
-    cotangents = _cotangents(flat_out, seed)
-    chosen = range(len(flat_out)) if backprop is None else backprop
-    pairs = [(flat_out[i], cotangents[i]) for i in chosen if flat_out[i].requires_grad]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
-    return {
-        "out": out,
-        "flat_out": flat_out,
-        "spec": spec,
-        "input_grads": [leaf.grad for leaf in input_leaves],
-        "param_grads": [None if p.grad is None else p.grad.clone() for p in params],
-        "n_backprop": len(pairs),
-    }
-
-
-def _assert_close_or_both_none(actual: Any, expected: Any, what: str) -> None:
-    if expected is None:
-        assert actual is None, f"{what}: expected no gradient (None), got {actual}"
-        return
-    assert actual is not None, f"{what}: expected a gradient, got None"
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
-
-
-def assert_same_outputs_and_grads(
-    fn: Callable[..., Any],
-    checkpointed: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: dict[str, Any] | None = None,
-    *,
-    params: Iterable[torch.Tensor] = (),
-    backprop: Sequence[int] | None = None,
-    seed: int = COTANGENT_SEED,
-) -> dict[str, Any]:
-    """Assert that `checkpointed` computes the same outputs and gradients as `fn`.
-
-    Both run on fresh copies of `args`/`kwargs` (pytrees of tensors and static
-    values). The same seeded random cotangents are backpropagated through every
-    output that requires grad (or only those at the flat indices `backprop`).
-    Compared, in float64 with tight tolerances: the output structure and every
-    output tensor (values, dtype, requires_grad), the `.grad` of every input
-    tensor, and the `.grad` of every tensor in `params` (module parameters that
-    both functions close over). Returns the checkpointed run.
-    """
-    params = list(params)
-    expected = run_and_backprop(fn, args, kwargs, params=params, backprop=backprop, seed=seed)
-    actual = run_and_backprop(checkpointed, args, kwargs, params=params, backprop=backprop, seed=seed)
-
-    assert actual["spec"] == expected["spec"], f"output structure differs: {actual['spec']} != {expected['spec']}"
-    for i, (a, e) in enumerate(zip(actual["flat_out"], expected["flat_out"], strict=True)):
-        assert isinstance(a, torch.Tensor), f"output {i}: expected a tensor, got {type(a)}"
-        assert a.requires_grad == e.requires_grad, f"output {i}: requires_grad {a.requires_grad} != {e.requires_grad}"
-        torch.testing.assert_close(a.detach(), e.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, i=i: f"output {i}: {m}")
-    assert actual["n_backprop"] == expected["n_backprop"]
-    for i, (a, e) in enumerate(zip(actual["input_grads"], expected["input_grads"], strict=True)):
-        _assert_close_or_both_none(a, e, f"grad of input leaf {i}")
-    for i, (a, e) in enumerate(zip(actual["param_grads"], expected["param_grads"], strict=True)):
-        _assert_close_or_both_none(a, e, f"grad of parameter {i}")
-    if expected["n_backprop"]:
-        # Guard against a vacuous comparison: backward must have reached some input or parameter.
-        assert any(g is not None for g in [*expected["input_grads"], *expected["param_grads"]]), "no gradients"
-    return actual
 
 
 # --- bytes kept for backward -----------------------------------------------------------------------

@@ -6,19 +6,18 @@ unwrapped deep copy of it, in float64, parameter gradients included.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import models
 import pytest
 import torch
-from conftest import assert_same_outputs_and_grads
 from torch import nn
 
 import remat
 from remat import checkpoint_modules, uncheckpoint_modules
+from remat.testing import CheckpointedRun, assert_checkpoint_equivalent
 
 DTYPE = torch.float64
 
@@ -52,34 +51,21 @@ def wrapped_names(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if "forward" in vars(module)]
 
 
-def compare(reference: nn.Module, model: nn.Module, *args: Any, seed: int | None = None) -> dict[str, Any]:
+def compare(reference: nn.Module, model: nn.Module, *args: Any, seed: int = 0) -> CheckpointedRun:
     """`model` computes the outputs, input grads and parameter grads of `reference`, an unwrapped copy.
 
     The reference runs with the model's own parameters (by name, through
     `functional_call`), so that one `params` list serves both runs; `seed`
-    seeds the global RNG before each call (for dropout).
+    seeds the global RNG before each call (for dropout). Returns the model's run.
     """
     parameters = dict(model.named_parameters())
 
     def run_reference(*inputs: Any) -> Any:
-        with seeded(seed):
-            return torch.func.functional_call(reference, parameters, inputs)
+        return torch.func.functional_call(reference, parameters, inputs)
 
-    def run_model(*inputs: Any) -> Any:
-        with seeded(seed):
-            return model(*inputs)
-
-    return assert_same_outputs_and_grads(run_reference, run_model, args, params=list(parameters.values()))
-
-
-@contextlib.contextmanager
-def seeded(seed: int | None) -> Iterator[None]:
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        yield
+    run = assert_checkpoint_equivalent(run_reference, *args, checkpointed=model, params=list(parameters.values()))
+    assert run is not None
+    return run
 
 
 # --- wrapping in place ---------------------------------------------------------------------------
@@ -126,7 +112,7 @@ def test_load_state_dict_into_wrapped_model_changes_its_outputs(assign: bool) ->
             p.add_(0.1)
     model.load_state_dict(other.state_dict(), assign=assign)
     reference = copy.deepcopy(other)
-    after = compare(reference, model, models.gpt2_input())["out"].detach()
+    after = compare(reference, model, models.gpt2_input()).outputs.detach()
     assert not torch.allclose(after, before)
     if assign:  # new Parameter objects, and they are the ones that get .grad
         assert model.blocks[0].c_attn.weight.grad is not None
@@ -350,7 +336,7 @@ def test_dropout_train_matches_eager_with_the_same_seed_and_eval_is_deterministi
     checkpoint_modules(model, DropoutBlock)
     x = models.randn(4, 8, seed=3)
 
-    train_out = compare(reference, model, x, seed=7)["out"]
+    train_out = compare(reference, model, x, seed=7).outputs
 
     model.eval()
     reference.eval()
@@ -427,7 +413,7 @@ def test_regression_a_retrace_after_load_state_dict_with_assign_uses_the_new_par
     model.load_state_dict(other.state_dict(), assign=True)
     del other
     x = torch.randn(2, 4, dtype=DTYPE, requires_grad=True)  # a new signature: a retrace
-    assert_same_outputs_and_grads(model, checkpointed, (x,), params=list(model.parameters()))
+    assert_checkpoint_equivalent(model, x, checkpointed=checkpointed)
 
 
 def test_hooks_on_modules_inside_a_checkpoint_are_warned_about() -> None:

@@ -17,13 +17,14 @@ import models
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATOL, RTOL, assert_same_outputs_and_grads
+from conftest import ATOL, RTOL
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
 import remat
 from remat import policies
+from remat.testing import assert_checkpoint_equivalent
 
 aten = torch.ops.aten
 
@@ -72,8 +73,7 @@ def trace_length(name: str) -> int:
 
 
 def check_case(case: Case, policy: Any) -> None:
-    checkpointed = remat.checkpoint(case.fn, policy=policy)
-    assert_same_outputs_and_grads(case.fn, checkpointed, case.args, case.kwargs, params=case.params)
+    assert_checkpoint_equivalent(case.fn, *case.args, policy=policy, kwargs=case.kwargs, params=case.params)
 
 
 # --- every model under every built-in policy -----------------------------------------------------
@@ -131,9 +131,7 @@ def test_random_decision_policy(data: st.DataObject, case_name: str) -> None:
 @pytest.mark.parametrize("attention", ["sdpa", "softmax"])
 def test_module_passed_directly(attention: str, policy: Any) -> None:
     block = models.GPT2Block(attention=attention)
-    assert_same_outputs_and_grads(
-        block, remat.checkpoint(block, policy=policy), (models.gpt2_input(),), params=block.parameters()
-    )
+    assert_checkpoint_equivalent(block, models.gpt2_input(), policy=policy)
 
 
 @FEATURE_POLICIES
@@ -142,15 +140,13 @@ def test_module_closed_over_by_lambda(policy: Any) -> None:
     head = nn.Linear(32, 3).double()
     fn = lambda x: head(block(x)).sum(dim=1)  # noqa: E731
     params = [*block.parameters(), *head.parameters()]
-    assert_same_outputs_and_grads(fn, remat.checkpoint(fn, policy=policy), (models.gpt2_input(),), params=params)
+    assert_checkpoint_equivalent(fn, models.gpt2_input(), policy=policy, params=params)
 
 
 @FEATURE_POLICIES
 def test_bound_module_method(policy: Any) -> None:
     block = models.GPT2Block(attention="softmax")
-    assert_same_outputs_and_grads(
-        block.forward, remat.checkpoint(block.forward, policy=policy), (models.gpt2_input(),), params=block.parameters()
-    )
+    assert_checkpoint_equivalent(block.forward, models.gpt2_input(), policy=policy, params=block.parameters())
 
 
 class _DecoratedBlock(models.GPT2Block):
@@ -181,7 +177,7 @@ def test_decorated_forward_method() -> None:
     block = _DecoratedBlock(attention="softmax")
     eager = functools.partial(models.GPT2Block.forward, block)
     assert isinstance(type(block).__dict__["forward"], remat.Checkpointed)
-    assert_same_outputs_and_grads(eager, block, (models.gpt2_input(),), params=block.parameters())
+    assert_checkpoint_equivalent(eager, models.gpt2_input(), checkpointed=block, params=block.parameters())
 
 
 def test_decorated_method_two_instances_keep_their_own_parameters() -> None:
@@ -189,7 +185,7 @@ def test_decorated_method_two_instances_keep_their_own_parameters() -> None:
     x = models.gpt2_input()
     for block in (first, second, first):
         eager = functools.partial(models.GPT2Block.forward, block)
-        assert_same_outputs_and_grads(eager, block, (x,), params=block.parameters())
+        assert_checkpoint_equivalent(eager, x, checkpointed=block, params=block.parameters())
 
 
 def test_decorated_helper_method() -> None:
@@ -198,7 +194,7 @@ def test_decorated_helper_method() -> None:
     def eager(x: torch.Tensor) -> torch.Tensor:
         return model.head(_MLPWithHead.features.__wrapped__(model, x))
 
-    assert_same_outputs_and_grads(eager, model, (models.mlp_input(),), params=model.parameters())
+    assert_checkpoint_equivalent(eager, models.mlp_input(), checkpointed=model, params=model.parameters())
     # The helper's closed-over parameters (the body) and the head outside it both got gradients.
     assert all(p.grad is not None for p in model.parameters())
 
@@ -210,9 +206,10 @@ def test_decorated_helper_method() -> None:
 def test_parameter_grads_equal_eager_and_input_without_grad(policy: Any) -> None:
     model = models.mlp()
     x = models.mlp_input(requires_grad=False)
-    run = assert_same_outputs_and_grads(model, remat.checkpoint(model, policy=policy), (x,), params=model.parameters())
-    assert run["input_grads"] == [None]
-    assert all(g is not None for g in run["param_grads"])
+    run = assert_checkpoint_equivalent(model, x, policy=policy)
+    assert run is not None
+    assert run.input_grads == (None,)
+    assert all(g is not None for g in run.param_grads)
 
 
 @FEATURE_POLICIES
@@ -297,10 +294,11 @@ def _with_kwargs(
 def test_keyword_arguments(policy: Any, act: str) -> None:
     x, w, bias = models.randn(3, 4, seed=1), models.randn(4, 5, seed=2), models.randn(5, seed=3)
     checkpointed = remat.checkpoint(_with_kwargs, policy=policy)
-    assert_same_outputs_and_grads(_with_kwargs, checkpointed, (x,), {"w": w, "bias": bias, "scale": 0.5, "act": act})
-    assert_same_outputs_and_grads(_with_kwargs, checkpointed, (x,), {"w": w, "scale": 2.0, "act": act})
+    kwargs = {"w": w, "bias": bias, "scale": 0.5, "act": act}
+    assert_checkpoint_equivalent(_with_kwargs, x, kwargs=kwargs, checkpointed=checkpointed)
+    assert_checkpoint_equivalent(_with_kwargs, x, kwargs={"w": w, "scale": 2.0, "act": act}, checkpointed=checkpointed)
     # Passed positionally-or-by-keyword in a different way: still the same function.
-    assert_same_outputs_and_grads(_with_kwargs, checkpointed, (), {"x": x, "w": w, "act": act})
+    assert_checkpoint_equivalent(_with_kwargs, kwargs={"x": x, "w": w, "act": act}, checkpointed=checkpointed)
 
 
 def _three_outputs(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -315,9 +313,7 @@ def _three_outputs(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_only_one_output_receives_a_gradient(policy: Any, which: int) -> None:
     x, w = models.randn(3, 4, seed=1), models.randn(4, 4, seed=2)
-    assert_same_outputs_and_grads(
-        _three_outputs, remat.checkpoint(_three_outputs, policy=policy), (x, w), backprop=[which]
-    )
+    assert_checkpoint_equivalent(_three_outputs, x, w, policy=policy, backprop=[which])
 
 
 @FEATURE_POLICIES
@@ -342,13 +338,11 @@ def test_output_that_does_not_require_grad(policy: Any) -> None:
         logits = model(x)
         return logits, logits.argmax(dim=-1)
 
-    run = assert_same_outputs_and_grads(
-        logits_and_prediction,
-        remat.checkpoint(logits_and_prediction, policy=policy),
-        (models.mlp_input(),),
-        params=model.parameters(),
+    run = assert_checkpoint_equivalent(
+        logits_and_prediction, models.mlp_input(), policy=policy, params=model.parameters()
     )
-    logits, prediction = run["flat_out"]
+    assert run is not None
+    logits, prediction = run.outputs
     assert logits.requires_grad
     assert prediction.dtype == torch.int64
     assert not prediction.requires_grad
@@ -359,14 +353,13 @@ def test_output_not_depending_on_grad_inputs(policy: Any) -> None:
     def fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (x @ y).sin(), y.exp().sum(dim=0)  # the second output depends only on y
 
-    run = assert_same_outputs_and_grads(
-        fn,
-        remat.checkpoint(fn, policy=policy),
-        (models.randn(3, 4, seed=1), models.randn(4, 2, seed=2, requires_grad=False)),
+    run = assert_checkpoint_equivalent(
+        fn, models.randn(3, 4, seed=1), models.randn(4, 2, seed=2, requires_grad=False), policy=policy
     )
-    assert run["flat_out"][0].requires_grad
-    assert not run["flat_out"][1].requires_grad
-    assert run["input_grads"][1] is None
+    assert run is not None
+    assert run.outputs[0].requires_grad
+    assert not run.outputs[1].requires_grad
+    assert run.input_grads[1] is None
 
 
 @FEATURE_POLICIES
@@ -378,10 +371,11 @@ def test_input_that_does_not_require_grad(policy: Any) -> None:
     x = models.randn(3, 4, seed=1, requires_grad=False)
     w = models.randn(4, 5, seed=2)
     idx = torch.tensor([[0, 4], [1, 1], [3, 2]])
-    run = assert_same_outputs_and_grads(fn, remat.checkpoint(fn, policy=policy), (x, w, idx))
-    assert run["input_grads"][0] is None
-    assert run["input_grads"][1] is not None
-    assert run["input_grads"][2] is None
+    run = assert_checkpoint_equivalent(fn, x, w, idx, policy=policy)
+    assert run is not None
+    assert run.input_grads[0] is None
+    assert run.input_grads[1] is not None
+    assert run.input_grads[2] is None
 
 
 @FEATURE_POLICIES
@@ -391,18 +385,19 @@ def test_output_that_backward_reads(policy: Any) -> None:
         y = x.tanh()
         return y, (y * 2).exp()
 
-    assert_same_outputs_and_grads(fn, remat.checkpoint(fn, policy=policy), (models.randn(3, 4),))
-    assert_same_outputs_and_grads(fn, remat.checkpoint(fn, policy=policy), (models.randn(3, 4),), backprop=[0])
+    assert_checkpoint_equivalent(fn, models.randn(3, 4), policy=policy)
+    assert_checkpoint_equivalent(fn, models.randn(3, 4), policy=policy, backprop=[0])
 
 
 @FEATURE_POLICIES
 def test_pytree_arguments_and_outputs(policy: Any) -> None:
     inputs = models.pytree_inputs()
-    run = assert_same_outputs_and_grads(models.pytree_fn, remat.checkpoint(models.pytree_fn, policy=policy), (inputs,))
-    out = run["out"]
+    run = assert_checkpoint_equivalent(models.pytree_fn, inputs, policy=policy)
+    assert run is not None
+    out = run.outputs
     assert out["nested"][1] is None
     assert isinstance(out["nested"][2][1], models.Pair)
-    assert all(g is not None for g in run["input_grads"])
+    assert all(g is not None for g in run.input_grads)
 
 
 def test_checkpointed_function_reused_across_calls() -> None:
@@ -410,7 +405,7 @@ def test_checkpointed_function_reused_across_calls() -> None:
     model = models.GPT2Block(attention="softmax")
     checkpointed = remat.checkpoint(model, policy=policies.save_ops(aten.mm, aten.addmm))
     for seed in (1, 2, 3):
-        assert_same_outputs_and_grads(model, checkpointed, (models.gpt2_input(seed=seed),), params=model.parameters())
+        assert_checkpoint_equivalent(model, models.gpt2_input(seed=seed), checkpointed=checkpointed)
     info = checkpointed.cache_info()
     assert info.traces == 1
     assert info.hits >= 2
@@ -441,8 +436,9 @@ def test_input_returned_unchanged(fn: Callable[..., Any], policy: Any) -> None:
     # DESIGN.md: "Returning an input unchanged as an output trips autograd.Function's
     # aliasing check; outputs that alias inputs need handling."
     x, w = models.randn(3, 3, seed=1), models.randn(3, 3, seed=2)
-    run = assert_same_outputs_and_grads(fn, remat.checkpoint(fn, policy=policy), (x, w))
-    assert all(g is not None for g in run["input_grads"])
+    run = assert_checkpoint_equivalent(fn, x, w, policy=policy)
+    assert run is not None
+    assert all(g is not None for g in run.input_grads)
 
 
 @FEATURE_POLICIES
@@ -453,6 +449,4 @@ def test_closed_over_parameter_returned_as_output(policy: Any) -> None:
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return linear(x).tanh(), linear.weight
 
-    assert_same_outputs_and_grads(
-        fn, remat.checkpoint(fn, policy=policy), (models.randn(2, 3),), params=linear.parameters()
-    )
+    assert_checkpoint_equivalent(fn, models.randn(2, 3), policy=policy, params=linear.parameters())

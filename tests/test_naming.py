@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CountOps, assert_same_outputs_and_grads
+from conftest import CountOps
 from models import DTYPE, randn
 from torch import nn
 
 import remat
 from remat import policies
+from remat.testing import assert_checkpoint_equivalent
 
 aten = torch.ops.aten
 
@@ -80,7 +81,7 @@ def test_tag_returns_its_argument_inside_a_checkpointed_function():
         return pair[0] * h
 
     x = _x(4)
-    assert_same_outputs_and_grads(fn, remat.checkpoint(fn), (x,))
+    assert_checkpoint_equivalent(fn, x)
     assert seen, "fn ran (while tracing)"
     assert all(seen)
 
@@ -234,7 +235,7 @@ def _assert_one_saved_one_replayed(fn: Callable[..., torch.Tensor], policy: Any,
     assert replays(fn, policies.save_everything, args, op) == 0
     assert replays(fn, policies.save_nothing, args, op) == 2
     assert replays(fn, policy, args, op) == 1
-    assert_same_outputs_and_grads(fn, remat.checkpoint(fn, policy=policy), args)
+    assert_checkpoint_equivalent(fn, *args, policy=policy)
 
 
 def test_must_show_one_of_two_calls_saved_by_occurrence(device: torch.device):
@@ -263,7 +264,7 @@ def test_must_show_one_of_two_calls_saved_by_occurrence_of_mm(device: torch.devi
     assert decisions_of(report, aten.mm.default) == [(remat.RECOMPUTE, True), (remat.SAVE, False)]
     assert replays(fn, policies.save_nothing, args, aten.mm.default) == 2
     assert replays(fn, second_mm, args, aten.mm.default) == 1
-    assert_same_outputs_and_grads(fn, remat.checkpoint(fn, policy=second_mm), args)
+    assert_checkpoint_equivalent(fn, *args, policy=second_mm)
 
 
 def test_must_show_one_of_two_calls_saved_by_tag(device: torch.device):
@@ -293,7 +294,7 @@ def test_must_show_one_of_two_calls_saved_by_module(device: torch.device):
     policy = policies.save_modules("first")
     assert [call.module for call in remat.trace(model, x) if call.op is aten.addmm.default] == ["first", "second"]
     _assert_one_saved_one_replayed(model, policy, (x,), aten.addmm.default)
-    assert_same_outputs_and_grads(model, remat.checkpoint(model, policy=policy), (x,), params=model.parameters())
+    assert_checkpoint_equivalent(model, x, policy=policy)
 
 
 # --- module paths ----------------------------------------------------------------------------------
@@ -448,7 +449,7 @@ def test_save_modules_gradients_and_report_on_a_closed_over_model():
     report = remat.report(fn, x, policy=policy)
     saved = [row.call.module for row in report.rows if row.decision is remat.SAVE]
     assert saved == [path for _, path in _layer_paths("model.") if ".attn" in path]
-    assert_same_outputs_and_grads(fn, remat.checkpoint(fn, policy=policy), (x,), params=model.parameters())
+    assert_checkpoint_equivalent(fn, x, policy=policy, params=model.parameters())
 
 
 @pytest.mark.parametrize("pattern", [1, None, b"layers", ("layers",)])
@@ -537,7 +538,7 @@ def test_save_tagged_and_save_all_but_tagged_replays_and_gradients():
     for policy, replayed in cases:
         assert remat.report(fn, x, policy=policy).replayed_calls == tuple(replayed), policy
         assert replays(fn, policy, (x,), aten.sin.default) == len(replayed), policy
-        assert_same_outputs_and_grads(fn, remat.checkpoint(fn, policy=policy), (x,))
+        assert_checkpoint_equivalent(fn, x, policy=policy)
 
 
 def test_tagged_policy_reprs():

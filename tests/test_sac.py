@@ -10,12 +10,12 @@ from typing import Any
 import models
 import pytest
 import torch
-from conftest import assert_same_outputs_and_grads
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import remat
 from remat._torch import SAC_BYPASSES_HOOKS
 from remat.policies import from_sac
+from remat.testing import assert_checkpoint_equivalent
 
 aten = torch.ops.aten
 DTYPE = torch.float64
@@ -137,12 +137,11 @@ def test_torchtitan_policy_saves_what_sac_saves_with_mm_and_max() -> None:
 def test_torchtitan_policy_gives_the_eager_gradients_on_a_gpt2_block(attention: str) -> None:
     block, x = models.GPT2Block(attention=attention), models.gpt2_input()
     checkpointed = remat.checkpoint(block, policy=from_sac(torchtitan_policy(GPT2_SAVE_LIST, counted=MATMULS)))
-    assert_same_outputs_and_grads(block, checkpointed, (x,), params=block.parameters())
+    assert_checkpoint_equivalent(block, x, checkpointed=checkpointed)
 
 
 def test_torchtitan_policy_gives_the_eager_gradients_with_mm_and_max() -> None:
-    checkpointed = remat.checkpoint(mm_chain, policy=from_sac(torchtitan_policy()))
-    assert_same_outputs_and_grads(mm_chain, checkpointed, mm_chain_args())
+    assert_checkpoint_equivalent(mm_chain, *mm_chain_args(), policy=from_sac(torchtitan_policy()))
 
 
 # --- what the policy function is asked, and how its answers map --------------------------------------

@@ -8,6 +8,7 @@ something else, with a message that says what differs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import subprocess
 import sys
@@ -201,6 +202,193 @@ def test_checker_tolerances_follow_the_dtype(monkeypatch: pytest.MonkeyPatch) ->
 def test_checker_rejects_unknown_transforms() -> None:
     with pytest.raises(ValueError, match="expected transforms from"):
         assert_checkpoint_equivalent(_fn, torch.randn(3), transforms=["hessian"])
+
+
+# --- what is compared with what: checkpointed, kwargs, params, backprop --------------------------------
+
+
+def _float64(*shape: int, requires_grad: bool = True) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64).requires_grad_(requires_grad)
+
+
+def test_checkpointed_is_compared_with_fn_instead_of_its_checkpoint() -> None:
+    assert_checkpoint_equivalent(_fn, _float64(2, 3), checkpointed=remat.checkpoint(_fn))
+    with pytest.raises(AssertionError, match=r"checkpointed = .* differs from fn = .*\n.*output 0 differs"):
+        assert_checkpoint_equivalent(_fn, _float64(2, 3), checkpointed=lambda x: _fn(x) + 1e-3)
+    with pytest.raises(AssertionError, match=r"gradient of input tensor 0 differs .*max rel error 0.5"):
+        assert_checkpoint_equivalent(_fn, _float64(2, 3), checkpointed=lambda x: _fn(_ScaledGradient.apply(x)))
+
+
+def test_checkpointed_a_model_after_checkpoint_modules() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2)).double()
+    reference = copy.deepcopy(model)
+    remat.checkpoint_modules(model, torch.nn.Linear)
+    parameters = dict(model.named_parameters())
+
+    def run_reference(x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(reference, parameters, (x,))
+
+    x = _float64(3, 4, requires_grad=False)
+    run = assert_checkpoint_equivalent(run_reference, x, checkpointed=model, params=parameters.values())
+    assert run is not None and len(run.param_grads) == 4 and all(g is not None for g in run.param_grads)
+    with pytest.raises(AssertionError, match=r"gradient of parameter 0 differs"):  # a model that differs
+        assert_checkpoint_equivalent(
+            run_reference, x, checkpointed=lambda x: _ScaledGradient.apply(model(x)), params=parameters.values()
+        )
+
+
+def test_checkpointed_with_a_policy_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"both policy=.*save_everything.* and checkpointed=.*not both"):
+        assert_checkpoint_equivalent(
+            _fn, _float64(3), policy=remat.policies.save_everything, checkpointed=remat.checkpoint(_fn)
+        )
+
+
+def test_checkpointed_must_be_callable() -> None:
+    with pytest.raises(TypeError, match=r"expected checkpointed to be a callable.*got int: 3"):
+        assert_checkpoint_equivalent(_fn, _float64(3), checkpointed=3)  # type: ignore[arg-type]
+
+
+def _scaled_matmul(x: torch.Tensor, *, w: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    return (x @ w).tanh() * scale
+
+
+def test_kwargs_go_to_both_and_their_gradients_are_compared() -> None:
+    x, w = _float64(3, 4), _float64(4, 2)
+    run = assert_checkpoint_equivalent(
+        _scaled_matmul, x, kwargs={"w": w, "scale": 0.5}, transforms=["grad", "vmap", "jvp", "vjp"]
+    )
+    assert run is not None and [g is not None for g in run.input_grads] == [True, True]
+    assert_checkpoint_equivalent(_scaled_matmul, kwargs={"x": x, "w": w})  # every argument by name
+
+    def detaches_w(x: torch.Tensor, *, w: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return _scaled_matmul(x, w=w.detach(), scale=scale)
+
+    with pytest.raises(AssertionError, match=r"gradient of input tensor 1: expected a gradient, got None"):
+        assert_checkpoint_equivalent(_scaled_matmul, x, kwargs={"w": w}, checkpointed=detaches_w)
+    with pytest.raises(AssertionError, match=r"output 0 differs"):  # a static value the checkpoint ignores
+        assert_checkpoint_equivalent(
+            _scaled_matmul, x, kwargs={"w": w, "scale": 2.0}, checkpointed=lambda x, w, scale: detaches_w(x, w=w)
+        )
+
+
+@pytest.mark.parametrize("kwargs", [[("w", 1)], {1: torch.ones(2)}], ids=["list", "int key"])
+def test_kwargs_must_be_a_dict_by_name(kwargs: Any) -> None:
+    with pytest.raises(TypeError, match=r"expected kwargs to be a dict from argument names"):
+        assert_checkpoint_equivalent(_scaled_matmul, _float64(3, 4), kwargs=kwargs)
+
+
+def test_params_gradients_are_compared() -> None:
+    w = _float64(4, 4)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x @ w).sin()
+
+    def scales_the_gradient_of_w(x: torch.Tensor) -> torch.Tensor:
+        return (x @ _ScaledGradient.apply(w)).sin()
+
+    x = _float64(3, 4)
+    run = assert_checkpoint_equivalent(fn, x, params=[w])
+    assert run is not None and run.param_grads[0] is not None
+    assert w.grad is not None  # the checkpoint's, left where backward put it
+    torch.testing.assert_close(run.param_grads[0], w.grad, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match=r"gradient of parameter 0 differs .*max rel error 0.5") as info:
+        assert_checkpoint_equivalent(fn, x, params=[w], checkpointed=scales_the_gradient_of_w)
+    assert "input tensor" not in str(info.value)
+    assert_checkpoint_equivalent(fn, x, checkpointed=scales_the_gradient_of_w)  # without params, w is not compared
+
+
+def test_gradients_that_reach_no_input_and_no_param_are_an_error() -> None:
+    w = _float64(4, 4)
+    with pytest.raises(
+        ValueError, match=r"reached no input tensor and no tensor of params.*Pass those tensors as params="
+    ):
+        assert_checkpoint_equivalent(lambda x: (x @ w).sin(), _float64(3, 4, requires_grad=False))
+
+
+@pytest.mark.parametrize(
+    ("params", "error", "message"),
+    [
+        (torch.ones(2, requires_grad=True), TypeError, r"expected params to be an iterable of tensors.*got Tensor"),
+        (torch.nn.Linear(2, 2), TypeError, r"got Linear.*module.parameters\(\)"),
+        ({"w": torch.ones(2)}, TypeError, r"got dict"),
+        ([torch.ones(2), 1.0], TypeError, r"params\[1\] is 1.0 \(float\)"),
+        ([torch.ones(2, requires_grad=True) * 2], ValueError, r"params\[0\] is not a leaf tensor.*MulBackward0"),
+    ],
+    ids=["tensor", "module", "dict", "float", "non-leaf"],
+)
+def test_params_must_be_leaf_tensors(params: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        assert_checkpoint_equivalent(_fn, _float64(3), params=params)
+
+
+def _two_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return x.sin(), x.exp(), x.argmax()
+
+
+def _wrong_gradient_through_output_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return x.sin(), _ScaledGradient.apply(x).exp(), x.argmax()
+
+
+def test_backprop_chooses_the_outputs_backward_runs_through() -> None:
+    x = _float64(5)
+    run = assert_checkpoint_equivalent(_two_outputs, x, backprop=[0], checkpointed=_wrong_gradient_through_output_1)
+    assert run is not None and run.input_grads[0] is not None
+    generator = torch.Generator().manual_seed(0)  # the cotangent of output 0: the first one drawn
+    torch.testing.assert_close(run.input_grads[0], x.cos() * torch.randn(5, generator=generator, dtype=torch.float64))
+    for backprop in ([1], [0, 1], None):
+        with pytest.raises(AssertionError, match=r"gradient of input tensor 0 differs"):
+            assert_checkpoint_equivalent(
+                _two_outputs, x, backprop=backprop, checkpointed=_wrong_gradient_through_output_1
+            )
+
+
+@pytest.mark.parametrize(
+    ("backprop", "error", "message"),
+    [
+        ([3], ValueError, r"backprop=\[3\] names output 3, but fn returns 3 outputs.*Choose among \[0, 1\]"),
+        ([2], ValueError, r"names output 2 of fn, a torch.int64 tensor that does not require grad.*\[0, 1\]"),
+        ([-1], ValueError, r"expected backprop to hold positions of outputs"),
+        ([True], ValueError, r"expected backprop to hold positions of outputs"),
+        (0, TypeError, r"expected backprop to be a sequence.*For one output, pass \[i\]"),
+        ("0", TypeError, r"expected backprop to be a sequence"),
+    ],
+)
+def test_backprop_must_name_outputs_that_require_grad(backprop: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        assert_checkpoint_equivalent(_two_outputs, _float64(5), backprop=backprop)
+
+
+def test_the_returned_run_is_the_checkpoints() -> None:
+    x, index = _float64(2, 3), torch.tensor([1, 0])
+    run = assert_checkpoint_equivalent(lambda x, i: {"y": x[i].sin(), "i": i}, x, index)
+    assert run is not None
+    assert set(run.outputs) == {"y", "i"} and torch.equal(run.outputs["i"], index)
+    assert run.outputs["y"].requires_grad and run.outputs["y"].grad_fn is not None
+    assert run.input_grads[0] is not None and run.input_grads[1] is None
+    assert repr(run) == (
+        "CheckpointedRun(outputs={'y': Tensor(shape=(2, 3), dtype=torch.float64), "
+        "'i': Tensor(shape=(2,), dtype=torch.int64)}, input_grads=(Tensor(shape=(2, 3), "
+        "dtype=torch.float64), None), param_grads=())"
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.outputs = None  # type: ignore[misc]
+
+
+def test_where_fn_raises_and_the_checkpoint_raises_alike_there_is_no_run() -> None:
+    def refuses(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no")
+
+    assert assert_checkpoint_equivalent(refuses, _float64(3), checkpointed=refuses) is None
+
+
+def test_checker_catches_an_output_on_another_device_or_of_another_kind() -> None:
+    x = _float64(3, requires_grad=False)
+    with pytest.raises(AssertionError, match=r"output 0: expected shape \(3,\) torch.float64 on cpu, got .* on meta"):
+        assert_checkpoint_equivalent(lambda x: x.sin(), x, checkpointed=lambda x: x.sin().to("meta"))
+    with pytest.raises(AssertionError, match=r"output 0: expected a tensor, got .* \(float\)"):
+        assert_checkpoint_equivalent(lambda x: x.sum(), x, checkpointed=lambda x: x.sum().item())
 
 
 # --- imports -----------------------------------------------------------------------------------------

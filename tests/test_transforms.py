@@ -34,7 +34,6 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
-from conftest import assert_same_outputs_and_grads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -43,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import policies
+from remat.testing import assert_checkpoint_equivalent
 
 aten = torch.ops.aten
 DTYPE = torch.float64
@@ -327,9 +327,7 @@ def check_checkpoint_of_vmap(model_name: str, policy: Any) -> None:
     batched = vmap(m.fn, in_dims=(0, None))
     xs = m.stacked().requires_grad_()
     s = m.s.clone().requires_grad_()
-    assert_same_outputs_and_grads(
-        batched, remat.checkpoint(batched, policy=policy), (xs, s), params=tuple(m.module.parameters())
-    )
+    assert_checkpoint_equivalent(batched, xs, s, policy=policy, params=m.module.parameters())
 
 
 @pytest.mark.parametrize("model_name", MODEL_NAMES)
@@ -355,11 +353,12 @@ def test_vmap_of_checkpoint_then_backward_matches_eager(model_name: str, policy:
     checkpointed = remat.checkpoint(m.fn, policy=policy)
     xs = m.stacked().requires_grad_()
     s = m.s.clone().requires_grad_()
-    assert_same_outputs_and_grads(
+    assert_checkpoint_equivalent(
         vmap(m.fn, in_dims=(0, None)),
-        vmap(checkpointed, in_dims=(0, None)),
-        (xs, s),
-        params=tuple(m.module.parameters()),
+        xs,
+        s,
+        checkpointed=vmap(checkpointed, in_dims=(0, None)),
+        params=m.module.parameters(),
     )
 
 
@@ -373,9 +372,7 @@ def test_checkpoint_of_vmap_with_parameters_as_arguments(model_name: str, policy
         return vmap(lambda x: functional_call(m.module, params, (x,)))(xs)
 
     params = {name: p.detach().clone().requires_grad_() for name, p in m.module.named_parameters()}
-    assert_same_outputs_and_grads(
-        batched, remat.checkpoint(batched, policy=policy), (params, m.stacked().requires_grad_())
-    )
+    assert_checkpoint_equivalent(batched, params, m.stacked().requires_grad_(), policy=policy)
 
 
 @FIXED_POLICIES
@@ -405,9 +402,7 @@ def test_checkpoint_of_a_function_that_calls_torch_func_grad(policy: Any) -> Non
     # equal eager's.
     m = model("mlp")
     fn = _gradient_of_module(m.module)
-    assert_same_outputs_and_grads(
-        fn, remat.checkpoint(fn, policy=policy), (m.x.clone().requires_grad_(),), params=tuple(m.module.parameters())
-    )
+    assert_checkpoint_equivalent(fn, m.x.clone().requires_grad_(), policy=policy, params=m.module.parameters())
 
 
 @FIXED_POLICIES
@@ -419,7 +414,7 @@ def test_checkpoint_of_a_function_that_calls_torch_func_grad_on_its_arguments(po
         return grad(lambda x: functional_call(m.module, params, (x,)).tanh().square().sum())(x).sin()
 
     params = {name: p.detach().clone().requires_grad_() for name, p in m.module.named_parameters()}
-    assert_same_outputs_and_grads(fn, remat.checkpoint(fn, policy=policy), (params, m.x.clone().requires_grad_()))
+    assert_checkpoint_equivalent(fn, params, m.x.clone().requires_grad_(), policy=policy)
 
 
 @FIXED_POLICIES
@@ -431,9 +426,7 @@ def test_checkpoint_of_a_function_that_calls_autograd_grad(policy: Any) -> None:
         (gx,) = torch.autograd.grad(m.module(x).tanh().square().sum(), x, create_graph=True)
         return gx.square().sum(dim=1)
 
-    assert_same_outputs_and_grads(
-        fn, remat.checkpoint(fn, policy=policy), (m.x.clone().requires_grad_(),), params=tuple(m.module.parameters())
-    )
+    assert_checkpoint_equivalent(fn, m.x.clone().requires_grad_(), policy=policy, params=m.module.parameters())
 
 
 # --- vmap randomness ---------------------------------------------------------------------------------
@@ -835,7 +828,7 @@ def test_nested_checkpoint_gradients_match_eager(inner_policy: Any, outer_policy
     x = models.randn(5, seed=1)
     eager = _outer_plain(_inner_plain)
     nested = _nested(inner_policy, outer_policy)
-    assert_same_outputs_and_grads(eager, nested, (x,))
+    assert_checkpoint_equivalent(eager, x, checkpointed=nested)
     assert_trees_close(grad(nested)(x.detach()), grad(eager)(x.detach()))
     assert_trees_close(
         grad(lambda x: grad(nested)(x).square().sum())(x.detach()),
@@ -921,7 +914,7 @@ def test_nested_checkpoints_with_random_policies(data: st.DataObject) -> None:
     outer_policy = random_policy(data, len(remat.trace(outer_plain(mlp), x)), "outer saved calls")
     nested = remat.checkpoint(outer_plain(inner), policy=outer_policy)
     params = (*block.parameters(), *mlp.parameters())
-    assert_same_outputs_and_grads(outer_plain(mlp), nested, (x,), params=params)
+    assert_checkpoint_equivalent(outer_plain(mlp), x, checkpointed=nested, params=params)
 
 
 # --- the trace cache under transforms ----------------------------------------------------------------
