@@ -101,7 +101,7 @@ DENSE: dict[str, tuple[str, dict[str, Any], str, str]] = {
     "qwen3": ("Qwen3Config", {**DECODER, "head_dim": 8}, "CausalLM", "ids"),
     "gemma2": ("Gemma2Config", {**DECODER, "head_dim": 8}, "CausalLM", "ids"),
     "gemma3": ("Gemma3TextConfig", {**DECODER, "head_dim": 8}, "CausalLM", "ids"),
-    "phi3": ("Phi3Config", DECODER, "CausalLM", "ids"),
+    "phi3": ("Phi3Config", {**DECODER, "pad_token_id": 0}, "CausalLM", "ids"),
     "gpt_neox": ("GPTNeoXConfig", DECODER, "CausalLM", "ids"),
     "falcon": (
         "FalconConfig",
@@ -114,7 +114,15 @@ DENSE: dict[str, tuple[str, dict[str, Any], str, str]] = {
     "roberta": ("RobertaConfig", {**SMALL_BERT, "vocab_size": VOCAB}, "MaskedLM", "ids"),
     "t5": (
         "T5Config",
-        {"d_model": 32, "d_ff": 64, "d_kv": 8, "num_layers": 2, "num_heads": 4, "vocab_size": VOCAB},
+        {
+            "d_model": 32,
+            "d_ff": 64,
+            "d_kv": 8,
+            "num_layers": 2,
+            "num_heads": 4,
+            "vocab_size": VOCAB,
+            "decoder_start_token_id": 0,
+        },
         "Seq2SeqLM",
         "ids",
     ),
