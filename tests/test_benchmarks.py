@@ -112,3 +112,39 @@ def test_peak_targets_compare_each_remat_method_with_its_peer() -> None:
     assert checks["budget(0.25): peak <= the peer keeping the closest bytes"][0] == "MISS"
     assert checks["budget(0.25): peak <= the peer keeping the closest bytes"][1].endswith("(checkpoint)")
     assert checks["budget(0.75): peak <= the peer keeping the closest bytes"][1].endswith("(sac)")
+
+
+# --- benchmarks.models ---------------------------------------------------------------------------------
+
+
+def test_models_benchmark_finds_a_gradient_that_differs() -> None:
+    import torch
+
+    from benchmarks import models
+
+    grads = {"w": torch.zeros(2), "b": None}
+    assert models.largest_difference(dict(grads), grads) == 0.0
+    assert models.largest_difference({"w": torch.tensor([0.0, 0.5]), "b": None}, grads) == 0.5
+    assert models.largest_difference({"w": torch.zeros(2), "b": torch.zeros(1)}, grads) == float("inf")
+
+
+def test_models_benchmark_renders_failures_and_ratios_to_the_peer() -> None:
+    from benchmarks import models
+
+    check = {"model": "m", "experts": None, "passed": True, "layers": 2, "traces": 2}
+    results = {
+        "environment": {"torch": "t", "transformers": "x", "threads": 1, "date": "d"},
+        "policies": ["save_nothing", "budget"],
+        "checks": [
+            {**check, "policy": "save_nothing", "max_grad_difference": 1e-8, "trace_seconds_per_layer": 0.25},
+            {"model": "m", "experts": None, "policy": "budget", "passed": False, "error": "ValueError: no plan"},
+        ],
+        "moe": [
+            {"model": "e", "experts": "eager", "method": m, "live_bytes": 2**20, "peak_bytes": 2**21, "step_seconds": s}
+            for m, s in [("torch.utils.checkpoint", 2.0), ("remat save_nothing", 1.5)]
+        ],
+    }
+    text = models.render(results)
+    assert "| m | - | pass (1e-08) | **fail** | 2 / 2 | 0.25 |" in text
+    assert "- m (budget): `ValueError: no plan`" in text
+    assert "| e | eager | remat save_nothing | 1.0 | 2.0 | 1.500 | 0.75 |" in text
