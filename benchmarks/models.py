@@ -232,7 +232,9 @@ MOE_BATCH, MOE_SEQ = 4, 256
 
 
 def moe_methods(name: str, experts: str) -> dict[str, torch.nn.Module]:
-    overrides = {k: v for k, v in MOE_SIZE.items() if k != "moe_intermediate_size" or name != "mixtral"}
+    overrides = dict(MOE_SIZE)
+    if name == "mixtral":  # its experts are `intermediate_size` wide
+        del overrides["moe_intermediate_size"]
     eager = build(name, experts, **overrides)
     hf_checkpoint = copy.deepcopy(eager)
     hf_checkpoint.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -346,8 +346,8 @@ PEAK_CANDIDATES = 16  # byte budgets tried, evenly spaced
 def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool) -> Plan:
     """The cheapest of the byte-budget planner's plans, and of saving everything and saving nothing,
     whose predicted peak is at most `peak_bytes`."""
-    dataflow, peak_of = trace.dataflow, trace.peak_of
-    assert dataflow is not None and peak_of is not None
+    peak_of = trace.peak_of
+    assert trace.dataflow is not None and peak_of is not None
     started = time.perf_counter()
     costs = call_costs(trace, cost)
     forced = {call.index for call in trace if is_collective(call)}

@@ -734,18 +734,23 @@ class _Run:
     rng_after: torch.Tensor  # the CPU generator's state after the call and backward
 
 
-def _run(
-    fn: Callable[..., Any],
-    args: Any,
-    kwargs: dict[str, Any],
-    params: Sequence[torch.Tensor],
-    seed: int,
-    backward: bool,
-    backprop: frozenset[int] | None,
-) -> _Run:
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """How both functions are called and backpropagated through."""
+
+    args: Any
+    kwargs: dict[str, Any]
+    params: Sequence[torch.Tensor]  # closed-over tensors whose `.grad` is compared
+    seed: int
+    backward: bool
+    backprop: frozenset[int] | None  # the outputs to backpropagate through; None: every one
+
+
+def _run(fn: Callable[..., Any], call: _Call) -> _Run:
+    params, seed, backward, backprop = call.params, call.seed, call.backward, call.backprop
     for param in params:
         param.grad = None
-    args, kwargs = _fresh((args, kwargs))
+    args, kwargs = _fresh((call.args, call.kwargs))
     leaves = _tensor_leaves((args, kwargs))
     torch.manual_seed(seed)
     tree = fn(*args, **kwargs)
@@ -900,12 +905,7 @@ def _run_and_compare(
     label: str,
     fn: Callable[..., Any],
     checkpointed: Callable[..., Any],
-    args: Any,
-    kwargs: dict[str, Any],
-    params: Sequence[torch.Tensor],
-    seed: int,
-    backward: bool,
-    backprop: frozenset[int] | None,
+    call: _Call,
     rtol: float | None,
     atol: float | None,
 ) -> tuple[list[str], _Run | None]:
@@ -915,22 +915,22 @@ def _run_and_compare(
     (`label`), a program eager refuses is not compared: remat may run it where eager cannot (its
     views are traced as reshapes, which never fail)."""
     try:
-        expected = _run(fn, args, kwargs, params, seed, backward, backprop)
+        expected = _run(fn, call)
     except Exception as error:  # eager refuses this program: so must the checkpoint
         if label:
             return [], None
         try:
-            _run(checkpointed, args, kwargs, params, seed, backward, backprop)
+            _run(checkpointed, call)
         except type(error):
             return [], None
         except Exception as other:
             return [f"{label}eager raises {type(error).__name__}: {error}; the checkpoint raises {other!r}"], None
         return [f"{label}eager raises {type(error).__name__}: {error}; the checkpoint does not"], None
-    if backward and backprop is not None:
-        _check_backprop_outputs(backprop, expected)
-    if backward and not label:
+    if call.backward and call.backprop is not None:
+        _check_backprop_outputs(call.backprop, expected)
+    if call.backward and not label:
         _check_gradients_reach_something(expected)
-    actual = _run(checkpointed, args, kwargs, params, seed, backward, backprop)
+    actual = _run(checkpointed, call)
     return _compare(label, expected, actual, rtol, atol), actual
 
 
@@ -1119,22 +1119,22 @@ def assert_checkpoint_equivalent(
         header = f"remat.checkpoint(fn, policy={policy!r}) differs from fn = {fn!r}:"
     else:
         header = f"checkpointed = {checkpointed!r} differs from fn = {fn!r}:"
-    problems, run = _run_and_compare(
-        "", fn, checkpointed, args, call_kwargs, tensors, seed, True, positions, rtol, atol
-    )
+    call = _Call(args, call_kwargs, tensors, seed, backward=True, backprop=positions)
+    problems, run = _run_and_compare("", fn, checkpointed, call, rtol, atol)
     for name in transforms:
         # grad, jvp and vjp are compared as pure functions of detached inputs; vmap also backpropagates.
         vmap = name == "vmap"
+        transformed_call = dataclasses.replace(
+            call,
+            args=_stack(args) if vmap else _detached(args),
+            kwargs=call_kwargs if vmap else _detached(call_kwargs),
+            backward=vmap,
+        )
         problems += _run_and_compare(
             f"[{name}] ",
             _transformed(name, fn, seed),
             _transformed(name, checkpointed, seed),
-            _stack(args) if vmap else _detached(args),
-            call_kwargs if vmap else _detached(call_kwargs),
-            tensors,
-            seed,
-            vmap,
-            positions,
+            transformed_call,
             rtol,
             atol,
         )[0]
