@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import heap as heap_module
 from . import measure, render
 from .methods import METHODS
 from .workloads import SUITES, Workload
@@ -83,9 +85,14 @@ def _run_workload(
         wrapped[method.name] = units
 
     samples: dict[str, list[float]] = {name: [] for name in wrapped}
+    # Interleaved, so that machine noise hits every method alike, in a new order each round: a step's
+    # time depends on the heap the step before it left (the page faults of fresh buffers cost the MLP
+    # 6% of its step), so no method may always follow the same one.
+    order, shuffle = list(wrapped), random.Random(0).shuffle
     for _ in range(repeats):
-        for name, units in wrapped.items():  # interleaved: machine noise hits every method alike
-            samples[name].append(measure.step_seconds(workload, units, device))
+        shuffle(order)
+        for name in order:
+            samples[name].append(measure.step_seconds(workload, wrapped[name], device))
     eager = statistics.median(samples["eager"])
     for name, times in samples.items():
         row = rows[name]
@@ -112,23 +119,25 @@ def run(
     out: str | os.PathLike[str] = DEFAULT_OUT,
     log: Callable[[str], None] = print,
     threads: int | None = None,
+    heap: str = heap_module.DEFAULT,
 ) -> Path:
     """Run `suite` on `device`; write `<suite>-<device>.json`, `.md` and `.png` under `out`.
 
     `threads` sets `torch.set_num_threads` for the run (restored after); on a machine where other
-    jobs hold cores, fewer threads than cores avoids OpenMP threads waiting on a busy core.
+    jobs hold cores, fewer threads than cores avoids OpenMP threads waiting on a busy core. `heap`
+    describes the C heap the process runs on (`heap.keep_freed_memory` returns it), for the record.
     Returns the path of the JSON file.
     """
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run(suite, device, repeats, Path(out), log)
+        return _run(suite, device, repeats, Path(out), log, heap)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(suite: str, device: str, repeats: int, out_dir: Path, log: Callable[[str], None]) -> Path:
+def _run(suite: str, device: str, repeats: int, out_dir: Path, log: Callable[[str], None], heap: str) -> Path:
     if suite not in SUITES:
         raise ValueError(f"benchmarks: unknown suite {suite!r}; expected one of {sorted(SUITES)}")
     if repeats < 1:
@@ -137,7 +146,13 @@ def _run(suite: str, device: str, repeats: int, out_dir: Path, log: Callable[[st
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("benchmarks: --device cuda, but torch.cuda.is_available() is False")
     started = time.perf_counter()
-    result: dict[str, Any] = {"suite": suite, "device": device, "repeats": repeats, **environment(torch_device)}
+    result: dict[str, Any] = {
+        "suite": suite,
+        "device": device,
+        "repeats": repeats,
+        **environment(torch_device),
+        "heap": heap,
+    }
     log(f"suite {suite} on {device}: torch {result['torch']}, {result['torch_threads']} threads, {result['cpu']}")
 
     # First, because it also pays the one-time costs (imports, the first make_fx) before any workload.

@@ -15,6 +15,7 @@ from ._calls import Trace as Trace
 from ._checkpoint import checkpoint as checkpoint
 from ._errors import TraceError as TraceError
 from ._module import CheckpointedModule as CheckpointedModule
+from ._offload import limit_pinned_memory as limit_pinned_memory
 from ._pareto import Pareto as Pareto
 from ._pareto import pareto as pareto
 from ._tag import tag as tag
@@ -23,10 +24,12 @@ from .report import Report as Report
 
 SAVE = Decision.SAVE
 RECOMPUTE = Decision.RECOMPUTE
+OFFLOAD = Decision.OFFLOAD
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "OFFLOAD",
     "RECOMPUTE",
     "SAVE",
     "CacheInfo",
@@ -43,6 +46,7 @@ __all__ = [
     "Peak",
     "checkpoint",
     "checkpoint_modules",
+    "limit_pinned_memory",
     "pareto",
     "policies",
     "report",

@@ -14,15 +14,21 @@ from collections.abc import Collection, Mapping, Sequence
 
 from ._calls import Dataflow, Decision, Trace, Value
 
-__all__ = ["Accounting", "KeptOutputs", "account", "saved_calls"]
+__all__ = ["Accounting", "KeptOutputs", "account", "offloaded_calls", "saved_calls"]
 
 
 @dataclasses.dataclass(frozen=True)
 class KeptOutputs:
-    """What is kept of one saved call's outputs, and what reads it."""
+    """What is kept of one saved call's outputs, where, and what reads it."""
 
     nbytes: int
     read_by: frozenset[str]  # "backward" (the gradient formulas) and/or "replay" (replayed calls)
+    offloaded_nbytes: int = 0  # of `nbytes`, those kept in host memory
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the call's kept outputs are in host memory."""
+        return self.offloaded_nbytes > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +38,10 @@ class Accounting:
     kept_by_call: Mapping[int, KeptOutputs]  # for each saved call whose outputs are kept
     replayed_calls: tuple[int, ...]
     rng_state_calls: tuple[int, ...]  # random calls whose generator state is kept
-    saved_bytes: int  # activations, copies of overwritten inputs and generator states
+    saved_bytes: int  # on the device: activations, copies of overwritten inputs and generator states
     rng_state_bytes: int
     recompute_flops: int  # of the replayed calls
+    offloaded_bytes: int = 0  # activations kept in host memory (copied there and back once each)
 
     @property
     def saved_calls(self) -> tuple[int, ...]:
@@ -42,8 +49,12 @@ class Accounting:
         return tuple(sorted(self.kept_by_call))
 
 
-def account(trace: Trace, saved: Collection[int]) -> Accounting:
-    """What saving exactly the calls `saved` of `trace` (and recomputing the others) keeps and replays."""
+def account(trace: Trace, saved: Collection[int], offloaded: Collection[int] = ()) -> Accounting:
+    """What saving exactly the calls `saved` of `trace` (and recomputing the others) keeps and replays.
+
+    The kept values of the calls in `offloaded` (some of `saved`) are kept in host memory, except
+    the function's outputs, which the caller holds on the device anyway.
+    """
     dataflow = trace.dataflow
     if dataflow is None:
         raise ValueError("remat: this trace has no dataflow (it was made of hand-picked calls); trace a function")
@@ -52,10 +63,11 @@ def account(trace: Trace, saved: Collection[int]) -> Accounting:
     states = sorted(c for c in replayed | recomputed if dataflow.rng_state_nbytes[c])
     rng_state_bytes = sum(dataflow.rng_state_nbytes[c] for c in states)
     replay_reads = frozenset().union(*(dataflow.reads[c] for c in replayed))
-    by_call: dict[int, list[Value]] = {}
+    by_call: dict[int, set[Value]] = {}
     for value in kept:
         if value[0] >= 0:
-            by_call.setdefault(value[0], []).append(value)
+            by_call.setdefault(value[0], set()).add(value)
+    on_host = {v for v in kept if v[0] in offloaded and v not in dataflow.returned}
     kept_by_call = {
         call: KeptOutputs(
             sum(dataflow.nbytes.get(v, 0) for v in values),
@@ -64,6 +76,7 @@ def account(trace: Trace, saved: Collection[int]) -> Accounting:
                 for reader, reads in (("backward", dataflow.backward_reads), ("replay", replay_reads))
                 if any(v in reads for v in values)
             ),
+            offloaded_nbytes=sum(dataflow.nbytes.get(v, 0) for v in values & on_host),
         )
         for call, values in sorted(by_call.items())
     }
@@ -71,15 +84,21 @@ def account(trace: Trace, saved: Collection[int]) -> Accounting:
         kept_by_call=kept_by_call,
         replayed_calls=tuple(sorted(replayed)),
         rng_state_calls=tuple(states),
-        saved_bytes=sum(dataflow.nbytes.get(v, 0) for v in kept | copies) + rng_state_bytes,
+        saved_bytes=sum(dataflow.nbytes.get(v, 0) for v in (kept | copies) - on_host) + rng_state_bytes,
         rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(trace[c].flops for c in replayed),
+        offloaded_bytes=sum(dataflow.nbytes.get(v, 0) for v in on_host),
     )
 
 
 def saved_calls(decisions: Sequence[Decision]) -> set[int]:
-    """The calls `decisions` save."""
-    return {i for i, decision in enumerate(decisions) if decision is Decision.SAVE}
+    """The calls `decisions` keep (SAVE or OFFLOAD)."""
+    return {i for i, decision in enumerate(decisions) if decision.keeps}
+
+
+def offloaded_calls(decisions: Sequence[Decision]) -> set[int]:
+    """The calls `decisions` offload."""
+    return {i for i, decision in enumerate(decisions) if decision is Decision.OFFLOAD}
 
 
 def _kept_and_replayed(dataflow: Dataflow, saved: Collection[int]) -> tuple[set[Value], set[int]]:

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, cast
 
 import optree
 import torch
 
 from . import _rng
-from ._accounting import account, saved_calls
+from ._accounting import account, offloaded_calls, saved_calls
 from ._cache import CacheInfo, LRUCache, SignatureKey, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
@@ -28,6 +29,7 @@ from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import partition
 from ._peak import predict_peak
 from ._pytree import FlatArgs, flatten_args
+from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure_of
 from ._specialize import ValuesChanged
 from ._torch import functorch_active
 from ._trace import JointGraph, is_tracing, nested_checkpoint, trace_joint
@@ -81,7 +83,9 @@ class Checkpointed(Generic[P, T]):
     1
     """
 
-    def __init__(self, fn: Callable[P, T], policy: Any, cache_size: int, compile: Any = False):
+    def __init__(
+        self, fn: Callable[P, T], policy: Any, cache_size: int, compile: Any = False, shared: SharedTraces | None = None
+    ):
         self.__wrapped__ = fn
         self.policy = policy
         self.compile = compile
@@ -89,6 +93,7 @@ class Checkpointed(Generic[P, T]):
         self._cache: LRUCache[list[_Entry]] = LRUCache(cache_size)
         self._roots: ModuleRoots | None = None
         self._last_key: SignatureKey | None = None  # the signature last traced, to explain a retrace
+        self._shared = shared  # traces of identical blocks: see NOTE [sharing traces between identical blocks]
         self._bound: weakref.WeakKeyDictionary[Any, Checkpointed[Any, Any]] = weakref.WeakKeyDictionary()
         self._compile_key = register(self)
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
@@ -142,9 +147,12 @@ class Checkpointed(Generic[P, T]):
         return self._cache.info()
 
     def cache_clear(self) -> None:
-        """Forget every trace (and the modules found in the wrapped function)."""
+        """Forget every trace (and the modules found in the wrapped function), and the traces
+        identical blocks would take from one another."""
         self._cache.clear()
         self._roots = None
+        if self._shared is not None:
+            self._shared.clear()
 
     @property
     def roots(self) -> ModuleRoots:
@@ -157,6 +165,7 @@ class Checkpointed(Generic[P, T]):
     ) -> tuple[SignatureKey, _Entry, list[torch.Tensor], bool]:
         """The cache key of `flat`, a trace for it (not one of `tried`), the closed-over tensors to
         call it with, and whether it was traced just now."""
+        roots_known = self._roots is not None
         roots = self.roots
         forward_mode = forward_mode_active()
         key = SignatureKey(
@@ -170,10 +179,25 @@ class Checkpointed(Generic[P, T]):
         if self._last_key is not None and logger.isEnabledFor(logging.INFO):
             logger.info("retracing %s: %s", self, "; ".join(explain_retrace(self._last_key, key, flat)))
         started = time.perf_counter()
-        # Parameters may have been replaced since the last trace (`load_state_dict(assign=True)`):
-        # find where each tensor lives anew, so no stale id points at a freed tensor's slot.
-        self._roots = roots = find_module_roots(self.__wrapped__)
-        joint = with_dataflow(trace_joint(self.__wrapped__, flat, roots, forward_mode=forward_mode))
+        if roots_known:
+            # Parameters may have been replaced since the last trace (`load_state_dict(assign=True)`):
+            # find where each tensor lives anew, so no stale id points at a freed tensor's slot.
+            self._roots = roots = find_module_roots(self.__wrapped__)
+        structure = None if self._shared is None else structure_of(self.__wrapped__, roots)
+        shared_key = (structure, key)
+        if structure is not None:
+            taken = self._take_shared(shared_key, roots, tried)
+            if taken is not None:
+                entry, lifted = taken
+                logger.debug("%s takes the trace of an identical block", self)
+                self._last_key = key
+                self._cache.put(key, [entry, *entries][:_VARIANTS_PER_KEY], shared=True)
+                return key, entry, lifted, False
+        recording = (
+            contextlib.nullcontext(lambda: None) if structure is None else recording_attribute_reads(roots.modules)
+        )
+        with recording as attribute_reads:
+            joint = with_dataflow(trace_joint(self.__wrapped__, flat, roots, forward_mode=forward_mode))
         lifted = [slot.fetch() for slot in joint.lifted]
         executable = _executable(joint, self.policy, forward_mode, self._compile_options)
         entry = _Entry(joint, executable, _guard(joint, lifted))
@@ -183,7 +207,30 @@ class Checkpointed(Generic[P, T]):
         self._last_key = key
         # A few variants per key (say, a closed-over module in train and eval mode); the oldest goes first.
         self._cache.put(key, [entry, *entries][:_VARIANTS_PER_KEY])
+        reads = attribute_reads()
+        if self._shared is not None and reads is not None:
+            self._shared.publish(shared_key, entry, roots, reads)
         return key, entry, lifted, True
+
+    def _take_shared(
+        self, key: Hashable, roots: ModuleRoots, tried: Sequence[_Entry]
+    ) -> tuple[_Entry, list[torch.Tensor]] | None:
+        """An identical block's trace at `key` (not one of `tried`), on this block's tensors and modules,
+        with the closed-over tensors to call it with; None if there is none."""
+        assert self._shared is not None
+        refused = {id(entry.executable) for entry in tried}
+        for shared in self._shared.find(key, roots.modules, skip=lambda entry: id(entry.executable) in refused):
+            moved = {id(theirs): ours for theirs, ours in zip(shared.modules, roots.modules, strict=True)}
+            joint = dataclasses.replace(
+                shared.entry.joint,
+                lifted=tuple(rebase(slot, moved) for slot in shared.entry.joint.lifted),
+                reached_modules=tuple(moved.get(id(module), module) for module in shared.entry.joint.reached_modules),
+            )
+            entry = _Entry(joint, shared.entry.executable, shared.entry.guard)
+            lifted = entry.fetch_if_valid()  # the same metadata and `training` flags as the block that traced
+            if lifted is not None:
+                return entry, lifted
+        return None
 
     def _prefer(self, key: SignatureKey, entry: _Entry) -> None:
         """Try `entry` first for `key` from now on (it is a trace specialized on values that held)."""
@@ -297,7 +344,7 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
     joint, own_policy = _joint_of(fn, args, kwargs, "remat.report")
     policy = policy if policy is not None else own_policy
     decisions = decide_nested(policy, joint.trace, joint.regions)
-    accounting = account(joint.trace, saved_calls(decisions))
+    accounting = account(joint.trace, saved_calls(decisions), offloaded_calls(decisions))
     rows = []
     for call in joint.trace:
         kept = accounting.kept_by_call.get(call.index)
@@ -310,6 +357,7 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
                 rng_state_kept=call.index in accounting.rng_state_calls,
                 saved_bytes=kept.nbytes if kept else 0,
                 read_by=kept.read_by if kept else frozenset(),
+                offloaded=kept is not None and kept.offloaded,
             )
         )
     return Report(
@@ -323,4 +371,5 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
         nested_policies=tuple({id(p): p if p is not None else save_nothing for p, _ in joint.regions}.values()),
         peak=predict_peak(joint, partition(joint, decisions)),
         value_checks=joint.value_checks,
+        offloaded_bytes=accounting.offloaded_bytes,
     )

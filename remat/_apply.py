@@ -17,6 +17,7 @@ from torch import nn
 
 from ._api import DEFAULT_CACHE_SIZE, Checkpointed, DelegatesToCheckpointed
 from ._kv_caches import without_kv_caches
+from ._sharing import SharedTraces
 
 __all__ = ["checkpoint_modules", "uncheckpoint_modules"]
 
@@ -59,11 +60,11 @@ Which = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module
 class _CheckpointedForward(DelegatesToCheckpointed):
     """The instance attribute `forward` of a module checkpointed by `checkpoint_modules`."""
 
-    def __init__(self, name: str, module: nn.Module, policy: Any, cache_size: int, compile: Any):
+    def __init__(self, name: str, module: nn.Module, policy: Any, cache_size: int, compile: Any, shared: SharedTraces):
         self.name = name  # in the model passed to `checkpoint_modules`, for messages
         self.module = module
         self.replaced: Any = module.__dict__.get("forward", _NOTHING)  # an instance `forward` set before us
-        self.checkpointed: Checkpointed[..., Any] = Checkpointed(module.forward, policy, cache_size, compile)
+        self.checkpointed: Checkpointed[..., Any] = Checkpointed(module.forward, policy, cache_size, compile, shared)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():  # remat checkpoints the call (without gradients, it runs as written)
@@ -81,7 +82,11 @@ class _CheckpointedForward(DelegatesToCheckpointed):
         new.replaced = copy.deepcopy(self.replaced, memo)
         original = self.checkpointed.__wrapped__
         new.checkpointed = Checkpointed(
-            copy.deepcopy(original, memo), self.policy, self.checkpointed._cache.maxsize, self.checkpointed.compile
+            copy.deepcopy(original, memo),
+            self.policy,
+            self.checkpointed._cache.maxsize,
+            self.checkpointed.compile,
+            copy.deepcopy(self.checkpointed._shared, memo),
         )
         return new
 
@@ -178,8 +183,9 @@ def checkpoint_modules(
             "Check the class (the type of a block, such as `type(model.layers[0])`) or, for a predicate, the "
             f"qualified names it is given, which are those of `model.named_modules()`, e.g. {_some_names(model)}."
         )
+    shared = SharedTraces(cache_size)  # see NOTE [sharing traces between identical blocks]
     for name, module in selected:
-        module.__dict__["forward"] = _CheckpointedForward(name, module, policy, cache_size, compile)
+        module.__dict__["forward"] = _CheckpointedForward(name, module, policy, cache_size, compile, shared)
     return model
 
 

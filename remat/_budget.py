@@ -5,22 +5,26 @@ See NOTE [the budget problem].
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_array
 
-from ._accounting import Accounting, account
+from ._accounting import Accounting, account, offloaded_calls, saved_calls
 from ._calls import Dataflow, Decision, Trace, Value
 from ._decide import is_collective
 from .costs import estimate_seconds, resolve_device
 
-__all__ = ["InfeasibleBudget", "InfeasiblePeak", "Plan", "minimum_bytes", "solve", "solve_peak"]
+__all__ = ["HostLink", "InfeasibleBudget", "InfeasiblePeak", "Plan", "minimum_bytes", "solve", "solve_peak"]
 
 # NOTE [the budget problem]
 # Choose SAVE (s_c = 1) or RECOMPUTE per call. Backward reads some values; a value
@@ -43,6 +47,19 @@ __all__ = ["InfeasibleBudget", "InfeasiblePeak", "Plan", "minimum_bytes", "solve
 #   k_w >= r_u, k_w >= p_u               copies of overwritten inputs w they read
 #   sum(bytes_v k_v) + sum(state_c g_c) <= budget
 #
+# With offload allowed, a kept call may be kept in host memory (o_c = 1, o_c <= s_c).
+# d_v says value v is kept on the device: d_v <= k_v, d_v >= k_v - o_c, and
+# d_v <= 1 - o_c unless v is returned (the caller holds it on the device). The budget
+# counts d_v's bytes instead of k_v's. The copies of host values queue on one link
+# (t_v = bytes_v / host bandwidth): those of the values of calls j, j+1, ... start
+# after call j, so whatever of them outlasts the compute after call j shows:
+#
+#   e_f >= sum(t_v (k_v - d_v) for v of calls >= j) - compute(calls > j)    for each j
+#
+# and in backward, whose reloads must land before it reaches call j, likewise with
+# the backward's compute of the calls after j (twice their forward). The exposed
+# copy time e_f + e_b is added to the replay cost, both in seconds.
+#
 # The exact mode solves it with HiGHS's branch and bound; the fast mode solves its
 # LP relaxation, rounds the saves, and repairs the result with `_accounting.account`, whose
 # accounting is the partitioner's own. The LP optimum bounds the exact optimum from
@@ -54,11 +71,12 @@ class Plan:
     """Decisions for one trace under a byte budget, and what they cost."""
 
     decisions: tuple[Decision, ...]
-    saved_bytes: int  # as the partitioner will keep them
-    cost: float  # replay cost, in the budget's cost unit
-    lower_bound: float  # no decisions within the budget replay for less
+    saved_bytes: int  # on the device, as the partitioner will keep them
+    cost: float  # replay cost (and copy time not hidden by compute), in the budget's cost unit
+    lower_bound: float  # no decisions within the budget cost less
     seconds: float  # solve time
     peak_bytes: int | None = None  # the predicted peak of forward and backward (planning for a peak)
+    offloaded_bytes: int = 0  # kept in host memory
 
     @property
     def gap(self) -> float:
@@ -66,6 +84,31 @@ class Plan:
         if self.cost <= self.lower_bound or self.cost == 0:
             return 0.0
         return (self.cost - self.lower_bound) / self.cost
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLink:
+    """What offloading costs: seconds per byte each way, and each call's compute in seconds."""
+
+    seconds_per_byte: float
+    compute: tuple[float, ...]
+
+    @staticmethod
+    def of(trace: Trace, cost: str) -> HostLink:
+        device = resolve_device(cost.removeprefix("roofline:"))
+        return HostLink(1.0 / device.host_bandwidth, tuple(estimate_seconds(call, device) for call in trace))
+
+    def exposed_seconds(self, host_bytes: Sequence[int]) -> float:
+        """Copy time not hidden by compute, forward and backward, for `host_bytes` offloaded per call."""
+        exposed = 0.0
+        for backward_factor in (1.0, 2.0):
+            copies = after = worst = 0.0
+            for c in reversed(range(len(host_bytes))):
+                copies += host_bytes[c] * self.seconds_per_byte
+                worst = max(worst, copies - backward_factor * after)
+                after += self.compute[c]
+            exposed += worst
+        return exposed
 
 
 def call_costs(trace: Trace, cost: str) -> list[float]:
@@ -79,7 +122,13 @@ def call_costs(trace: Trace, cost: str) -> list[float]:
 class _Program:
     """The 0-1 program of NOTE [the budget problem], as matrices for scipy."""
 
-    def __init__(self, dataflow: Dataflow, costs: Sequence[float], forced: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        dataflow: Dataflow,
+        costs: Sequence[float],
+        forced: frozenset[int] = frozenset(),
+        link: HostLink | None = None,
+    ):
         n = len(costs)
         self.n = n
         self.dataflow = dataflow
@@ -106,11 +155,17 @@ class _Program:
             self._row({self._p(c): 1, self._g(c): -1}, 0)
         self.budget_row = {self._k(v): float(dataflow.nbytes[v]) for v in self.values}
         self.budget_row.update({self._g(c): float(dataflow.rng_state_nbytes[c]) for c in self.states})
+        self.link = link
+        if link is not None:
+            self._offload(link)
         scale = max(costs, default=0.0) or 1.0
         # Replay cost first; among equal costs, fewer saves (a tiny tie-break, well below any real cost).
         self.objective = np.zeros(self.size)
         self.objective[n : 2 * n] = np.asarray(costs) / scale
         self.objective[:n] = 1e-9
+        if link is not None:  # exposed copy time, in the same seconds; offload only where it helps
+            self.objective[self._exposed : self._exposed + 2] = 1 / scale
+            self.objective[self._o(0) : self._o(0) + n] = 1e-9
         self.scale = scale
 
     # The columns of each variable.
@@ -128,6 +183,59 @@ class _Program:
 
     def _g(self, c: int) -> int:
         return self._state_index[c]
+
+    def _o(self, c: int) -> int:
+        return self._offload_base + c
+
+    def _d(self, value: Value) -> int:
+        return self._device_index[value]
+
+    def _offload(self, link: HostLink) -> None:
+        """Variables and rows of offloading: see NOTE [the budget problem]. `q_j`, the copy seconds
+        of the values of calls j and after, is continuous, as are e_f and e_b."""
+        n = self.n
+        produced = [v for v in self.values if v[0] >= 0]
+        self._offload_base = self.size
+        self._device_index = {v: self.size + n + i for i, v in enumerate(produced)}
+        self._queued = self.size + n + len(produced)  # q_0 .. q_{n-1}
+        self._exposed = self._queued + n  # e_f, e_b
+        self.continuous = slice(self._queued, self._exposed + 2)
+        self.size = self._exposed + 2
+        for c in range(n):
+            self._row({self._o(c): 1, self._s(c): -1}, 0)
+        host_seconds: dict[int, dict[int, float]] = {c: {} for c in range(n)}
+        for v in produced:
+            self._row({self._d(v): 1, self._k(v): -1}, 0)
+            if v in self.dataflow.returned:
+                self._row({self._k(v): 1, self._d(v): -1}, 0)
+            else:
+                self._row({self._k(v): 1, self._o(v[0]): -1, self._d(v): -1}, 0)
+                self._row({self._d(v): 1, self._o(v[0]): 1}, 1)
+                t = self.dataflow.nbytes[v] * link.seconds_per_byte
+                host_seconds[v[0]][self._k(v)] = t
+                host_seconds[v[0]][self._d(v)] = -t
+            del self.budget_row[self._k(v)]
+            self.budget_row[self._d(v)] = float(self.dataflow.nbytes[v])
+        after = 0.0
+        for j in reversed(range(n)):
+            queued = {**host_seconds[j], self._queued + j: -1.0}
+            if j + 1 < n:
+                queued[self._queued + j + 1] = 1.0
+            self._row(queued, 0)  # q_j >= q_{j+1} + the copies of call j's host values
+            for e, backward_factor in ((self._exposed, 1.0), (self._exposed + 1, 2.0)):
+                self._row({self._queued + j: 1, e: -1}, backward_factor * after)
+            after += link.compute[j]
+
+    def decisions(self, solution: np.ndarray) -> tuple[Decision, ...]:
+        """The decisions of a solution: SAVE, OFFLOAD (saved and offloaded) or RECOMPUTE per call."""
+
+        def decision(c: int) -> Decision:
+            if solution[self._s(c)] <= 0.5:
+                return Decision.RECOMPUTE
+            offloaded = self.link is not None and solution[self._o(c)] > 0.5
+            return Decision.OFFLOAD if offloaded else Decision.SAVE
+
+        return tuple(decision(c) for c in range(self.n))
 
     def _row(self, coefficients: dict[int, float], bound: float) -> None:
         """The constraint sum(a_j x_j) <= bound."""
@@ -208,66 +316,120 @@ class _Program:
         options: dict[str, Any] = {"presolve": True, "mip_rel_gap": 1e-9}
         if time_limit is not None:
             options["time_limit"] = time_limit
-        result = milp(
-            self.objective if objective is None else objective,
-            constraints=self.constraints(budget),
-            integrality=np.ones(self.size) if integral else np.zeros(self.size),
-            bounds=Bounds(0, 1),
-            options=options,
-        )
+        integrality = np.ones(self.size) if integral else np.zeros(self.size)
+        upper = np.ones(self.size)
+        if self.link is not None:  # queued and exposed copy seconds
+            integrality[self.continuous] = 0
+            upper[self.continuous] = np.inf
+        with stdout_without(HIGHS_DEBUG_LINE) if integral else contextlib.nullcontext():
+            result = milp(
+                self.objective if objective is None else objective,
+                constraints=self.constraints(budget),
+                integrality=integrality,
+                bounds=Bounds(0, upper),
+                options=options,
+            )
         bound = getattr(result, "mip_dual_bound", None) if integral else result.fun
         return result.x, float(bound) if bound is not None and np.isfinite(bound) else -math.inf
+
+
+# HiGHS (scipy's MILP solver) prints this line to the process's standard output when it repairs an integer
+# solution found for its presolved problem, whatever its output options say (a leftover debug print, HiGHS
+# issue 2783). A user planning a large model would see it in their training log, many times over.
+HIGHS_DEBUG_LINE = b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
+
+
+@contextlib.contextmanager
+def stdout_without(line: bytes) -> Iterator[None]:
+    """Run the body with file descriptor 1 captured, then write back what it wrote, each `line` left out.
+
+    What other threads print meanwhile comes out late, not lost. Where descriptor 1 cannot be duplicated
+    (closed), the body runs as it is.
+    """
+    _flush_stdout()
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 1)
+        try:
+            yield
+        finally:
+            _flush_stdout()
+            os.dup2(saved, 1)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().splitlines(keepends=True)
+            kept = b"".join(written for written in lines if written.rstrip() != line)
+            while kept:
+                kept = kept[os.write(1, kept) :]
+
+
+def _flush_stdout() -> None:
+    if sys.stdout is not None:  # None where Python runs without a console
+        sys.stdout.flush()
 
 
 # How long the fast mode lets branch and bound run before it settles for the rounded relaxation.
 FAST_TIME_LIMIT = 0.5
 
 
-def solve(trace: Trace, budget: int, cost: str, exact: bool) -> Plan:
-    """The cheapest decisions for `trace` whose kept bytes are at most `budget`.
+def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = False) -> Plan:
+    """The cheapest decisions for `trace` whose kept bytes (on the device) are at most `budget`.
 
     Exact: branch and bound to optimality. Fast: the LP relaxation (a lower bound on the
     optimum), then branch and bound for at most `FAST_TIME_LIMIT` seconds (traces of a few
     hundred calls finish, optimal, well within it); if that finds nothing, the relaxation
-    rounded and repaired.
+    rounded and repaired (without offloading). With `offload`, a kept call may be kept in host
+    memory, at the copy time the roofline `cost` device's host link leaves exposed.
     """
     dataflow = trace.dataflow
     assert dataflow is not None
     started = time.perf_counter()
     costs = call_costs(trace, cost)
+    link = HostLink.of(trace, cost) if offload else None
     forced = frozenset(call.index for call in trace if is_collective(call))
-    program = _Program(dataflow, costs, forced)
-    candidates: list[set[int]] = []
+    program = _Program(dataflow, costs, forced, link)
+    candidates: list[tuple[Decision, ...]] = []
     solution: np.ndarray | None
     if not len(trace):  # nothing to decide (a function of views only); HiGHS refuses empty programs
-        solution, bound = np.zeros(0), 0.0
+        solution, bound = np.zeros(program.size), 0.0
     elif exact:
         solution, bound = program.solve(budget, integral=True)
     else:
         relaxed, bound = program.solve(budget, integral=False)
         if relaxed is None:
-            raise InfeasibleBudget(minimum_bytes(trace))
+            raise InfeasibleBudget(minimum_bytes(trace, link))
         solution, milp_bound = program.solve(budget, integral=True, time_limit=FAST_TIME_LIMIT)
         bound = max(bound, milp_bound)
         if solution is None:
-            candidates.append(set(forced) | _round_and_repair(trace, costs, relaxed[: program.n], budget))
+            saved = set(forced) | _round_and_repair(trace, costs, relaxed[: program.n], budget)
+            candidates.append(_saving(saved, len(trace)))
     if solution is not None:
-        candidates.append({c for c in range(program.n) if solution[c] > 0.5})
+        candidates.append(program.decisions(solution))
     scored = []
-    for saved in candidates:
-        accounting = account(trace, saved)
+    for decisions in candidates:
+        accounting = account(trace, saved_calls(decisions), offloaded_calls(decisions))
         if accounting.saved_bytes <= budget:
-            scored.append((_cost(accounting, costs), len(saved), sorted(saved), accounting.saved_bytes))
+            total = _cost(accounting, costs, link)
+            scored.append((total, sum(d.keeps for d in decisions), decisions, accounting))
     if not scored:
-        raise InfeasibleBudget(minimum_bytes(trace))
-    total, _, best, kept = min(scored)
+        raise InfeasibleBudget(minimum_bytes(trace, link))
+    total, _, decisions, accounting = min(scored, key=lambda score: score[:2])
     return Plan(
-        decisions=tuple(Decision.SAVE if c in set(best) else Decision.RECOMPUTE for c in range(len(trace))),
-        saved_bytes=kept,
+        decisions=decisions,
+        saved_bytes=accounting.saved_bytes,
         cost=total,
         lower_bound=total if exact else min(total, bound * program.scale),
         seconds=time.perf_counter() - started,
+        offloaded_bytes=accounting.offloaded_bytes,
     )
+
+
+def _saving(saved: set[int], n: int) -> tuple[Decision, ...]:
+    return tuple(Decision.SAVE if c in saved else Decision.RECOMPUTE for c in range(n))
 
 
 def _round_and_repair(trace: Trace, costs: Sequence[float], fractions: np.ndarray, budget: int) -> set[int]:
@@ -300,25 +462,32 @@ def _round_and_repair(trace: Trace, costs: Sequence[float], fractions: np.ndarra
     return best
 
 
-def _cost(accounting: Accounting, costs: Sequence[float]) -> float:
-    """The replay cost of the calls `accounting` replays."""
-    return sum(costs[c] for c in accounting.replayed_calls)
+def _cost(accounting: Accounting, costs: Sequence[float], link: HostLink | None = None) -> float:
+    """The replay cost of the calls `accounting` replays, and the copy time it leaves exposed."""
+    replay = sum(costs[c] for c in accounting.replayed_calls)
+    if link is None or not accounting.offloaded_bytes:
+        return replay
+    host = [0] * len(costs)
+    for c, kept in accounting.kept_by_call.items():
+        host[c] = kept.offloaded_nbytes
+    return replay + link.exposed_seconds(host)
 
 
-def minimum_bytes(trace: Trace) -> int:
-    """The fewest bytes any decisions for `trace` keep."""
+def minimum_bytes(trace: Trace, link: HostLink | None = None) -> int:
+    """The fewest device bytes any decisions for `trace` keep (offloading too, given a host `link`)."""
     dataflow = trace.dataflow
     assert dataflow is not None
     forced = frozenset(call.index for call in trace if is_collective(call))
     if not len(trace):
         return account(trace, set()).saved_bytes
-    program = _Program(dataflow, [0.0] * len(trace), forced)
+    program = _Program(dataflow, [0.0] * len(trace), forced, link)
     objective = np.zeros(program.size)
     for j, a in program.budget_row.items():
         objective[j] = a
     solution, _ = program.solve(math.inf, integral=True, objective=objective)
     assert solution is not None
-    return account(trace, {c for c in range(program.n) if solution[c] > 0.5}).saved_bytes
+    decisions = program.decisions(solution)
+    return account(trace, saved_calls(decisions), offloaded_calls(decisions)).saved_bytes
 
 
 class InfeasibleBudget(ValueError):
@@ -343,7 +512,7 @@ class InfeasibleBudget(ValueError):
 PEAK_CANDIDATES = 16  # byte budgets tried, evenly spaced
 
 
-def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool) -> Plan:
+def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool, offload: bool = False) -> Plan:
     """The cheapest of the byte-budget planner's plans, and of saving everything and saving nothing,
     whose predicted peak is at most `peak_bytes`."""
     peak_of = trace.peak_of
@@ -351,10 +520,11 @@ def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool) -> Plan:
     started = time.perf_counter()
     costs = call_costs(trace, cost)
     forced = {call.index for call in trace if is_collective(call)}
-    low, high = minimum_bytes(trace), account(trace, range(len(trace))).saved_bytes
+    link = HostLink.of(trace, cost) if offload else None
+    low, high = minimum_bytes(trace, link), account(trace, range(len(trace))).saved_bytes
     budgets = sorted({low + (high - low) * i // (PEAK_CANDIDATES - 1) for i in range(PEAK_CANDIDATES)})
     candidates = [_plan_of(trace, costs, forced), _plan_of(trace, costs, set(range(len(trace))))]
-    candidates += [solve(trace, budget, cost, exact) for budget in budgets]
+    candidates += [solve(trace, budget, cost, exact, offload) for budget in budgets]
     best: tuple[float, int, Plan] | None = None
     peaks: dict[tuple[Decision, ...], int] = {}  # candidates often repeat a plan: partition each once
     for plan in candidates:
@@ -366,7 +536,7 @@ def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool) -> Plan:
     if best is None:
         raise InfeasiblePeak(min(peaks.values()))
     _, peak, plan = best
-    bound = solve(trace, min(peak_bytes, high), cost, exact).lower_bound
+    bound = solve(trace, min(peak_bytes, high), cost, exact, offload).lower_bound
     return dataclasses.replace(
         plan, lower_bound=min(plan.cost, bound), seconds=time.perf_counter() - started, peak_bytes=peak
     )
@@ -375,8 +545,7 @@ def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool) -> Plan:
 def _plan_of(trace: Trace, costs: Sequence[float], saved: set[int]) -> Plan:
     kept = account(trace, saved)
     total = _cost(kept, costs)
-    decisions = tuple(Decision.SAVE if c in saved else Decision.RECOMPUTE for c in range(len(costs)))
-    return Plan(decisions, kept.saved_bytes, total, lower_bound=total, seconds=0.0)
+    return Plan(_saving(saved, len(costs)), kept.saved_bytes, total, lower_bound=total, seconds=0.0)
 
 
 class InfeasiblePeak(ValueError):

@@ -10,7 +10,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 
 from ._contexts import AUTOCAST_DEVICES
-from ._torch import is_functorch_wrapped, unwrap_level
+from ._torch import any_autocast_enabled, is_functorch_wrapped, unwrap_level
 
 __all__ = ["CacheInfo", "LRUCache", "ambient_key", "requires_grad_at_any_level", "tensor_key"]
 
@@ -21,14 +21,16 @@ class CacheInfo(NamedTuple):
     """Statistics of a checkpointed function's trace cache.
 
     `hits` and `misses` count calls; `traces` counts traces (a miss, or a hit
-    whose closed-over tensors changed shape, dtype, device or requires_grad).
+    whose closed-over tensors changed shape, dtype, device or requires_grad);
+    `shared` counts misses served by the trace of an identical block instead
+    (see `remat.checkpoint_modules`).
 
     >>> import torch, remat
     >>> f = remat.checkpoint(lambda x: x.sin().sum())
     >>> x = torch.ones(3, requires_grad=True)
     >>> _ = f(x), f(x), f(torch.ones(5, requires_grad=True))  # the third call has a new shape
     >>> f.cache_info()
-    CacheInfo(hits=1, misses=2, traces=2, size=2, maxsize=64)
+    CacheInfo(hits=1, misses=2, traces=2, size=2, maxsize=64, shared=0)
     """
 
     hits: int
@@ -36,6 +38,7 @@ class CacheInfo(NamedTuple):
     traces: int
     size: int
     maxsize: int
+    shared: int = 0
 
 
 def tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -63,7 +66,7 @@ def requires_grad_at_any_level(tensor: torch.Tensor) -> bool:
 class AmbientKey(NamedTuple):
     """State outside the arguments that changes a trace."""
 
-    autocast: tuple[tuple[bool, torch.dtype], ...]  # (enabled, dtype) on CPU, then CUDA
+    autocast: tuple[tuple[bool, torch.dtype | None], ...]  # (enabled, dtype if enabled) on CPU, then CUDA
     autocast_cache: bool
     training: tuple[bool, ...]  # the `training` flags of the modules found in the function
 
@@ -77,13 +80,18 @@ class SignatureKey(NamedTuple):
     forward_mode: bool  # traced for forward-mode AD too
 
 
+_AUTOCAST_OFF: tuple[tuple[bool, torch.dtype | None], ...] = tuple((False, None) for _ in AUTOCAST_DEVICES)
+
+
 def ambient_key(modules: Sequence[torch.nn.Module]) -> AmbientKey:
     """State outside the arguments that changes a trace: autocast and `training` flags."""
-    return AmbientKey(
-        tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES),
-        torch.is_autocast_cache_enabled(),
-        tuple(module.training for module in modules),
-    )
+    autocast = _AUTOCAST_OFF  # the common case, asked in one call (this runs on every call)
+    if any_autocast_enabled():
+        autocast = tuple(
+            (True, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else (False, None)
+            for device in AUTOCAST_DEVICES
+        )
+    return AmbientKey(autocast, torch.is_autocast_cache_enabled(), tuple(module.training for module in modules))
 
 
 class LRUCache(Generic[V]):
@@ -96,7 +104,7 @@ class LRUCache(Generic[V]):
         self.maxsize = maxsize
         self._entries: collections.OrderedDict[Any, V] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.hits = self.misses = self.traces = 0
+        self.hits = self.misses = self.traces = self.shared = 0
 
     def get(self, key: Any) -> V | None:
         with self._lock:
@@ -108,9 +116,13 @@ class LRUCache(Generic[V]):
                 self._entries.move_to_end(key)
             return entry
 
-    def put(self, key: Any, entry: V) -> None:
+    def put(self, key: Any, entry: V, *, shared: bool = False) -> None:
+        """Store `entry`, a new trace (or, with `shared`, another block's)."""
         with self._lock:
-            self.traces += 1
+            if shared:
+                self.shared += 1
+            else:
+                self.traces += 1
             self._entries[key] = entry
             self._entries.move_to_end(key)
             while len(self._entries) > self.maxsize:
@@ -125,7 +137,7 @@ class LRUCache(Generic[V]):
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self.hits = self.misses = self.traces = 0
+            self.hits = self.misses = self.traces = self.shared = 0
 
     def info(self) -> CacheInfo:
-        return CacheInfo(self.hits, self.misses, self.traces, len(self._entries), self.maxsize)
+        return CacheInfo(self.hits, self.misses, self.traces, len(self._entries), self.maxsize, self.shared)

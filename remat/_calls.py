@@ -19,17 +19,30 @@ __all__ = ["Call", "Dataflow", "Decision", "TensorMeta", "Trace", "Value"]
 class Decision(enum.Enum):
     """What to do with the outputs of one forward call.
 
-    `SAVE` keeps the outputs that backward (or a replay) reads; `RECOMPUTE`
-    keeps nothing and replays the call in backward if something backward needs
-    depends on it.
+    `SAVE` keeps the outputs that backward (or a replay) reads on their device;
+    `OFFLOAD` keeps them too, in host memory: copied there as forward makes
+    them and back to their device before backward first reads them (see
+    docs/offload.md), with gradients exactly those of `SAVE`; `RECOMPUTE`
+    keeps nothing and replays the call in backward if something backward
+    needs depends on it.
+
+    Combined (`|`, `&` of policies), `SAVE` ranks above `OFFLOAD`, which
+    ranks above `RECOMPUTE`: `p | q` takes the higher decision of the two,
+    `p & q` the lower.
 
     >>> import remat
-    >>> remat.Decision.SAVE is remat.SAVE
-    True
+    >>> remat.Decision.SAVE is remat.SAVE, remat.Decision.OFFLOAD is remat.OFFLOAD
+    (True, True)
     """
 
     SAVE = "save"
     RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+
+    @property
+    def keeps(self) -> bool:
+        """Whether backward reads the call's outputs as forward made them (SAVE or OFFLOAD)."""
+        return self is not Decision.RECOMPUTE
 
     def __repr__(self) -> str:
         return f"remat.{self.name}"
@@ -262,6 +275,14 @@ def format_bytes(nbytes: int) -> str:
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_seconds(seconds: float) -> str:
+    """`1.5 ms` for 0.0015; `0 s` for 0 (or a CPU's infinitely fast host link)."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale or unit == "us":
+            return f"{seconds / scale:.3g} {unit}" if seconds else "0 s"
     raise AssertionError("unreachable")
 
 

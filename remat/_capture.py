@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._torch import FakeTensor, get_proxy_mode, innermost, source_and_scope, tree_map_only
 
-__all__ = ["CallSite", "ModuleRoots", "StateSlot", "capture_mode", "find_module_roots", "variable_slots"]
+__all__ = ["CallSite", "ModuleRoots", "StateSlot", "capture_mode", "find_module_roots", "has_hooks", "variable_slots"]
 
 # NOTE [lifting closed-over tensors]
 # make_fx turns real tensors that `fn` closes over into `get_attr` constants,
@@ -141,6 +141,14 @@ def state_slots(modules: Iterable[nn.Module]) -> dict[int, StateSlot]:
                 if tensor is not None:
                     slots.setdefault(id(tensor), StateSlot(module, attribute, None))
     return slots
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether `module` has forward or backward hooks of its own."""
+    return any(getattr(module, table, None) for table in _HOOK_TABLES)
 
 
 def find_module_roots(fn: Callable[..., Any]) -> ModuleRoots:

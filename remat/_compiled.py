@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from . import _rng
+from . import _offload, _rng
 from ._partition import Programs
 
 __all__ = ["CompiledPrograms", "compile_options", "compile_programs"]
@@ -28,7 +28,7 @@ __all__ = ["CompiledPrograms", "compile_options", "compile_programs"]
 # backward unless a second derivative is being taken), so the compiler makes
 # inference graphs and no partitioner of its own is involved. Random calls stay
 # eager, outside the graphs, so that they draw from, and replay with, the
-# generator states remat keeps. Where a torch.func transform wraps the tensors
+# generator states remat keeps; so do the copies of offloaded values. Where a torch.func transform wraps the tensors
 # a program would see, or when backward is differentiated again, the eager
 # programs run: the compiled ones take plain tensors and are not
 # differentiated.
@@ -92,7 +92,12 @@ def _replay_with_rng_state(state: torch.Tensor, device: torch.device, op: Any, /
     return _rng.replay_with_rng_state(state, device, op, *args, **kwargs)
 
 
-_EAGER = {_rng.run_keeping_state: _run_keeping_state, _rng.replay_with_rng_state: _replay_with_rng_state}
+_EAGER: dict[Callable[..., Any], Callable[..., Any]] = {
+    _rng.run_keeping_state: _run_keeping_state,
+    _rng.replay_with_rng_state: _replay_with_rng_state,
+    # Copies to and from the host use streams and events of their own: see NOTE [offloading kept values].
+    **{function: torch.compiler.disable(function) for function in _offload.COPIES},
+}
 
 
 def _random_calls_eager(program: fx.GraphModule) -> fx.GraphModule:

@@ -54,6 +54,15 @@ __all__ = ["call_under_dynamo", "register"]
 # aside as a Trace leaves them; if they ever differ, the region is not
 # guessed at: tracing stops with an error.
 
+# NOTE [offload inside torch.compile]
+# The compiler's selective checkpointing has offload decisions (`MUST_CPU_OFFLOAD`), but
+# the min-cut partitioner treats them as recompute, and its own offloading pass runs only
+# under a configuration flag torch marks as for testing, on nodes nothing marks (checked on
+# torch 2.13 and 2.15). Rather than replay a value the policy wants kept, remat answers
+# MUST_SAVE for an OFFLOAD call: inside a compiled model it stays on the device, and the
+# compiled region keeps it as SAVE would. Outside a compiled model (and with `compile=` on
+# remat's own programs), offloading works as in eager.
+
 _CHECKPOINTED: weakref.WeakValueDictionary[int, Checkpointed] = weakref.WeakValueDictionary()
 _keys = itertools.count()
 
@@ -126,11 +135,12 @@ def _sequence_signature(kind: str, values: Sequence[Any]) -> tuple[Any, ...] | N
 
 
 def _example(signature: tuple[Any, ...]) -> Any:
-    """A value of this signature: empty tensors, the same static values."""
+    """A value of this signature: tensors of zeros, the same static values."""
     kind, *rest = signature
     if kind == "tensor":
         shape, stride, dtype, device, requires_grad = rest
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(requires_grad)
+        # Zeros, not uninitialized memory: a function that reads values traces the same path every time.
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_().requires_grad_(requires_grad)
     if kind == "list":
         return [_example(item) for item in rest[0]]
     if kind == "tuple":
@@ -195,7 +205,8 @@ class _RecomputeTags:
             )
         decision = self.decisions[position]
         self.positions[recompute] = position + 1
-        return CheckpointPolicy.MUST_SAVE if decision is Decision.SAVE else CheckpointPolicy.MUST_RECOMPUTE
+        # OFFLOAD keeps the value on the device here: see NOTE [offload inside torch.compile].
+        return CheckpointPolicy.MUST_SAVE if decision.keeps else CheckpointPolicy.MUST_RECOMPUTE
 
 
 # NOTE [regions that differ from the trace]

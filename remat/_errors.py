@@ -17,6 +17,7 @@ from ._torch import (
     UNTRACEABLE_COLLECTIVE,
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeRankMismatch,
     GuardOnDataDependentSymNode,
     is_user_code,
 )
@@ -106,6 +107,15 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             f"elements share memory (`{error.op}` into shape {error.shape}, strides {error.strides}: a broadcast "
             "`expand` or an overlapping `unfold`). Eager writes such elements one after another, which a traced "
             "graph cannot express. Write into a copy (`.clone()` the view first) or into the tensor it views."
+        ) from error
+    except FakeRankMismatch as error:
+        fake, real = (", ".join(map(str, ranks)) for ranks in (error.fake_ranks, error.real_ranks))
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: `{error.op}`{_at(error)} gives a tensor of {fake} "
+            f"dimensions while tracing and of {real} in eager: its fake kernel (its rule for output shapes) does not "
+            "match the real kernel here, as where a size that depends on data is 1. Give a custom op a rule that "
+            "matches its kernel (`torch.library.register_fake`); for a torch op, call it outside the checkpointed "
+            "function, and tell remat's maintainers which op it was."
         ) from error
     except FakeKernelRefused as error:
         raise TraceError(

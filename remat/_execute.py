@@ -51,7 +51,9 @@ class Executable:
         """Run the backward program; the eager one empties the list as it reads it (see NOTE [replay
         just in time]), the compiled one takes its arguments as they are."""
         if self.compiled is not None and not torch.is_grad_enabled() and not functorch_active():
-            return self.compiled.backward(*kept_and_tangents)  # type: ignore[no-any-return]
+            # Detached: nothing records here, and Dynamo would otherwise inspect the `.grad` of the
+            # kept outputs that reach a call it leaves to eager (an offload copy) as graph inputs.
+            return self.compiled.backward(*(t if t is None else t.detach() for t in kept_and_tangents))  # type: ignore[no-any-return]
         return self.programs.backward.forward(kept_and_tangents)  # type: ignore[no-any-return]
 
 
@@ -107,9 +109,11 @@ class _CheckpointFunction(torch.autograd.Function):
         if programs.pure_returns_outputs:  # traced under forward mode: for the jvp rule
             ctx.save_for_forward(*kept)
             ctx.remat_output_metas = [TensorMeta.of(o) for o in output]  # zeros where it finds no tangent
-        ctx.mark_dirty(*_as_seen_by_autograd(ctx, [primals[i] for i in executable.dirty]))
+        if executable.dirty:  # (each skipped call is a microsecond of every cached call's overhead)
+            ctx.mark_dirty(*_as_seen_by_autograd(ctx, [primals[i] for i in executable.dirty]))
         non_differentiable = [o for o, skip in zip(output, _without_grad(ctx, programs), strict=True) if skip]
-        ctx.mark_non_differentiable(*_as_seen_by_autograd(ctx, non_differentiable))
+        if non_differentiable:
+            ctx.mark_non_differentiable(*_as_seen_by_autograd(ctx, non_differentiable))
         ctx.set_materialize_grads(False)
         if not functorch_active():  # See NOTE [the backward owns its gradients].
             taken: list[tuple[torch.Tensor | None, ...]] = []
@@ -182,7 +186,7 @@ class _CheckpointFunction(torch.autograd.Function):
                 output_tangents[position] = given
         n_states = sum(k.rng_state for k in programs.kept)
         return tuple(
-            None if skip else _zeros(meta) if tangent is None else tangent
+            None if skip else _zeros(meta) if tangent is None else tangent.to(meta.device)  # offloaded: the host's
             for tangent, skip, meta in zip(
                 (*output_tangents, *([None] * n_states)),
                 programs.without_tangent,
@@ -257,7 +261,9 @@ def _activations_vjp(
     values, inputs = _differentiable(kept, [i for i, _ in chosen])
     with torch.enable_grad(), autocast_disabled():
         recomputed = programs.pure.forward(*values)[len(programs.returned) if programs.pure_returns_outputs else 0 :]
-    pairs = [(v, g) for v, g in zip(recomputed, cotangents, strict=True) if g is not None and v.requires_grad]
+    pairs = [  # the cotangent of an offloaded value is in host memory, as the value was
+        (v, g.to(v.device)) for v, g in zip(recomputed, cotangents, strict=True) if g is not None and v.requires_grad
+    ]
     if pairs:
         computed = torch.autograd.grad(
             [v for v, _ in pairs],

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ._accounting import account, saved_calls
+from ._accounting import account, offloaded_calls, saved_calls
 from ._cache import SignatureKey
 from ._calls import Decision, Trace, format_bytes
 from ._pytree import FlatArgs, describe_path
@@ -85,15 +85,18 @@ def log_trace(name: str, signature: str, seconds: float, trace: Trace, decisions
     """The DEBUG record of one trace."""
     if not logger.isEnabledFor(logging.DEBUG):
         return
-    accounting = account(trace, saved_calls(decisions))
+    accounting = account(trace, saved_calls(decisions), offloaded_calls(decisions))
     logger.debug(
-        "traced %s in %.1f ms at (%s): %d calls, policy saves %d; keeps %s from %d calls, replays %d calls in backward",
+        "traced %s in %.1f ms at (%s): %d calls, policy saves %d and offloads %d; keeps %s on the device and %s in "
+        "host memory from %d calls, replays %d calls in backward",
         name,
         seconds * 1e3,
         signature,
         len(decisions),
         sum(decision is Decision.SAVE for decision in decisions),
+        sum(decision is Decision.OFFLOAD for decision in decisions),
         format_bytes(accounting.saved_bytes),
+        format_bytes(accounting.offloaded_bytes),
         len(accounting.saved_calls),
         len(accounting.replayed_calls),
     )

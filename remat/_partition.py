@@ -47,7 +47,8 @@ class Kept:
     `output` the position of one of the Function's returned outputs;
     otherwise the value is the `activation`-th extra output of the forward
     program: the value of `node`, or, with `rng_state`, the state of the
-    generator right before `node` (a random call) ran.
+    generator right before `node` (a random call) ran. An `offloaded`
+    activation is kept in host memory (see NOTE [offloading kept values]).
     """
 
     node: fx.Node
@@ -55,6 +56,7 @@ class Kept:
     output: int | None = None
     activation: int | None = None
     rng_state: bool = False
+    offloaded: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,20 +117,22 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             kept.append(Kept(node, primal=primal_index[node]))
         elif node in position:
             kept.append(Kept(node, output=position[node]))
-    kept += [Kept(node, activation=k) for k, node in enumerate(activations)]
+    offloaded = _offloaded(joint, decisions, activations)
+    kept += [Kept(node, activation=k, offloaded=node in offloaded) for k, node in enumerate(activations)]
     kept += [Kept(node, activation=len(activations) + k, rng_state=True) for k, node in enumerate(random_states)]
     kept_pairs = [(k.node, k.rng_state) for k in kept]
     holder = {k.node: i for i, k in enumerate(kept) if k.node.op == "placeholder" and not k.rng_state}
     returned = split.returned
     return Programs(
         forward=forward_program(
-            joint, _dirty_as_inputs(joint, split.returned_nodes), activations, copied, random_states
+            joint, _dirty_as_inputs(joint, split.returned_nodes), activations, copied, random_states, offloaded
         ),
-        backward=backward_program(joint, kept_pairs, split.backward_nodes),
+        backward=backward_program(joint, kept_pairs, split.backward_nodes, offloaded),
         pure=pure_forward(
             joint,
             forward_mode,
             kept_pairs,
+            offloaded,
             {**{p: p for p in holder}, **{c: c for c in split.constants}},
             [*split.returned_nodes, *activations] if forward_mode else activations,  # copies of inputs included
         ),
@@ -151,6 +155,13 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         kept=tuple(kept),
         decisions=decisions,
     )
+
+
+def _offloaded(joint: JointGraph, decisions: Sequence[Decision], activations: Sequence[fx.Node]) -> dict[fx.Node, None]:
+    """The activations kept in host memory, in order: the values of OFFLOAD calls that the forward
+    does not return anyway (the caller holds those on the device)."""
+    offload = {node for node, d in zip(joint.call_nodes, decisions, strict=True) if d is Decision.OFFLOAD}
+    return {a: None for a in activations if (a.args[0] if a.target is operator.getitem else a) in offload}
 
 
 def _split(joint: JointGraph, decisions: Sequence[Decision], forward_mode: bool) -> _Split:
@@ -240,7 +251,7 @@ def _without_tangent(
 def _kept_and_replayed(
     joint: JointGraph, decisions: Sequence[Decision], backward_nodes: Sequence[fx.Node]
 ) -> tuple[dict[fx.Node, None], set[fx.Node], set[fx.Node]]:
-    """The forward values backward reads without replaying (inputs, outputs of SAVE calls), in
+    """The forward values backward reads without replaying (inputs, outputs of SAVE and OFFLOAD calls), in
     order of first need; the nodes it replays: the RECOMPUTE calls (and views) it needs; and the
     inputs read for the value they had before `fn` ran (the others may be read as they are now)."""
     decision_of = dict(zip(joint.call_nodes, decisions, strict=True))
@@ -249,7 +260,7 @@ def _kept_and_replayed(
         if node.op in ("placeholder", "get_attr"):
             return True
         if node in decision_of:
-            return decision_of[node] is Decision.SAVE
+            return decision_of[node].keeps
         if node.target is operator.getitem:  # one output of a multi-output call
             return is_kept(node.args[0])  # type: ignore[arg-type]
         return False  # a view: replaying it is free, keep its base instead

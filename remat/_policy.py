@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 from ._calls import Call, Decision, Trace
 from ._decide import decide, decide_call
 
-__all__ = ["Policy", "PolicyLike", "save_all_of", "save_any_of", "save_unless"]
+__all__ = ["Policy", "PolicyLike", "offload", "save_all_of", "save_any_of", "save_unless"]
 
 PolicyLike = Union[Callable[[Call], Decision | bool], "Policy", None]
 
@@ -48,6 +48,14 @@ class Policy:
         return _Not(self)
 
 
+# SAVE > OFFLOAD > RECOMPUTE: `|` takes the higher of two decisions, `&` the lower.
+_RANK = {Decision.RECOMPUTE: 0, Decision.OFFLOAD: 1, Decision.SAVE: 2}
+
+
+def _combine(decisions: Iterable[Decision], require_all: bool) -> Decision:
+    return (min if require_all else max)(decisions, key=_RANK.__getitem__)
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class _Combined(Policy):
     policies: tuple[Any, ...]
@@ -55,16 +63,14 @@ class _Combined(Policy):
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
         plans = [decide(policy, trace) for policy in self.policies]
-        combine = all if self.require_all else any
-        return tuple(
-            Decision.SAVE if combine(plan[i] is Decision.SAVE for plan in plans) else Decision.RECOMPUTE
-            for i in range(len(trace))
-        )
+        if not plans:
+            return (Decision.SAVE if self.require_all else Decision.RECOMPUTE,) * len(trace)
+        return tuple(_combine((plan[i] for plan in plans), self.require_all) for i in range(len(trace)))
 
     def _decide(self, call: Call) -> Decision:
-        combine = all if self.require_all else any
-        saves = combine(decide_call(policy, call) is Decision.SAVE for policy in self.policies)
-        return Decision.SAVE if saves else Decision.RECOMPUTE
+        if not self.policies:
+            return Decision.SAVE if self.require_all else Decision.RECOMPUTE
+        return _combine((decide_call(policy, call) for policy in self.policies), self.require_all)
 
     def __repr__(self) -> str:
         name = "save_all_of" if self.require_all else "save_any_of"
@@ -73,6 +79,8 @@ class _Combined(Policy):
 
 def save_any_of(*policies: PolicyLike) -> Policy:
     """Save a call if any of `policies` saves it (JAX's `save_from_both_policies`); also `p | q`.
+
+    Otherwise offload it if any of them offloads it, and recompute it if none keeps it.
 
     >>> import torch, remat
     >>> from remat.policies import save_ops, save_any_of
@@ -85,6 +93,8 @@ def save_any_of(*policies: PolicyLike) -> Policy:
 def save_all_of(*policies: PolicyLike) -> Policy:
     """Save a call only if every one of `policies` saves it; also `p & q`.
 
+    Recompute it if any of them recomputes it; otherwise (some offload it) offload it.
+
     >>> import torch, remat
     >>> from remat.policies import save_ops, save_calls
     >>> save_ops(torch.ops.aten.mm) & save_calls(0, 1)
@@ -93,15 +103,20 @@ def save_all_of(*policies: PolicyLike) -> Policy:
     return _Combined(tuple(policies), require_all=True)
 
 
+_OPPOSITE = {Decision.SAVE: Decision.RECOMPUTE, Decision.RECOMPUTE: Decision.SAVE, Decision.OFFLOAD: Decision.OFFLOAD}
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class _Not(Policy):
+    """Save what `policy` recomputes and recompute what it saves; what it offloads stays offloaded."""
+
     policy: Any
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
-        return tuple(Decision.RECOMPUTE if d is Decision.SAVE else Decision.SAVE for d in decide(self.policy, trace))
+        return tuple(_OPPOSITE[d] for d in decide(self.policy, trace))
 
     def _decide(self, call: Call) -> Decision:
-        return Decision.RECOMPUTE if decide_call(self.policy, call) is Decision.SAVE else Decision.SAVE
+        return _OPPOSITE[decide_call(self.policy, call)]
 
     def __repr__(self) -> str:
         return f"~{self.policy!r}"
@@ -116,3 +131,32 @@ def save_unless(policy: PolicyLike, unless: PolicyLike) -> Policy:
     save_all_of(save_everything, ~save_ops(aten.mm))
     """
     return save_all_of(policy, _Not(unless))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Offload(Policy):
+    policy: Any
+
+    def plan(self, trace: Trace) -> tuple[Decision, ...]:
+        return tuple(Decision.OFFLOAD if d.keeps else d for d in decide(self.policy, trace))
+
+    def _decide(self, call: Call) -> Decision:
+        return Decision.OFFLOAD if decide_call(self.policy, call).keeps else Decision.RECOMPUTE
+
+    def __repr__(self) -> str:
+        return f"offload({self.policy!r})"
+
+
+def offload(policy: PolicyLike) -> Policy:
+    """Offload what `policy` keeps: its SAVE decisions become OFFLOAD, the rest stays RECOMPUTE.
+
+    The kept outputs of those calls wait for backward in host memory instead of on their
+    device (see `remat.Decision`). Combine with `|` to save some calls and offload others:
+    `save_tagged("q") | offload(save_tagged("k", "v"))`.
+
+    >>> import torch, remat
+    >>> from remat.policies import offload, save_ops
+    >>> offload(save_ops(torch.ops.aten.mm)).plan(remat.trace(lambda a, b: (a @ b).relu(), torch.ones(2, 3), torch.ones(3, 4)))
+    (remat.OFFLOAD, remat.RECOMPUTE)
+    """
+    return _Offload(policy)

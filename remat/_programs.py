@@ -7,12 +7,12 @@ called; `_partition` decides what goes in them, `_execute` runs them.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import fx
 
-from . import _rng
+from . import _offload, _rng
 from ._fidelity import fill_in_eager_layout, runnable
 from ._torch import BoxedCodeGen
 from ._trace import JointGraph, stops_gradient
@@ -33,11 +33,14 @@ def forward_program(
     activations: Sequence[fx.Node],
     copied: set[fx.Node],
     random_states: Sequence[fx.Node],
+    offloaded: Collection[fx.Node],
 ) -> fx.GraphModule:
     """primals -> (*returned, *activations, *generator states): every forward node, once.
 
     `copied` inputs are kept as a copy taken before anything overwrites them;
-    a generator state is read right before each call in `random_states`.
+    a generator state is read right before each call in `random_states`; the
+    `offloaded` activations are returned as host copies, started as soon as
+    each is made (see NOTE [offloading kept values]).
     """
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {primal: graph.placeholder(primal.name) for primal in joint.primals}
@@ -58,10 +61,14 @@ def forward_program(
                 env[node].meta = dict(node.meta)
             else:
                 env[node] = _copy(graph, node, env)
+    hosts = {}
+    for node in offloaded:
+        with graph.inserting_after(env[node]):
+            hosts[node] = graph.call_function(_offload.to_host, (env[node],))
     graph.output(
         (
             *(env[node] for node in returned),
-            *(copies.get(a) or env[a] for a in activations),
+            *(copies.get(a) or hosts.get(a) or env[a] for a in activations),
             *(states[node] for node in random_states),
         )
     )
@@ -69,25 +76,46 @@ def forward_program(
 
 
 def backward_program(
-    joint: JointGraph, kept: Sequence[tuple[fx.Node, bool]], backward_nodes: Sequence[fx.Node]
+    joint: JointGraph,
+    kept: Sequence[tuple[fx.Node, bool]],
+    backward_nodes: Sequence[fx.Node],
+    offloaded: Collection[fx.Node],
 ) -> fx.GraphModule:
     """[*kept, *tangents] -> grads, replaying what is not kept just before its first use.
 
     Boxed: it takes one list and empties it, so that each kept tensor is freed
     at its last use. `kept` pairs a node with whether the kept tensor is the
     generator state of that (random) node rather than its value. See NOTE
-    [replay just in time].
+    [replay just in time]. The `offloaded` kept values arrive as host copies and
+    are reloaded ahead of their first use (see NOTE [offloading kept values]).
     """
     graph = fx.Graph()
     env, states = _kept_placeholders(graph, kept)
+    hosts = {node: env.pop(node) for node in offloaded}
     for tangent in joint.tangents:
         env[tangent] = graph.placeholder(tangent.name)
-    emit = _emitter(graph, env, states, forward_mode=False)
+    emit = _emitter(graph, env, states, forward_mode=False, hosts=hosts)
     for node in backward_nodes:
         emit(node)
     graph.output(tuple(emit(g) for g in joint.grads))
+    _prefetch(graph)
     graph.set_codegen(BoxedCodeGen())
     return _module(joint, graph)
+
+
+def _prefetch(graph: fx.Graph) -> None:
+    """Move each reload's start `_offload.PREFETCH` reloads ahead of where backward waits for it:
+    the first ones to the program's start, each next one to right after the wait for the one
+    `PREFETCH` places before it. See NOTE [offloading kept values]."""
+    finishes = [node for node in graph.nodes if node.target is _offload.finish_reload]
+    if not finishes:
+        return
+    anchor = [node for node in graph.nodes if node.op == "placeholder"][-1]  # a reload reads one
+    for k, finish in enumerate(finishes):
+        if k >= _offload.PREFETCH:
+            anchor = finishes[k - _offload.PREFETCH]
+        anchor.append(finish.args[0])  # type: ignore[arg-type]
+        anchor = finish.args[0]  # the next start goes after this one
 
 
 # NOTE [replay just in time]
@@ -106,6 +134,7 @@ def pure_forward(
     joint: JointGraph,
     forward_mode: bool,
     kept: Sequence[tuple[fx.Node, bool]],
+    offloaded: Collection[fx.Node],
     inputs: Mapping[fx.Node, fx.Node],
     targets: Sequence[fx.Node],
 ) -> fx.GraphModule:
@@ -114,10 +143,14 @@ def pure_forward(
 
     `inputs` maps each primal to the kept node that holds its value (itself, or
     the node of its copy when the forward overwrites it), and each random call
-    whose kept output stands for it to itself.
+    whose kept output stands for it to itself. `offloaded` kept values arrive
+    as host copies and are copied back first.
     """
     graph = fx.Graph()
     holders, states = _kept_placeholders(graph, kept)
+    for node in offloaded:
+        if node in inputs.values():
+            holders[node] = graph.call_function(_offload.reload_now, (holders[node], device_of(node)))
     env = {primal: holders[holder] for primal, holder in inputs.items()}
     emit = _emitter(graph, env, states, forward_mode)
     graph.output(tuple(emit(target) for target in targets))
@@ -177,12 +210,25 @@ def _kept_placeholders(
 
 
 def _emitter(
-    graph: fx.Graph, env: dict[fx.Node, fx.Node], states: Mapping[fx.Node, fx.Node], forward_mode: bool
+    graph: fx.Graph,
+    env: dict[fx.Node, fx.Node],
+    states: Mapping[fx.Node, fx.Node],
+    forward_mode: bool,
+    hosts: Mapping[fx.Node, fx.Node] | None = None,
 ) -> Callable[[fx.Node], fx.Node]:
     """A function that copies a node of the joint graph into `graph` (and, first, the nodes
     it reads that are not there yet), replaying random calls from their kept states, so
     that autograd (forward-mode AD, with `forward_mode`) can differentiate the copy. See
-    NOTE [differentiating the forward again]."""
+    NOTE [differentiating the forward again]. A node with a placeholder in `hosts` is
+    reloaded from that host copy where it is first read."""
+    hosts = hosts or {}
+
+    def reload(node: fx.Node) -> fx.Node:
+        started = graph.call_function(_offload.start_reload, (hosts[node], device_of(node)))
+        started.meta["val"] = node.meta["val"]  # the device memory it takes (see `_peak`)
+        finished = graph.call_function(_offload.finish_reload, (started,))
+        finished.meta["val"] = node.meta["val"]
+        return finished
 
     def emit_one(node: fx.Node) -> None:
         """Copy `node`, whose inputs are all in `env` already."""
@@ -210,6 +256,9 @@ def _emitter(
         while stack:
             node, inputs_done = stack.pop()
             if node in env:
+                continue
+            if node in hosts:
+                env[node] = reload(node)
                 continue
             if not inputs_done:
                 stack.append((node, True))

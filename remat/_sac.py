@@ -20,6 +20,11 @@ _DECISIONS = {
     CheckpointPolicy.PREFER_SAVE: Decision.SAVE,
     CheckpointPolicy.MUST_RECOMPUTE: Decision.RECOMPUTE,
     CheckpointPolicy.PREFER_RECOMPUTE: Decision.RECOMPUTE,
+    **{
+        getattr(CheckpointPolicy, name): Decision.OFFLOAD
+        for name in ("MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD")
+        if hasattr(CheckpointPolicy, name)
+    },
 }
 
 # NOTE [what a SAC policy function sees under remat]
@@ -58,16 +63,11 @@ class _FromSAC(Policy):
             return Decision.SAVE if returned else Decision.RECOMPUTE
         if isinstance(returned, CheckpointPolicy) and returned in _DECISIONS:
             return _DECISIONS[returned]
-        offload = (
-            " remat does not offload to CPU: return MUST_SAVE to keep the output or MUST_RECOMPUTE to replay it."
-            if isinstance(returned, CheckpointPolicy)
-            else ""
-        )
         raise TypeError(
             f"remat.policies.from_sac: the SAC policy function {_name(self.policy_fn)} returned {returned!r} "
-            f"(of type {type(returned).__qualname__}) for call {call}; it must return "
-            f"torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE or PREFER_RECOMPUTE, "
-            f"or a bool (True saves, False recomputes).{offload}"
+            f"(of type {type(returned).__qualname__}) for call {call}; it must return a "
+            f"torch.utils.checkpoint.CheckpointPolicy ({', '.join(p.name for p in _DECISIONS)}) "
+            "or a bool (True saves, False recomputes)."
         )
 
     def __repr__(self) -> str:
@@ -111,10 +111,11 @@ def from_sac(policy_fn: Callable[..., Any]) -> Policy:
     of the traced shape and dtype, so `args[1].shape` works but values do not.
 
     Decisions: `MUST_SAVE`, `PREFER_SAVE` and `True` save the call;
+    `MUST_CPU_OFFLOAD` and `PREFER_CPU_OFFLOAD` offload it (`remat.OFFLOAD`:
+    kept in host memory, which eager SAC does not implement);
     `MUST_RECOMPUTE`, `PREFER_RECOMPUTE` and `False` recompute it. `PREFER_*`
     leaves the choice to a compiler in torch; remat has no compiler to leave it
-    to, so `PREFER_*` act as `MUST_*`. The `*_CPU_OFFLOAD` values and anything
-    else raise `TypeError`.
+    to, so `PREFER_*` act as `MUST_*`. Anything else raises `TypeError`.
 
     The function sees functionalized aten calls, not what eager dispatch sees:
     an in-place op appears as its functional form, and view ops (`view`,

@@ -56,8 +56,9 @@ from torch._subclasses.fake_tensor import (
 )
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv, free_unbacked_symbols
 from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
 from torch.utils._pytree import tree_map_only
@@ -70,6 +71,7 @@ __all__ = [
     "SUPPORTED",
     "UNTRACEABLE_COLLECTIVE",
     "BoxedCodeGen",
+    "any_autocast_enabled",
     "apply_without_binding",
     "CtxCustomSave",
     "DATA_NOT_ALLOCATED",
@@ -78,6 +80,7 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "FAKE_DTYPE_ERRATA",
+    "FakeRankMismatch",
     "ShapeEnv",
     "UncheckedRealValuesFakeMode",
     "carry_real_values",
@@ -242,15 +245,67 @@ def real_values_traced() -> Iterator[None]:
         shapes_log.setLevel(level)
 
 
+# NOTE [squeezing a size that depends on data]
+# `squeeze` drops a dimension only where its size is 1, and a fake kernel asked
+# about a data-dependent size (a symbol) assumes it is not 1. Traced with real
+# values beside the fake ones, the two then disagree on the rank: iterating over
+# `t.nonzero()` (torch's `unbind` squeezes each slice) when exactly one element
+# is nonzero gives fake rows of shape (u0, 1) and real rows of shape (1,), and a
+# later op fails deep inside torch; traced without values, the trace is wrong
+# for every call where the size is 1. So a squeeze of such a dimension reads the
+# size, as Python reading a value does (remat traces again with the values, and
+# checks on every call whether the size is 1), and where it is 1 the fake is made
+# by `select`, the view squeeze is then. Any other op whose fake and real outputs
+# differ in rank is refused.
+_SQUEEZES = frozenset({torch.ops.aten.squeeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims})
+
+
+class FakeRankMismatch(RuntimeError):
+    """Traced with real values, an op's fake and real kernels gave outputs of different ranks."""
+
+    def __init__(self, op: Any, fake_ranks: Sequence[int], real_ranks: Sequence[int]):
+        super().__init__(f"{op}: fake ranks {list(fake_ranks)}, real ranks {list(real_ranks)}")
+        self.op, self.fake_ranks, self.real_ranks = op, tuple(fake_ranks), tuple(real_ranks)
+
+
 class UncheckedRealValuesFakeMode(FakeTensorMode):
     """A fake mode that, running real kernels beside the fake ones (`real_values_traced`), does not
     cross-check their outputs: torch's check compares sizes and storage offsets with `==`, which
-    would tie every data-dependent size (the tokens each expert gets) to its value in this run."""
+    would tie every data-dependent size (the tokens each expert gets) to its value in this run.
+    It checks ranks only, and squeezes as the real kernel does (NOTE [squeezing a size that depends
+    on data])."""
+
+    def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in _SQUEEZES and not kwargs:
+            return self._squeeze(func, types, *args)
+        return super().dispatch(func, types, args, kwargs)
+
+    def _squeeze(self, func: Any, types: Any, tensor: Any, dims: Any = None) -> Any:
+        rank = tensor.dim()
+        wanted = range(rank) if dims is None else [dims] if isinstance(dims, int) else dims
+        wanted = sorted({d % rank for d in wanted}) if rank else []
+        # `bool(size == 1)` reads the size: without values it raises GuardOnDataDependentSymNode.
+        ones = [d for d in wanted if _depends_on_data(tensor.shape[d]) and bool(tensor.shape[d] == 1)]
+        if not ones:
+            return super().dispatch(func, types, (tensor,) if dims is None else (tensor, dims), {})
+        out = tensor
+        for d in reversed(ones):
+            out = super().dispatch(torch.ops.aten.select.int, types, (out, d, 0), {})
+        rest = [d - sum(one < d for one in ones) for d in wanted if d not in ones]
+        return super().dispatch(torch.ops.aten.squeeze.dims, types, (out, rest), {}) if rest else out
 
     def _maybe_infer_fake_kernel_from_pytree_out(  # type: ignore[no-untyped-def]
         self, func, fake_in, real_in, fake_out, real_out
     ):
+        fake_ranks = [t.dim() for t in pytree.tree_leaves(fake_out) if isinstance(t, torch.Tensor)]
+        real_ranks = [t.dim() for t in pytree.tree_leaves(real_out) if isinstance(t, torch.Tensor)]
+        if fake_ranks != real_ranks:
+            raise FakeRankMismatch(func, fake_ranks, real_ranks)
         return fake_out
+
+
+def _depends_on_data(size: Any) -> bool:
+    return isinstance(size, torch.SymInt) and bool(free_unbacked_symbols(size))
 
 
 def carry_real_values(fakes: Sequence[Any], originals: Sequence[Any]) -> None:
@@ -335,6 +390,11 @@ def version_counter(tensor: torch.Tensor) -> int:
 
 
 # --- torch.func (functorch) -----------------------------------------------------------------------------
+
+
+def any_autocast_enabled() -> bool:
+    """Whether autocast is on for any device: one call where asking each device is two per device."""
+    return bool(torch._C._is_any_autocast_enabled())
 
 
 def functorch_active() -> bool:

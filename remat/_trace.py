@@ -24,7 +24,7 @@ from torch import fx
 from . import _rng
 from ._cache import requires_grad_at_any_level
 from ._calls import Call, TensorMeta, Trace
-from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode, variable_slots
+from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode, has_hooks, variable_slots
 from ._contexts import autocast_disabled, outside_functorch, without_saved_tensors_hooks
 from ._errors import TraceError, explain_tracing_errors
 from ._fidelity import EagerLayoutFakeMode, FunctionalModeKeepingChecks, eager_fidelity, kept_as_dead_code
@@ -211,13 +211,10 @@ def name_producer(tensor: torch.Tensor, name: str) -> None:
         graph.erase_node(node)
 
 
-_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
 def _warn_about_hooks(modules: Sequence[torch.nn.Module], roots: ModuleRoots) -> None:
     """Hooks on modules that run inside the traced function run while tracing, on fake tensors,
     and never again: say so rather than skip them silently."""
-    hooked = [m for m in modules if any(getattr(m, table, None) for table in _HOOK_TABLES)]
+    hooked = [m for m in modules if has_hooks(m)]
     if hooked:
         names = ", ".join(f"`{roots.paths.get(id(m), type(m).__name__) or type(m).__name__}`" for m in hooked[:5]) + (
             " and others" if len(hooked) > 5 else ""
@@ -319,6 +316,16 @@ def _discover(
     return _Discovery(tuple(mode.closed_over.values()), output_spec, tuple(outputs), tuple(reached.values()), dirty)
 
 
+def _tangent_like(fake_mode: FakeTensorMode, output: torch.Tensor) -> torch.Tensor:
+    """The fake gradient of an output. Traced with values, an output whose size depends on data gets
+    a gradient of the size it has in this call: torch cannot carry real data beside a fake whose
+    size is a symbol, so the trace specializes on that size (and checks it). NOTE [values Python reads]"""
+    real = getattr(output, "real_tensor", None)
+    if real is not None and any(isinstance(size, torch.SymInt) for size in output.shape):
+        return fake_mode.from_tensor(torch.empty_like(real))
+    return torch.empty_like(output)
+
+
 def _all_floats(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
@@ -342,7 +349,7 @@ def _trace(
     fake_primals = [_fake_like(fake_mode, t) for t in real_primals]
     joint = _JointFunction(fn, flat_args, roots, discovery, fake_primals, under_functorch, with_values)
     with fake_mode:
-        fake_tangents = [torch.empty_like(o) for o in discovery.output_fakes if o.requires_grad]
+        fake_tangents = [_tangent_like(fake_mode, o) for o in discovery.output_fakes if o.requires_grad]
         fake_tangents += [torch.empty_like(fake_primals[i]) for i in discovery.dirty if joint.differentiated[i]]
     gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
     guarded_ints: set[str] = set()
@@ -446,7 +453,11 @@ class _JointFunction:
                 wrt,
                 [FunctionalTensor.to_functional(t) for t in tangents],
                 allow_unused=True,
-                create_graph=True,  # differentiable: see NOTE [differentiating the forward again]
+                # Not `create_graph`: under it some formulas (silu's, mish's) trade their fused backward
+                # kernel for ops that can be differentiated again, and the traced backward would differ
+                # from eager's. Second derivatives come from the pure forward instead: see NOTE
+                # [differentiating the forward again].
+                create_graph=False,
             )
 
 

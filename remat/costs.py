@@ -23,6 +23,7 @@ wall time.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 import torch
@@ -70,6 +71,9 @@ class Device:
             run at `vector_flops`.
         vector_flops: peak FLOP/s of every other call (float32 on the vector units).
         bandwidth: memory bandwidth in bytes per second.
+        host_bandwidth: bytes per second between the device and pinned host memory, each
+            way (what offloading a value costs: see `copy_seconds`); `inf` for a CPU,
+            whose tensors are their own host copies.
 
     >>> import torch, remat
     >>> from remat.costs import Device, estimate_seconds
@@ -83,6 +87,16 @@ class Device:
     matmul_flops: tuple[tuple[torch.dtype, float], ...]
     vector_flops: float
     bandwidth: float
+    host_bandwidth: float = 50e9
+
+    def copy_seconds(self, nbytes: int) -> float:
+        """Seconds to copy `nbytes` between this device and pinned host memory, one way.
+
+        >>> from remat.costs import DEVICES
+        >>> f"{DEVICES['h100'].copy_seconds(2**30) * 1e3:.1f} ms"  # 1 GiB over PCIe 5.0 x16, as measured
+        '21.5 ms'
+        """
+        return nbytes / self.host_bandwidth
 
     def peak_flops(self, call: Call) -> float:
         """The FLOP/s `call` can reach at best on this device."""
@@ -101,15 +115,17 @@ _HOPPER_MATMUL = (
 )
 
 DEVICES: dict[str, Device] = {
-    # NVIDIA's datasheet figures for the SXM parts.
-    "h100": Device("h100", _HOPPER_MATMUL, vector_flops=67e12, bandwidth=3.35e12),
-    "h200": Device("h200", _HOPPER_MATMUL, vector_flops=67e12, bandwidth=4.8e12),
+    # NVIDIA's datasheet figures for the SXM parts; to the host, PCIe 5.0 x16: 64 GB/s each way on
+    # paper, about 50 GB/s measured for pinned copies.
+    "h100": Device("h100", _HOPPER_MATMUL, vector_flops=67e12, bandwidth=3.35e12, host_bandwidth=50e9),
+    "h200": Device("h200", _HOPPER_MATMUL, vector_flops=67e12, bandwidth=4.8e12, host_bandwidth=50e9),
     # A nominal server CPU socket: a few TFLOP/s of AVX-512 FMA, a few channels of DDR5.
     "cpu": Device(
         "cpu",
         ((torch.bfloat16, 2e12), (torch.float16, 2e12), (torch.float32, 2e12), (torch.float64, 1e12)),
         vector_flops=1e12,
         bandwidth=200e9,
+        host_bandwidth=math.inf,
     ),
 }
 """The named devices `estimate_seconds` (and `remat.policies.save_by_cost`) accept."""

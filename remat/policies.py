@@ -17,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._accounting import account
 from ._calls import Call, Decision, Trace, format_bytes, op_name
-from ._policy import Policy, save_all_of, save_any_of, save_unless
+from ._policy import Policy, offload, save_all_of, save_any_of, save_unless
+from ._policy import offload as _offload_policy  # `offload` is also an argument name below
 from ._sac import from_sac
 from ._torch import HigherOrderOperator, OpOverload, OpOverloadPacket
 from .costs import DEVICES, MATMUL_OPS, Device, estimate_seconds, resolve_device
@@ -36,8 +38,13 @@ __all__ = [
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
     "from_sac",
+    "offload",
+    "offload_dots",
+    "offload_dots_with_no_batch_dims",
+    "offload_tagged",
     "save_all_but_tagged",
     "save_all_of",
+    "save_and_offload_tagged",
     "save_any_of",
     "save_by_cost",
     "save_calls",
@@ -256,6 +263,28 @@ nor convolutions.
 """
 
 
+offload_dots: Policy = offload(dots_saveable)
+"""Offload the output of every matrix-multiply-like call (`dots_saveable`'s calls) to host memory;
+replay the rest. Each product is copied to the host as forward makes it and back before backward
+reads it: device memory of `save_nothing` plus the inputs of replays, compute of `dots_saveable`.
+
+>>> import torch, remat
+>>> trace = remat.trace(lambda a, b: (a @ b).relu(), torch.ones(2, 3), torch.ones(3, 4))
+>>> [remat.policies.offload_dots(call) for call in trace]
+[remat.OFFLOAD, remat.RECOMPUTE]
+"""
+
+offload_dots_with_no_batch_dims: Policy = offload(dots_with_no_batch_dims_saveable)
+"""Offload the outputs of matrix products without batch dimensions (JAX's
+`offload_dot_with_no_batch_dims`): a transformer's projections, not attention's batched products.
+
+>>> import torch, remat
+>>> trace = remat.trace(lambda x, w: (x @ w).relu(), torch.ones(2, 3), torch.ones(3, 4))
+>>> remat.policies.offload_dots_with_no_batch_dims.plan(trace)
+(remat.OFFLOAD, remat.RECOMPUTE)
+"""
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class _SaveTagged(Policy):
     names: frozenset[str]
@@ -310,6 +339,49 @@ def save_all_but_tagged(*names: str) -> Policy:
     (remat.RECOMPUTE, remat.SAVE, remat.RECOMPUTE)
     """
     return _SaveTagged(_check_names("save_all_but_tagged", names), all_but=True)
+
+
+def offload_tagged(*names: str) -> Policy:
+    """Offload the calls whose outputs were named with `remat.tag(x, name)`, for any of `names`,
+    to host memory; replay the rest. `offload(save_tagged(*names))`.
+
+    >>> import torch, remat
+    >>> def f(x):
+    ...     return remat.tag(x.sin(), "h").cos()
+    >>> remat.policies.offload_tagged("h").plan(remat.trace(f, torch.ones(4)))
+    (remat.OFFLOAD, remat.RECOMPUTE)
+    """
+    return offload(_SaveTagged(_check_names("offload_tagged", names), all_but=False))
+
+
+def save_and_offload_tagged(*, save: Iterable[str] = (), offload: Iterable[str] = ()) -> Policy:
+    """Keep the calls tagged with a name in `save` on the device and offload those tagged with a
+    name in `offload` to host memory (JAX's `save_and_offload_only_these_names`); replay the rest.
+    A call tagged with names of both is saved.
+
+    Args:
+        save: tag names whose calls are saved.
+        offload: tag names whose calls are offloaded.
+
+    Returns:
+        `save_tagged(*save) | offload_tagged(*offload)`.
+
+    >>> import torch, remat
+    >>> def f(x):
+    ...     q = remat.tag(x.sin(), "q")
+    ...     return remat.tag(q.cos(), "kv").exp()
+    >>> remat.policies.save_and_offload_tagged(save=["q"], offload=["kv"]).plan(remat.trace(f, torch.ones(4)))
+    (remat.SAVE, remat.OFFLOAD, remat.RECOMPUTE)
+    """
+    for argument, names in (("save", save), ("offload", offload)):
+        if isinstance(names, str):
+            raise TypeError(
+                f"remat.policies.save_and_offload_tagged: `{argument}` takes a list of tag names, but got the "
+                f"string {names!r}; write {argument}=[{names!r}]."
+            )
+    saved = _SaveTagged(_check_names("save_and_offload_tagged", tuple(save)), all_but=False)
+    offloaded = _SaveTagged(_check_names("save_and_offload_tagged", tuple(offload)), all_but=False)
+    return save_any_of(saved, _offload_policy(offloaded))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -416,6 +488,7 @@ class Budget(Policy):
     cost: str
     exact: bool
     peak_bytes: int | None = None
+    offload: bool = False
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
         return self.solve(trace).decisions
@@ -437,7 +510,7 @@ class Budget(Policy):
         assert trace.dataflow is not None
         if self.peak_bytes is not None:
             try:
-                return solve_peak(trace, self.peak_bytes, self.cost, self.exact)
+                return solve_peak(trace, self.peak_bytes, self.cost, self.exact, self.offload)
             except InfeasiblePeak as error:
                 raise ValueError(
                     f"remat.policies.{self!r}: no plan found peaks as low as {format_bytes(self.peak_bytes)} "
@@ -450,7 +523,7 @@ class Budget(Policy):
             everything = account(trace, range(len(trace))).saved_bytes
             budget = math.floor(self.fraction * everything)  # type: ignore[operator]
         try:
-            return solve(trace, budget, self.cost, self.exact)
+            return solve(trace, budget, self.cost, self.exact, self.offload)
         except InfeasibleBudget as error:
             raise ValueError(
                 f"remat.policies.{self!r}: no decisions keep as few as {format_bytes(budget)} ({budget:,} bytes) "
@@ -472,7 +545,7 @@ class Budget(Policy):
         else:
             limit = f"fraction={self.fraction!r}"
         cost = "" if self.cost == "flops" else f", cost={self.cost!r}"
-        return f"budget({limit}{cost}{', exact=True' if self.exact else ''})"
+        return f"budget({limit}{cost}{', exact=True' if self.exact else ''}{', offload=True' if self.offload else ''})"
 
 
 def budget(
@@ -482,6 +555,7 @@ def budget(
     peak_bytes: int | None = None,
     cost: str = "flops",
     exact: bool = False,
+    offload: bool = False,
 ) -> Budget:
     """Replay as little as possible while keeping at most a budget of bytes (a planner).
 
@@ -509,6 +583,12 @@ def budget(
             gives branch and bound half a second, falls back on its LP relaxation
             rounded and repaired, and reports its largest possible gap to the optimum
             (`policy.solve(trace).gap`).
+        offload: also choose OFFLOAD: keep a value in host memory, where it costs no device
+            bytes but two copies over the host link of the `cost` device
+            (`remat.costs.Device.host_bandwidth`). A copy costs only the time the compute
+            after its producer (in forward, and before its consumer in backward) does not
+            hide; copies queue on one link. Needs `cost="roofline:<device>"`, so that replays
+            and copies are both in seconds. The device bytes stay within the budget.
 
     Needs scipy (`pip install scipy`, or `remat[planner]`).
 
@@ -541,4 +621,11 @@ def budget(
         )
     if cost != "flops":
         resolve_device(cost.removeprefix("roofline:"))
-    return Budget(max_bytes, None if fraction is None else float(fraction), cost, bool(exact), peak_bytes)
+    elif offload:
+        raise ValueError(
+            "remat.policies.budget: offload=True weighs copies against replays in seconds, so it needs "
+            "cost='roofline:<device>' (such as 'roofline:h100'), whose host bandwidth times the copies."
+        )
+    return Budget(
+        max_bytes, None if fraction is None else float(fraction), cost, bool(exact), peak_bytes, bool(offload)
+    )

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ._calls import Call, Decision, Trace, _module_label, format_bytes, format_table
+from ._calls import Call, Decision, Trace, _module_label, format_bytes, format_seconds, format_table
+from .costs import Device, resolve_device
 
 __all__ = ["Peak", "Report", "ReportRow"]
 
@@ -47,10 +48,14 @@ class ReportRow:
         saved: whether some output of the call is kept for backward.
         replayed: whether backward runs the call again.
         rng_state_kept: whether the generator state it started from is kept, to replay it.
-        saved_bytes: bytes of its kept outputs (distinct storages).
+        saved_bytes: bytes of its kept outputs (distinct storages), on the device or,
+            when `offloaded`, in host memory.
         read_by: who reads the kept outputs in backward: `"backward"` (the gradient
             formulas) and/or `"replay"` (calls replayed from them). Empty when only
             a second derivative would read them.
+        offloaded: whether its kept outputs are kept in host memory (the call is
+            OFFLOADed; the function's own outputs stay on the device, where the caller
+            holds them).
     """
 
     call: Call
@@ -60,6 +65,7 @@ class ReportRow:
     rng_state_kept: bool = False
     saved_bytes: int = 0
     read_by: frozenset[str] = frozenset()
+    offloaded: bool = False
 
     @property
     def replay_flops(self) -> int:
@@ -68,9 +74,9 @@ class ReportRow:
 
     @property
     def saves_nothing(self) -> bool:
-        """Whether the policy said SAVE but nothing of the call is kept: backward reads none
-        of its outputs, so the decision buys nothing."""
-        return self.decision is Decision.SAVE and not self.saved
+        """Whether the policy said SAVE (or OFFLOAD) but nothing of the call is kept: backward
+        reads none of its outputs, so the decision buys nothing."""
+        return self.decision.keeps and not self.saved
 
     def to_dict(self) -> dict[str, Any]:
         """The row as plain data (strings and numbers)."""
@@ -81,6 +87,7 @@ class ReportRow:
             "decision": self.decision.name,
             "saved": self.saved,
             "saved_bytes": self.saved_bytes,
+            "offloaded": self.offloaded,
             "read_by": sorted(self.read_by),
             "replayed": self.replayed,
             "replay_flops": self.replay_flops,
@@ -101,9 +108,9 @@ class Report:
     """What `remat.checkpoint` keeps between forward and backward under one policy.
 
     Attributes:
-        saved_bytes: bytes kept from forward to backward: activations (distinct
-            storages; inputs and closed-over tensors excluded, since keeping a
-            reference to them costs nothing) and generator states.
+        saved_bytes: bytes kept on the device from forward to backward: activations
+            (distinct storages; inputs and closed-over tensors excluded, since keeping
+            a reference to them costs nothing) and generator states.
         rng_state_bytes: the part of `saved_bytes` that is generator states,
             kept so that random calls whose outputs are not kept can be replayed
             bit-identically (in backward, or to differentiate the forward again).
@@ -119,6 +126,9 @@ class Report:
         value_checks: what the trace assumes of tensor values the function read in Python
             (`if t > 0:`), each checked as forward runs; a call for which one fails runs
             another trace. Empty for a function that reads none.
+        offloaded_bytes: bytes kept in host memory from forward to backward (the kept
+            values of OFFLOAD calls): copied to the host in forward and back in backward,
+            so also the bytes copied each way. `copy_seconds` predicts the time.
 
     `str(report)` is a table in the spirit of JAX's `print_saved_residuals`;
     `report.to_dict()` gives the same as data.
@@ -141,6 +151,13 @@ class Report:
     nested_policies: tuple[Any, ...] = ()  # policies of nested checkpoints, which decide their own calls
     peak: Peak = Peak(0, 0, 0)
     value_checks: tuple[str, ...] = ()
+    offloaded_bytes: int = 0
+
+    def copy_seconds(self, device: str | Device = "h100") -> float:
+        """Predicted seconds of the copies one way (to the host in forward, or back in backward),
+        at `device`'s host bandwidth (`remat.costs.Device.host_bandwidth`): the time the copies
+        take on their own stream, hidden if the compute around them takes longer."""
+        return resolve_device(device).copy_seconds(self.offloaded_bytes)
 
     @property
     def peak_bytes(self) -> int:
@@ -168,6 +185,7 @@ class Report:
             "policy": repr(self.policy),
             "nested_policies": [repr(p) for p in self.nested_policies],
             "saved_bytes": self.saved_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
             "peak_bytes": self.peak_bytes,
             "peak": dataclasses.asdict(self.peak),
             "rng_state_bytes": self.rng_state_bytes,
@@ -187,7 +205,11 @@ class Report:
                 str(row.call.index),
                 row.call.name,
                 row.decision.name + (" (unused)" if row.saves_nothing else ""),
-                format_bytes(row.saved_bytes) if row.saved else "rng state" if row.rng_state_kept else "",
+                (format_bytes(row.saved_bytes) + (" (host)" if row.offloaded else ""))
+                if row.saved
+                else "rng state"
+                if row.rng_state_kept
+                else "",
                 ", ".join(sorted(row.read_by)),
                 f"{row.call.flops:,} FLOPs" if row.replayed else "",
                 ", ".join(map(str, row.call.outputs)),
@@ -206,7 +228,15 @@ class Report:
                 if self.nested_policies
                 else ""
             ),
-            f"kept: {format_bytes(self.saved_bytes)}{rng} from {sum(r.saved for r in self.rows)} calls",
+            f"kept: {format_bytes(self.saved_bytes)}{rng} from {sum(r.saved and not r.offloaded for r in self.rows)} "
+            "calls"
+            + (
+                f"; in host memory: {format_bytes(self.offloaded_bytes)} from {sum(r.offloaded for r in self.rows)} "
+                f"calls, copied there in forward and back in backward ({format_seconds(self.copy_seconds())} each "
+                "way over an h100's host link)"
+                if self.offloaded_bytes
+                else ""
+            ),
             f"peak: {format_bytes(self.peak_bytes)} (forward {format_bytes(self.peak.forward)}, "
             f"after forward {format_bytes(self.peak.after_forward)}, backward {format_bytes(self.peak.backward)})",
             f"replayed in backward: {len(self.replayed_calls)} calls, {self.recompute_flops:,} FLOPs "

@@ -18,6 +18,7 @@ CheckpointedRun(outputs=Tensor(shape=(3,), dtype=torch.float32), input_grads=(Te
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
+from . import _offload
 from . import policies as _policies
 from ._calls import Call, Decision, Trace
 from ._checkpoint import checkpoint as _remat_checkpoint
@@ -43,6 +45,7 @@ __all__ = [
     "assert_checkpoint_equivalent",
     "functions",
     "inputs",
+    "offloading_on_cpu",
     "policies",
 ]
 
@@ -530,19 +533,56 @@ class _PerCallPolicy:
         return f"per_call({''.join('S' if s else 'R' for s in self.saved)})"
 
 
-def policies(trace: Trace, *, save_calls: bool = True) -> st.SearchStrategy[Any]:
+def offloading_on_cpu() -> contextlib.AbstractContextManager[None]:
+    """Within this context, offloaded CPU tensors are copied for real.
+
+    A CPU tensor is its own host copy, so offloading on the CPU copies nothing. Inside this
+    context the copies are made (a new tensor to the host in forward, another back in
+    backward), so a test on any machine follows what a GPU run does: the value the forward
+    made is freed once forward no longer reads it, the copy is what `saved_tensors_hooks`
+    see, and backward reads a third tensor.
+
+    >>> import torch, remat, remat.testing
+    >>> f = remat.checkpoint(lambda x: x.sin().sin().sum(), policy=remat.policies.offload(remat.policies.save_everything))
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> with remat.testing.offloading_on_cpu():
+    ...     f(x).backward()
+    >>> torch.allclose(x.grad, torch.cos(torch.sin(x)) * torch.cos(x))
+    True
+    """
+    return _offload.copies_on_cpu()
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerCallDecisions:
+    """A callable policy answering from a fixed table of `remat.Decision`s by `Call.index` (recompute
+    past its end)."""
+
+    decisions: tuple[Decision, ...]
+
+    def __call__(self, call: Call) -> Decision:
+        return self.decisions[call.index] if call.index < len(self.decisions) else Decision.RECOMPUTE
+
+    def __repr__(self) -> str:
+        return f"per_call({''.join(d.name[0] for d in self.decisions)})"
+
+
+def policies(trace: Trace, *, save_calls: bool = True, offload: bool = False) -> st.SearchStrategy[Any]:
     """Draw random policies for the calls of `trace`.
 
     Mixes the constant policies, `remat.policies.save_calls` of random subsets
     of the calls, plain callables that answer per call (with `bool`s or
     `remat.Decision`s), so that every save/recompute split is reachable, and,
-    where scipy is installed, the planner `remat.policies.budget`.
+    where scipy is installed, the planner `remat.policies.budget`. With
+    `offload`, also per-call tables of SAVE, OFFLOAD and RECOMPUTE (every
+    three-way split is reachable) and `remat.policies.offload_dots`.
 
     Args:
         trace: the `remat.Trace` of the function the policies are for.
         save_calls: whether to draw `save_calls` policies, which refuse a trace without the calls
             they name. Under a torch.func transform a function can trace to fewer calls (its inputs
             require grad otherwise): leave them out there.
+        offload: whether to draw policies that offload some calls to host memory.
 
     Returns:
         A strategy of policies accepted by `remat.checkpoint(fn, policy=...)`.
@@ -558,7 +598,7 @@ def policies(trace: Trace, *, save_calls: bool = True) -> st.SearchStrategy[Any]
     """
     n = len(trace)
     subsets = st.lists(st.integers(0, n - 1), unique=True, max_size=n) if n else st.just([])
-    choices = [
+    choices: list[st.SearchStrategy[Any]] = [
         st.sampled_from([None, _policies.save_nothing, _policies.save_everything]),
         st.builds(_PerCallPolicy, st.lists(st.booleans(), min_size=n, max_size=n).map(tuple), st.booleans()),
     ]
@@ -566,6 +606,9 @@ def policies(trace: Trace, *, save_calls: bool = True) -> st.SearchStrategy[Any]
         choices.append(subsets.map(lambda indices: _policies.save_calls(*sorted(indices))))
     if importlib.util.find_spec("scipy") is not None:  # the planner's solver
         choices.append(st.just(_policies.budget(fraction=1.0)))  # a smaller budget may be infeasible
+    if offload:
+        three_way = st.lists(st.sampled_from(list(Decision)), min_size=n, max_size=n).map(tuple)
+        choices += [st.builds(_PerCallDecisions, three_way), st.just(_policies.offload_dots)]
     return st.one_of(*choices)
 
 

@@ -1,4 +1,4 @@
-"""Small deterministic models and input builders shared by the tests.
+"""Small deterministic models, input builders and the model comparison shared by the tests.
 
 Everything is float64 on CPU and has no dropout, so a model is a pure function
 of its inputs and parameters (and, for the vision models with BatchNorm, of its
@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from remat.testing import CheckpointedRun, assert_checkpoint_equivalent
+
 __all__ = [
     "DTYPE",
     "BasicBlock",
@@ -23,6 +25,7 @@ __all__ = [
     "GPT2Block",
     "InvertedResidual",
     "Pair",
+    "compare",
     "conv_input",
     "conv_net",
     "efficientnet_like",
@@ -405,3 +408,22 @@ def hf_model(name: str, *, seed: int = 0, dtype: torch.dtype = DTYPE) -> nn.Modu
 def hf_input_ids(batch: int = 2, seq: int = 8, *, seed: int = 1) -> torch.Tensor:
     """Token ids for `hf_model`, from a fixed seed."""
     return torch.randint(0, HF_VOCAB, (batch, seq), generator=make_generator(seed))
+
+
+def compare(reference: nn.Module, model: nn.Module, *args: Any, seed: int = 0) -> CheckpointedRun:
+    """`model` computes the outputs, input grads and parameter grads of `reference`, an unwrapped copy.
+
+    The reference runs with the model's own parameters (by name, through
+    `functional_call`), so that one `params` list serves both runs; `seed`
+    seeds the global RNG before each call (for dropout). Returns the model's run.
+    """
+    parameters = dict(model.named_parameters())
+
+    def run_reference(*inputs: Any) -> Any:
+        return torch.func.functional_call(reference, parameters, inputs)
+
+    run = assert_checkpoint_equivalent(
+        run_reference, *args, checkpointed=model, params=list(parameters.values()), seed=seed
+    )
+    assert run is not None
+    return run

@@ -17,7 +17,7 @@ from torch import nn
 
 import remat
 from remat import checkpoint_modules, uncheckpoint_modules
-from remat.testing import CheckpointedRun, assert_checkpoint_equivalent
+from remat.testing import assert_checkpoint_equivalent
 
 DTYPE = torch.float64
 
@@ -51,23 +51,6 @@ def wrapped_names(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if "forward" in vars(module)]
 
 
-def compare(reference: nn.Module, model: nn.Module, *args: Any, seed: int = 0) -> CheckpointedRun:
-    """`model` computes the outputs, input grads and parameter grads of `reference`, an unwrapped copy.
-
-    The reference runs with the model's own parameters (by name, through
-    `functional_call`), so that one `params` list serves both runs; `seed`
-    seeds the global RNG before each call (for dropout). Returns the model's run.
-    """
-    parameters = dict(model.named_parameters())
-
-    def run_reference(*inputs: Any) -> Any:
-        return torch.func.functional_call(reference, parameters, inputs)
-
-    run = assert_checkpoint_equivalent(run_reference, *args, checkpointed=model, params=list(parameters.values()))
-    assert run is not None
-    return run
-
-
 # --- wrapping in place ---------------------------------------------------------------------------
 
 
@@ -77,7 +60,7 @@ def test_wraps_matching_modules_in_place_and_grads_match(mlp_model: nn.Sequentia
     assert returned is mlp_model
     assert wrapped_names(mlp_model) == ["0", "2", "4", "6"]
     assert all(type(module) is type(ref) for module, ref in zip(mlp_model.modules(), reference.modules(), strict=True))
-    compare(reference, mlp_model, models.mlp_input())
+    models.compare(reference, mlp_model, models.mlp_input())
 
 
 def test_names_parameters_buffers_and_modules_are_unchanged() -> None:
@@ -112,7 +95,7 @@ def test_load_state_dict_into_wrapped_model_changes_its_outputs(assign: bool) ->
             p.add_(0.1)
     model.load_state_dict(other.state_dict(), assign=assign)
     reference = copy.deepcopy(other)
-    after = compare(reference, model, models.gpt2_input()).outputs.detach()
+    after = models.compare(reference, model, models.gpt2_input()).outputs.detach()
     assert not torch.allclose(after, before)
     if assign:  # new Parameter objects, and they are the ones that get .grad
         assert model.blocks[0].c_attn.weight.grad is not None
@@ -134,9 +117,9 @@ def test_gpt2_stack_class_and_predicate_select_the_same_blocks_and_a_training_st
     assert wrapped_names(by_class) == wrapped_names(by_name) == ["blocks.0", "blocks.1"]
 
     reference = Stack()
-    compare(reference, by_class, models.gpt2_input())
+    models.compare(reference, by_class, models.gpt2_input())
     torch.optim.SGD(by_class.parameters(), lr=0.1).step()  # from the grads just compared
-    compare(reference, by_class, models.gpt2_input(seed=2))  # the next step sees the updated parameters
+    models.compare(reference, by_class, models.gpt2_input(seed=2))  # the next step sees the updated parameters
 
 
 def test_predicate_is_given_qualified_names_and_modules() -> None:
@@ -158,14 +141,14 @@ def test_outermost_match_wins() -> None:
     checkpoint_modules(model, (models.GPT2Block, nn.Linear))
     # The Linears inside the blocks are not wrapped again; the head, outside any block, is.
     assert wrapped_names(model) == ["blocks.0", "blocks.1", "head"]
-    compare(Stack(), model, models.gpt2_input())
+    models.compare(Stack(), model, models.gpt2_input())
 
 
 def test_the_model_itself_can_be_selected(mlp_model: nn.Sequential) -> None:
     reference = copy.deepcopy(mlp_model)
     checkpoint_modules(mlp_model, nn.Sequential)
     assert wrapped_names(mlp_model) == [""]
-    compare(reference, mlp_model, models.mlp_input())
+    models.compare(reference, mlp_model, models.mlp_input())
 
 
 def test_second_call_raises_until_uncheckpointed(mlp_model: nn.Sequential) -> None:
@@ -221,7 +204,7 @@ def test_uncheckpoint_restores_an_instance_forward_set_before() -> None:
     head.forward = patched  # type: ignore[method-assign, assignment]
     reference = copy.deepcopy(model)
     checkpoint_modules(model, nn.Linear)
-    compare(reference, model, models.gpt2_input())  # the patched forward is what is checkpointed
+    models.compare(reference, model, models.gpt2_input())  # the patched forward is what is checkpointed
     uncheckpoint_modules(model)
     assert vars(head)["forward"] is patched
 
@@ -241,7 +224,7 @@ def test_deep_copy_of_a_wrapped_model_is_wrapped_and_independent() -> None:
     assert clone.blocks[0].forward.cache_info().size == 0
     for p in clone.parameters():
         p.grad = None
-    compare(Stack(), clone, models.gpt2_input())
+    models.compare(Stack(), clone, models.gpt2_input())
     assert all(p.grad is not None for p in clone.parameters())
     uncheckpoint_modules(clone)
     assert wrapped_names(model) == ["blocks.0", "blocks.1"]
@@ -277,7 +260,7 @@ def test_forward_hooks_run_once_per_call_with_eager_values(when: str) -> None:
     else:
         checkpoint_modules(model, models.GPT2Block)
         _hooked(model, log)
-    compare(reference, model, models.gpt2_input())
+    models.compare(reference, model, models.gpt2_input())
     assert len(log) == len(reference_log) == 2  # one call of each model: its pre-hook and its hook
     for entry, expected in zip(log, reference_log, strict=True):
         assert entry[0] == expected[0] and entry[1] is model.blocks[0]
@@ -304,7 +287,7 @@ def test_full_backward_hooks_see_eager_gradients_once_per_backward() -> None:
     install(reference, reference_log)
     checkpoint_modules(model, models.GPT2Block)
     install(model, log)
-    compare(reference, model, models.gpt2_input())
+    models.compare(reference, model, models.gpt2_input())
     assert [kind for kind, _, _ in log] == [kind for kind, _, _ in reference_log] == ["pre", "full"]
     for (_, grads_in, grads_out), (_, expected_in, expected_out) in zip(log, reference_log, strict=True):
         for a, e in zip([*grads_in, *grads_out], [*expected_in, *expected_out], strict=True):
@@ -336,7 +319,7 @@ def test_dropout_train_matches_eager_with_the_same_seed_and_eval_is_deterministi
     checkpoint_modules(model, DropoutBlock)
     x = models.randn(4, 8, seed=3)
 
-    train_out = compare(reference, model, x, seed=7).outputs
+    train_out = models.compare(reference, model, x, seed=7).outputs
 
     model.eval()
     reference.eval()
@@ -344,11 +327,11 @@ def test_dropout_train_matches_eager_with_the_same_seed_and_eval_is_deterministi
     assert torch.equal(eval_out, model(x))
     torch.testing.assert_close(eval_out, reference(x), rtol=1e-10, atol=1e-12)
     assert not torch.allclose(train_out, eval_out), "dropout did not drop anything in train mode"
-    compare(reference, model, x)
+    models.compare(reference, model, x)
 
     model.train()
     reference.train()
-    compare(reference, model, x, seed=8)
+    models.compare(reference, model, x, seed=8)
 
 
 # --- trace and report ----------------------------------------------------------------------------

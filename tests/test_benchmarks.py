@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks import harness, render
+from benchmarks import harness, heap, render
 from benchmarks.methods import METHODS
 from benchmarks.workloads import SUITES
 
@@ -49,6 +50,8 @@ def test_environment_is_recorded(smoke_run: tuple[Path, list[str]]) -> None:
         assert result[key], key
     assert result["torch_threads"] == 1
     assert set(result["call_overhead_us"]) == {"plain", "remat", "checkpoint"}
+    assert result["heap"] == heap.DEFAULT
+    assert f"heap: {heap.DEFAULT}" in render.markdown(result)
 
 
 def test_save_nothing_keeps_less_than_eager_on_the_block(smoke_run: tuple[Path, list[str]]) -> None:
@@ -148,3 +151,144 @@ def test_models_benchmark_renders_failures_and_ratios_to_the_peer() -> None:
     assert "| m | - | pass (1e-08) | **fail** | 2 / 2 | 0.25 |" in text
     assert "- m (budget): `ValueError: no plan`" in text
     assert "| e | eager | remat save_nothing | 1.0 | 2.0 | 1.500 | 0.75 |" in text
+
+
+def test_startup_benchmark_counts_traces_per_method_and_renders_the_ratio() -> None:
+    import remat
+    from benchmarks import startup
+
+    policy = remat.policies.dots_saveable
+    rows = [
+        startup.measure("gpt2", layers, method, policy, repeats=1) for layers in (2, 3) for method in startup.METHODS
+    ]
+    traces = {(row["layers"], row["method"]): row["traces"] for row in rows}
+    assert traces == {
+        (2, "remat"): 1,  # the blocks share one trace (the input requires grad, as every block's does)
+        (2, "remat, one trace per block"): 2,
+        (2, "torch.utils.checkpoint"): 0,
+        (3, "remat"): 1,
+        (3, "remat, one trace per block"): 3,
+        (3, "torch.utils.checkpoint"): 0,
+    }
+    for row in rows:
+        row["startup_s"] = row["layers"] * (1.0 if row["method"] != "remat" else 0.5)  # for the rendering
+    text = startup.markdown({"date": "d", "torch": "t", "machine": "m", "policy": "dots_saveable", "rows": rows})
+    assert "- gpt2, remat: 1.50x" in text and "- gpt2, remat, one trace per block: 1.50x" in text
+    assert text.count("| gpt2 |") == 6
+
+
+# --- benchmarks.compiled ---------------------------------------------------------------------------------
+
+
+def _compiled_row(method: str, saved_mib: float, step_ms: float, **extra: object) -> dict[str, object]:
+    return {
+        "method": method,
+        "saved_bytes": round(saved_mib * 2**20),
+        "first_step_s": 20.0,
+        "step_s": step_ms / 1e3,
+        "time_vs_eager": step_ms / 370.0,
+        "time_vs_compiler_budget": step_ms / 318.0,
+        **extra,
+    }
+
+
+def test_compiled_benchmark_renders_each_depth_and_the_rows_at_the_compilers_bytes() -> None:
+    from benchmarks import compiled
+
+    rows = [
+        _compiled_row("eager", 79.31, 370.0),
+        _compiled_row("torch.compile budget=0.6875", 54.0, 318.0, activation_memory_budget=0.6875),
+        _compiled_row("torch.compile(remat budget per block)", 51.25, 331.7, max_bytes=13_348_864, block={}),
+        _compiled_row("torch.compile(remat budget whole stack)", 54.0, 310.1, max_bytes=54 * 2**20, stack={}),
+    ]
+    results = {
+        "config": {"d": 256, "heads": 4, "batch": 4, "seq": 256, "repeats": 15},
+        "threads": 1,
+        "torch": "t",
+        "date": "d",
+        "runs": [{"layers": 4, "rows": rows}, {"layers": 12, "rows": rows}],
+    }
+    text = compiled.markdown(results)
+    four, twelve = text.split("## 12 blocks")
+    assert four.startswith("## 4 blocks")
+    for section in (four, twelve):
+        assert "| eager | 79.31 | 370.0 | 1.00x | 20.0 |" in section
+        assert "| torch.compile budget=0.6875 | activation_memory_budget=0.6875 | 54.00 | 318.0 | 1.000x |" in section
+        assert (
+            "| torch.compile(remat budget per block) | max_bytes=12.73 MiB per block | 51.25 | 331.7 | 1.043x |"
+            in section
+        )
+        assert "| torch.compile(remat budget whole stack) | max_bytes=54.00 MiB | 54.00 | 310.1 | 0.975x |" in section
+        assert "| eager | eager" not in section  # rows without a budget stay out of the comparison
+
+
+def test_a_per_block_budget_keeps_the_stack_within_the_total_it_is_derived_from() -> None:
+    """remat's budget counts one block without its input; the benchmark counts the stack, input excluded."""
+    import remat
+    from benchmarks import compiled, planner
+
+    layers, x = 3, planner.stack_input(2, 16, 32)
+
+    def stack(policy: object) -> object:
+        return remat.checkpoint_modules(planner.gpt2_stack(layers, 32, 4), planner.GPT2Block, policy=policy)
+
+    model = stack(remat.policies.dots_saveable)
+    kept, tensors = compiled.kept_tensors(model, x, model)
+    block = planner.gpt2_stack(1, 32, 4)[0]
+    outside = kept - layers * remat.report(block, x, policy=remat.policies.dots_saveable).saved_bytes
+    assert outside == (layers - 1) * x.numel() * x.element_size()  # each later block's input, for its LayerNorm
+    assert tensors["float32[2,16,32]"] >= layers - 1
+    total = kept * 9 // 10
+    model = stack(remat.policies.budget(max_bytes=compiled.per_block_budget(total, outside, layers)))
+    assert compiled.kept_tensors(model, x, model)[0] <= total
+
+
+def test_faults_benchmark_runs_a_whole_step_of_each_method_and_counts_its_faults() -> None:
+    import torch
+
+    from benchmarks import faults
+    from benchmarks.workloads import mlp
+
+    torch.manual_seed(0)
+    workload = mlp(torch.device("cpu"), width=16, layers=2, batch=4)
+    by_name = {method.name: method for method in METHODS}
+    grads = {}
+    for name in ("eager", "remat save_everything"):
+        units = [by_name[name].wrap(unit, workload) for unit in workload.units]
+        forward_s, backward_s, forward_faults, backward_faults = faults.timed_step(workload, units)
+        assert forward_s > 0 and backward_s > 0 and forward_faults >= 0 and backward_faults >= 0
+        grads[name] = [p.grad.clone() for p in workload.model.parameters()]  # the step ran backward
+    for eager, checkpointed in zip(grads["eager"], grads["remat save_everything"], strict=True):
+        torch.testing.assert_close(checkpointed, eager)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_faults_runs_on_a_heap_that_keeps_freed_memory() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.faults", "--workload", "mlp", "--steps", "1", "--keep-freed-memory"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert "heap: glibc, freed memory kept (never trimmed" in done.stdout
+    assert done.stdout.count(" faults\n") == 2  # the two methods' medians
+
+
+def test_offload_benchmark_runs_small_and_checks_its_twin(tmp_path: Path) -> None:
+    pytest.importorskip("scipy")
+    from benchmarks import offload
+
+    out = tmp_path / "offload-cpu.json"
+    argv = ["--layers", "2", "--d", "32", "--heads", "2", "--batch", "1", "--seq", "16", "--repeats", "1"]
+    offload.main([*argv, "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = {row["method"]: row for row in result["rows"]}
+    assert list(rows) == ["eager", "save_on_cpu", *offload.POLICIES]  # no torch.compile row on the CPU
+    assert rows["remat offload_dots"]["bit_identical_to"] == "remat dots_saveable"
+    assert rows["remat offload_dots"]["host_bytes"] == rows["remat dots_saveable"]["device_bytes"] > 0
+    assert rows["remat offload_dots"]["device_bytes"] == 0
+    assert all(row["max_grad_difference"] < 1e-5 for row in rows.values())
+    markdown = out.with_suffix(".md").read_text()
+    assert "| remat offload_dots | 0.00 |" in markdown
+    assert "copy nothing" in markdown

@@ -35,8 +35,8 @@ def test_each_trace_logs_signature_time_and_decisions_at_debug(remat_records: py
     assert "args[1]: float64[3,4] requires_grad" in message
     assert "kwargs['scale']: 2.0" in message
     assert " ms " in message
-    assert "3 calls, policy saves 1" in message
-    assert "keeps 64 B from 1 calls" in message  # the mm's output, 2 x 4 float64s
+    assert "3 calls, policy saves 1 and offloads 0" in message
+    assert "keeps 64 B on the device and 0 B in host memory from 1 calls" in message  # the mm's output
 
 
 def test_the_first_trace_is_not_a_retrace(remat_records: pytest.LogCaptureFixture) -> None:

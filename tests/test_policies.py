@@ -75,7 +75,7 @@ def test_decision_names():
     assert remat.SAVE is not remat.RECOMPUTE
     assert repr(remat.SAVE) == "remat.SAVE"
     assert repr(remat.RECOMPUTE) == "remat.RECOMPUTE"
-    assert set(remat.Decision) == {remat.SAVE, remat.RECOMPUTE}
+    assert set(remat.Decision) == {remat.SAVE, remat.RECOMPUTE, remat.OFFLOAD}
 
 
 # --- constant policies ----------------------------------------------------------------------------

@@ -132,6 +132,68 @@ def test_code_reading_values_is_traced_for_them_and_checked(
         remat.testing.assert_checkpoint_equivalent(fn, randn(4, 3, seed=seed), policy=policy)
 
 
+def rows_chosen(rows: list[int], seed: int) -> torch.Tensor:
+    """A 4x3 input whose `rows` are all positive and whose other rows are all negative."""
+    magnitudes = torch.rand(4, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.1
+    signs = -torch.ones(4, 1, dtype=torch.float64)
+    signs[rows] = 1.0
+    return (magnitudes * signs).requires_grad_()
+
+
+@pytest.mark.parametrize("row", range(4))
+def test_a_loop_over_exactly_one_chosen_row_gives_eager_gradients(row: int) -> None:
+    # Iterating over `nonzero` squeezes each row: NOTE [squeezing a size that depends on data].
+    remat.testing.assert_checkpoint_equivalent(loops_over_chosen_rows, rows_chosen([row], seed=row))
+
+
+def squeezes_chosen_rows(x: torch.Tensor) -> torch.Tensor:
+    chosen = x[(x > 0).all(dim=1)]  # (rows chosen, 3)
+    return chosen.squeeze(0).sin()  # (3,) where one row is chosen: eager squeezes a size of 1
+
+
+def test_a_squeeze_of_a_size_that_depends_on_data_squeezes_where_eager_does() -> None:
+    checkpointed = remat.checkpoint(squeezes_chosen_rows)
+    for rows in ([1], [0, 2], [3], [0, 1, 3], [0, 2]):
+        x = rows_chosen(rows, seed=len(rows))
+        out, expected = checkpointed(x), squeezes_chosen_rows(x)
+        assert out.shape == expected.shape
+        remat.testing.assert_checkpoint_equivalent(squeezes_chosen_rows, x, checkpointed=checkpointed)
+    assert checkpointed.cache_info().traces == 3  # one row, two rows, three rows
+
+
+def chosen_rows_by_sign_of_sum(x: torch.Tensor) -> torch.Tensor:
+    chosen = x[(x > 0).all(dim=1)]  # a size that depends on data, returned
+    return chosen.sin() if x.sum() > 0 else chosen.cos()  # and a value Python reads
+
+
+def test_a_function_that_reads_values_can_return_a_size_that_depends_on_data() -> None:
+    checkpointed = remat.checkpoint(chosen_rows_by_sign_of_sum)
+    for rows in ([0, 2], [1], [0, 1, 2, 3], [1, 3]):
+        x = rows_chosen(rows, seed=len(rows))
+        remat.testing.assert_checkpoint_equivalent(chosen_rows_by_sign_of_sum, x, checkpointed=checkpointed)
+
+
+@torch.library.custom_op("remat_test_values::row_sums", mutates_args=())
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(dim=1)
+
+
+@row_sums.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)  # a wrong rule: the real kernel drops a dimension
+
+
+def test_an_op_whose_fake_and_real_outputs_differ_in_rank_is_named() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return row_sums(x) * 2 if x.sum() > 0 else x  # a value read: traced with real values beside fakes
+
+    with pytest.raises(
+        remat.TraceError,
+        match=r"`remat_test_values.row_sums.default`.* of 2 dimensions while tracing and of 1 in eager",
+    ):
+        remat.checkpoint(fn)(torch.ones(4, 3, requires_grad=True))
+
+
 def test_a_trace_for_values_is_reused_while_they_hold_and_retraced_when_they_change() -> None:
     checkpointed = remat.checkpoint(loops_over_chosen_rows)
     all_rows = torch.ones(4, 3, dtype=torch.float64, requires_grad=True)

@@ -1,0 +1,212 @@
+"""Start-up against depth: what the first training step costs beyond the compute, at 2, 12 and 48 layers.
+
+    python -m benchmarks.startup [--layers 2 12 48] [--models gpt2 llama] [--policy dots_saveable]
+                                 [--trials 3] [--repeats 3] [--threads N]
+                                 [--out benchmarks/results/startup-cpu.json]
+
+Models: a stack of GPT-2-style blocks (`benchmarks.planner.GPT2Block`, d=128, 4 heads, batch 2 x 32
+tokens) and transformers' Llama at a tiny config (hidden 64, 4 heads, batch 2 x 16 tokens), every
+block checkpointed with `--policy`. Methods, each on a fresh model:
+
+- remat: `remat.checkpoint_modules(model, Block, policy=...)`, whose identical blocks share a trace
+  (NOTE [sharing traces between identical blocks]);
+- remat, one trace per block: each block replaced by its own `remat.checkpoint(block, ...)`, which
+  shares nothing: how start-up grew with depth before traces were shared;
+- torch.utils.checkpoint (non-reentrant) of each block, which traces nothing.
+
+Start-up is the first step's time minus the median of `--repeats` later steps: the time spent
+tracing, planning and building programs; each row is the median over `--trials` fresh models, after
+one warm-up model of each kind. The target is remat's start-up at the deepest model no more than 1.2x
+its start-up at the shallowest. Nothing here asserts on timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import transformers
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import remat
+
+from . import models
+from .planner import GPT2Block, gpt2_stack, stack_input
+
+RESULTS = Path(__file__).parent / "results"
+TARGET = 1.2
+METHODS = ("remat", "remat, one trace per block", "torch.utils.checkpoint")
+
+
+class _Checkpointed(nn.Module):
+    """A block run under `torch.utils.checkpoint`."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def _replace_blocks(model: nn.Module, block_type: type[nn.Module], wrap: Callable[[nn.Module], nn.Module]) -> None:
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, block_type):
+                setattr(parent, name, wrap(child))
+
+
+def _gpt2(layers: int) -> tuple[nn.Module, type[nn.Module], Callable[[nn.Module], torch.Tensor]]:
+    model = gpt2_stack(layers, d=128, heads=4)
+    x = stack_input(2, 32, 128)
+    return model, GPT2Block, lambda m: m(x).sum()
+
+
+def _llama(layers: int) -> tuple[nn.Module, type[nn.Module], Callable[[nn.Module], torch.Tensor]]:
+    model = models.build("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=layers)
+    model.config.use_cache = False  # the same call for every method
+    batch = models.inputs("llama", step=0)
+    return model, transformers.GradientCheckpointingLayer, lambda m: m(**batch).loss
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama}
+
+
+def prepare(model_name: str, layers: int, method: str, policy: Any) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """A fresh model of `layers` blocks checkpointed by `method`, and its loss function."""
+    model, block_type, loss = MODELS[model_name](layers)
+    if method == "remat":
+        remat.checkpoint_modules(model, block_type, policy=policy)
+    elif method == "remat, one trace per block":
+        _replace_blocks(model, block_type, lambda block: remat.checkpoint(block, policy=policy))
+    elif method == "torch.utils.checkpoint":
+        _replace_blocks(model, block_type, _Checkpointed)
+    else:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    return model, lambda: loss(model)
+
+
+def traces_of(model: nn.Module) -> int:
+    """Traces remat made in `model` (0 for torch.utils.checkpoint)."""
+    infos = [m.cache_info() for m in model.modules() if isinstance(m, remat.CheckpointedModule)]
+    infos += [m.forward.cache_info() for m in model.modules() if hasattr(m.__dict__.get("forward"), "cache_info")]
+    return sum(info.traces for info in infos)
+
+
+def measure(model_name: str, layers: int, method: str, policy: Any, repeats: int) -> dict[str, Any]:
+    """One fresh model's first step, the median of `repeats` later steps, and its traces."""
+    model, loss = prepare(model_name, layers, method, policy)
+    started = time.perf_counter()
+    loss().backward()
+    first = time.perf_counter() - started
+    steps = []
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        started = time.perf_counter()
+        loss().backward()
+        steps.append(time.perf_counter() - started)
+    step = statistics.median(steps)
+    return {
+        "model": model_name,
+        "layers": layers,
+        "method": method,
+        "first_step_s": first,
+        "step_s": step,
+        "startup_s": max(first - step, 0.0),
+        "traces": traces_of(model),
+    }
+
+
+def median_of_trials(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The trials' row, with each time the median over the trials."""
+    row = dict(trials[0])
+    for key in ("first_step_s", "step_s", "startup_s"):
+        row[key] = statistics.median(trial[key] for trial in trials)
+    return row
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    policy = getattr(remat.policies, args.policy)
+    rows = []
+    for model_name in args.models:
+        for method in METHODS:  # warm-up: torch's and remat's first calls of these ops
+            measure(model_name, min(args.layers), method, policy, 1)
+        for layers in args.layers:
+            for method in METHODS:
+                trials = [measure(model_name, layers, method, policy, args.repeats) for _ in range(args.trials)]
+                row = median_of_trials(trials)
+                rows.append(row)
+                log(
+                    f"{model_name:<6} {layers:>3} layers  {method:<28} first {row['first_step_s']:7.2f} s  "
+                    f"step {row['step_s'] * 1e3:7.1f} ms  start-up {row['startup_s']:6.2f} s  traces {row['traces']}"
+                )
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "policy": args.policy,
+        "trials": args.trials,
+        "rows": rows,
+    }
+
+
+def startup_ratio(rows: Sequence[dict[str, Any]], model_name: str, method: str) -> float:
+    """Start-up at the deepest model over start-up at the shallowest, for one model and method."""
+    mine = sorted((r for r in rows if r["model"] == model_name and r["method"] == method), key=lambda r: r["layers"])
+    return float(mine[-1]["startup_s"] / mine[0]["startup_s"])
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    lines = [
+        f"First training step against depth, policy {result['policy']}, torch {result['torch']}, "
+        f"{result['machine']}, {result['date']}. Start-up = first step - median later step; each row the "
+        f"median of {result.get('trials', 1)} fresh models.",
+        "",
+        "| model | layers | method | traces | first step (s) | later step (ms) | start-up (s) |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['layers']} | {r['method']} | {r['traces']} | {r['first_step_s']:.2f} | "
+            f"{r['step_s'] * 1e3:.1f} | {r['startup_s']:.2f} |"
+        )
+    lines += ["", f"Start-up at the deepest model over the shallowest (target for remat: <= {TARGET}x):", ""]
+    for model_name in dict.fromkeys(r["model"] for r in rows):
+        for method in METHODS[:2]:
+            lines.append(f"- {model_name}, {method}: {startup_ratio(rows, model_name, method):.2f}x")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 12, 48])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["gpt2", "llama"])
+    parser.add_argument("--policy", default="dots_saveable")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS / "startup-cpu.json")
+    args = parser.parse_args(argv)
+    result = run(args)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""Identical blocks share one trace: NOTE [sharing traces between identical blocks].
+
+Every gradient check compares a model after `checkpoint_modules` with an
+unwrapped copy of it, in float64, parameter gradients included, so a block
+that ran another block's parameters (or another block's trace where it
+should not have) fails it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import Any
+
+import hypothesis.strategies as st
+import models
+import pytest
+import torch
+from hypothesis import given, settings
+from torch import nn
+
+import remat
+from remat import checkpoint_modules
+from remat._sharing import same_value
+
+DTYPE = torch.float64
+POLICIES = {
+    "save_nothing": remat.policies.save_nothing,
+    "dots_saveable": remat.policies.dots_saveable,
+    "budget": remat.policies.budget(fraction=0.5),
+}
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Block(nn.Module):
+    """A residual MLP block with attributes like a real one's: `window` (read by forward) and
+    `layer_idx` (not read)."""
+
+    def __init__(self, d: int = 8, hidden: int = 8, *, window: int | None = None, seed: int = 0):
+        super().__init__()
+        generator = models.make_generator(seed)
+        self.up = nn.Linear(d, hidden, dtype=DTYPE)
+        self.down = nn.Linear(hidden, d, dtype=DTYPE)
+        with torch.no_grad():
+            for parameter in self.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=DTYPE) / math.sqrt(d))
+        self.window = window
+        self.layer_idx = seed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.silu(self.up(x))
+        if self.window is not None:
+            h = h[..., : self.window].sum(-1, keepdim=True) * h
+        return x + self.down(h)
+
+
+class TiedBlock(nn.Module):
+    """Two square layers that are one weight (`tied`) or two."""
+
+    def __init__(self, d: int = 8, *, tied: bool, seed: int = 0):
+        super().__init__()
+        generator = models.make_generator(seed)
+        self.first = nn.Linear(d, d, bias=False, dtype=DTYPE)
+        self.second = nn.Linear(d, d, bias=False, dtype=DTYPE)
+        with torch.no_grad():
+            for parameter in self.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=DTYPE) / math.sqrt(d))
+        if tied:
+            self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.second(torch.tanh(self.first(x)))
+
+
+def counts(model: Stack) -> list[tuple[int, int]]:
+    """(traces, shared) of each block of `model`."""
+    return [(block.forward.cache_info().traces, block.forward.cache_info().shared) for block in model.blocks]
+
+
+def checkpointed_copy(model: nn.Module, block_type: Any, policy: Any = None) -> nn.Module:
+    return checkpoint_modules(copy.deepcopy(model), block_type, policy=policy)
+
+
+def x_input(d: int = 8, seed: int = 1) -> torch.Tensor:
+    return models.randn(3, d, seed=seed).to(DTYPE).detach().requires_grad_()
+
+
+# --- sharing -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_identical_blocks_share_one_trace_and_keep_their_own_gradients(policy: str) -> None:
+    reference = Stack([models.GPT2Block(seed=i) for i in range(4)])
+    model = checkpointed_copy(reference, models.GPT2Block, POLICIES[policy])
+    models.compare(reference, model, models.gpt2_input())
+    assert counts(model) == [(1, 0), (0, 1), (0, 1), (0, 1)]
+    models.compare(reference, model, models.gpt2_input(seed=2))  # later steps hit each block's own cache
+    assert [m.forward.cache_info().hits for m in model.blocks] == [1, 1, 1, 1]
+
+
+def test_attributes_the_trace_reads_must_match_and_unread_ones_may_differ() -> None:
+    # `window` is read by forward: blocks 1 and 3 (window 2) trace apart from 0 and 2 (no window).
+    # `layer_idx` differs in every block but is never read, so it does not keep blocks apart.
+    reference = Stack([Block(window=None if i % 2 == 0 else 2, seed=i) for i in range(4)])
+    model = checkpointed_copy(reference, Block, remat.policies.dots_saveable)
+    models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (1, 0), (0, 1), (0, 1)]
+
+
+def test_an_attribute_read_through_the_instance_dict_compares_them_all() -> None:
+    class ReadsItsDict(Block):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * vars(self).get("scale", 1.0)
+
+    reference = Stack([ReadsItsDict(seed=i) for i in range(3)])  # `layer_idx` differs in each
+    model = checkpointed_copy(reference, ReadsItsDict)
+    models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (1, 0), (1, 0)]
+
+    same = Stack([ReadsItsDict(seed=0) for _ in range(3)])
+    for i, block in enumerate(same.blocks):
+        block.up.weight.data.mul_(i + 1)  # other values, the same attributes
+    model = checkpointed_copy(same, ReadsItsDict)
+    models.compare(same, model, x_input())
+    assert counts(model) == [(1, 0), (0, 1), (0, 1)]
+
+
+def test_tied_weights_must_be_tied_alike() -> None:
+    reference = Stack([TiedBlock(tied=tied, seed=i) for i, tied in enumerate([True, False, True, False])])
+    model = checkpointed_copy(reference, TiedBlock, remat.policies.save_nothing)
+    models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (1, 0), (0, 1), (0, 1)]
+
+
+def test_parameters_of_other_shapes_or_requires_grad_trace_apart() -> None:
+    blocks = [Block(hidden=8, seed=0), Block(hidden=16, seed=1), Block(hidden=8, seed=2), Block(hidden=8, seed=3)]
+    blocks[3].up.bias.requires_grad_(False)  # frozen
+    reference = Stack(blocks)
+    model = checkpointed_copy(reference, Block)
+    models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (1, 0), (0, 1), (1, 0)]
+
+
+def test_a_block_with_a_hook_inside_traces_on_its_own() -> None:
+    reference = Stack([Block(seed=i) for i in range(3)])
+    model = checkpointed_copy(reference, Block)
+    calls: list[str] = []
+    model.blocks[1].up.register_forward_hook(lambda *_: calls.append("hooked"))
+    with pytest.warns(UserWarning, match="hooks"):
+        models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (1, 0), (0, 1)]
+    assert calls == ["hooked", "hooked"]  # both while tracing (on fake tensors, then traced), none on the call
+
+
+def test_a_hook_on_a_block_itself_runs_on_every_call_and_keeps_it_sharing() -> None:
+    reference = Stack([Block(seed=i) for i in range(3)])
+    model = checkpointed_copy(reference, Block)
+    calls: list[int] = []
+    model.blocks[1].register_forward_hook(lambda module, args, output: calls.append(output.shape[0]))
+    models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (0, 1), (0, 1)]
+    assert calls == [3]  # around the checkpointed forward, with the real output
+
+
+def test_a_block_in_eval_mode_traces_apart_from_blocks_in_train_mode() -> None:
+    class DropoutBlock(Block):
+        def __init__(self, seed: int):
+            super().__init__(seed=seed)
+            self.dropout = nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dropout(super().forward(x))
+
+    reference = Stack([DropoutBlock(seed=i) for i in range(3)])
+    reference.blocks[1].dropout.eval()
+    model = checkpointed_copy(reference, DropoutBlock)
+    models.compare(reference, model, x_input())  # the same seed: the same dropout masks
+    assert counts(model) == [(1, 0), (1, 0), (0, 1)]
+
+
+def test_new_parameters_of_a_block_that_took_a_shared_trace_are_used() -> None:
+    reference = Stack([Block(seed=i) for i in range(3)])
+    model = checkpointed_copy(reference, Block)
+    models.compare(reference, model, x_input())
+    fresh = Block(seed=7)
+    model.blocks[2].load_state_dict(fresh.state_dict(), assign=True)
+    reference.blocks[2].load_state_dict(fresh.state_dict(), assign=True)
+    models.compare(reference, model, x_input())
+
+
+def test_a_deep_copy_of_the_model_shares_among_its_own_blocks() -> None:
+    reference = Stack([Block(seed=i) for i in range(3)])
+    model = checkpointed_copy(reference, Block)
+    models.compare(reference, model, x_input())
+    copied = copy.deepcopy(model)
+    models.compare(reference, copied, x_input())
+    assert counts(copied) == [(1, 0), (0, 1), (0, 1)]  # its own trace, of its own tensors
+
+
+def test_each_block_reports_on_its_own_calls() -> None:
+    reference = Stack([Block(window=2, seed=i) for i in range(3)])
+    model = checkpointed_copy(reference, Block, remat.policies.dots_saveable)
+    x = x_input()
+    model(x).sum().backward()
+    alone = remat.report(remat.checkpoint(copy.deepcopy(reference.blocks[2]), policy=remat.policies.dots_saveable), x)
+    shared = remat.report(model.blocks[2].forward, x)
+    assert model.blocks[2].forward.cache_info().shared == 1
+    assert (shared.saved_bytes, [row.decision for row in shared.rows]) == (
+        alone.saved_bytes,
+        [row.decision for row in alone.rows],
+    )
+    assert [call.module for call in shared.trace] == [call.module for call in alone.trace]
+
+
+def test_recording_leaves_no_class_patched_even_when_tracing_fails() -> None:
+    class Fails(Block):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("broken block")
+
+    model = checkpoint_modules(Stack([Fails(seed=i) for i in range(2)]), Fails)
+    with pytest.raises(ValueError, match="broken block"):
+        model(x_input())
+    for cls in (Fails, Block, nn.Linear):
+        assert "__getattribute__" not in vars(cls)
+
+
+# --- random stacks -------------------------------------------------------------------------------
+
+_KINDS = st.tuples(st.sampled_from([8, 16]), st.sampled_from([None, 2]), st.integers(0, 3))  # hidden, window, unread
+
+
+@settings(deadline=None, max_examples=10)
+@given(kinds=st.lists(_KINDS, min_size=2, max_size=5), policy=st.sampled_from(sorted(POLICIES)))
+def test_random_stacks_share_exactly_between_identical_blocks(
+    kinds: list[tuple[int, int | None, int]], policy: str
+) -> None:
+    blocks = []
+    for i, (hidden, window, unread) in enumerate(kinds):
+        blocks.append(Block(hidden=hidden, window=window, seed=i))
+        blocks[-1].layer_idx = unread
+    reference = Stack(blocks)
+    model = checkpointed_copy(reference, Block, POLICIES[policy])
+    models.compare(reference, model, x_input())
+    first_of_kind: dict[tuple[int, int | None], int] = {}
+    for i, (hidden, window, _) in enumerate(kinds):
+        first_of_kind.setdefault((hidden, window), i)
+    expected = [
+        (1, 0) if first_of_kind[(hidden, window)] == i else (0, 1) for i, (hidden, window, _) in enumerate(kinds)
+    ]
+    assert counts(model) == expected
+
+
+# --- comparing attribute values ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        (4, 4, True),
+        (4, 4.0, False),  # another type can take another branch
+        (None, 8, False),
+        ("sliding", "full", False),
+        (float("nan"), float("nan"), True),
+        ((1, [2, "x"]), (1, [2, "x"]), True),
+        ({"a": (1, 2)}, {"a": (1, 3)}, False),
+        (torch.float32, torch.float32, True),
+        (functools.partial(torch.tanh), functools.partial(torch.tanh), True),
+        (functools.partial(max, 1), functools.partial(max, 2), False),
+        (object(), object(), False),  # other objects only when they are one object
+    ],
+)
+def test_same_value(a: Any, b: Any, same: bool) -> None:
+    assert same_value(a, b) is same
+
+
+def test_cache_clear_on_a_block_makes_the_next_block_trace_again() -> None:
+    reference = Stack([Block(seed=i) for i in range(3)])
+    model = checkpointed_copy(reference, Block)
+    models.compare(reference, model, x_input())
+    for block in model.blocks:
+        block.forward.cache_clear()
+    models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (0, 1), (0, 1)]  # counted anew: block 0 traced again, the others took it
+    model.blocks[2].forward.cache_clear()
+    models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (0, 1), (1, 0)]  # nothing left to take
