@@ -129,6 +129,8 @@ __all__ = [
     "version_counter",
 ]
 
+aten = torch.ops.aten
+
 _RELEASE = tuple(map(int, torch.__version__.split("+")[0].split(".")[:2]))
 
 # --- ops -------------------------------------------------------------------------------------------
@@ -255,9 +257,11 @@ def real_values_traced() -> Iterator[None]:
 # for every call where the size is 1. So a squeeze of such a dimension reads the
 # size, as Python reading a value does (remat traces again with the values, and
 # checks on every call whether the size is 1), and where it is 1 the fake is made
-# by `select`, the view squeeze is then. Any other op whose fake and real outputs
-# differ in rank is refused.
-_SQUEEZES = frozenset({torch.ops.aten.squeeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims})
+# by `select`, the view squeeze is then. (`squeeze_`'s own kernel reads the size
+# too, but fails where torch logs an error: it is read before.) Any other op whose
+# fake and real outputs differ in rank is refused.
+_SQUEEZES = frozenset({aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims})
+_SQUEEZES_IN_PLACE = frozenset({aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims})
 
 
 class FakeRankMismatch(RuntimeError):
@@ -278,21 +282,19 @@ class UncheckedRealValuesFakeMode(FakeTensorMode):
     def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func in _SQUEEZES and not kwargs:
             return self._squeeze(func, types, *args)
+        if func in _SQUEEZES_IN_PLACE and not kwargs:
+            _data_dependent_ones(*args)  # read here rather than inside torch's kernel, which logs an error
         return super().dispatch(func, types, args, kwargs)
 
     def _squeeze(self, func: Any, types: Any, tensor: Any, dims: Any = None) -> Any:
-        rank = tensor.dim()
-        wanted = range(rank) if dims is None else [dims] if isinstance(dims, int) else dims
-        wanted = sorted({d % rank for d in wanted}) if rank else []
-        # `bool(size == 1)` reads the size: without values it raises GuardOnDataDependentSymNode.
-        ones = [d for d in wanted if _depends_on_data(tensor.shape[d]) and bool(tensor.shape[d] == 1)]
+        wanted, ones = _data_dependent_ones(tensor, dims)
         if not ones:
             return super().dispatch(func, types, (tensor,) if dims is None else (tensor, dims), {})
         out = tensor
         for d in reversed(ones):
-            out = super().dispatch(torch.ops.aten.select.int, types, (out, d, 0), {})
+            out = super().dispatch(aten.select.int, types, (out, d, 0), {})
         rest = [d - sum(one < d for one in ones) for d in wanted if d not in ones]
-        return super().dispatch(torch.ops.aten.squeeze.dims, types, (out, rest), {}) if rest else out
+        return super().dispatch(aten.squeeze.dims, types, (out, rest), {}) if rest else out
 
     def _maybe_infer_fake_kernel_from_pytree_out(  # type: ignore[no-untyped-def]
         self, func, fake_in, real_in, fake_out, real_out
@@ -302,6 +304,17 @@ class UncheckedRealValuesFakeMode(FakeTensorMode):
         if fake_ranks != real_ranks:
             raise FakeRankMismatch(func, fake_ranks, real_ranks)
         return fake_out
+
+
+def _data_dependent_ones(tensor: Any, dims: Any = None) -> tuple[list[int], list[int]]:
+    """The dimensions a squeeze of `tensor` over `dims` asks about, and those of them whose size depends
+    on data and is 1. `bool(size == 1)` reads the size: traced without values it raises
+    GuardOnDataDependentSymNode, and with values it takes the real one, which the trace then checks."""
+    rank = tensor.dim()
+    asked = range(rank) if dims is None else [dims] if isinstance(dims, int) else dims
+    wanted = sorted({d % rank for d in asked}) if rank else []
+    ones = [d for d in wanted if _depends_on_data(tensor.shape[d]) and bool(tensor.shape[d] == 1)]
+    return wanted, ones
 
 
 def _depends_on_data(size: Any) -> bool:

@@ -5,7 +5,9 @@ See NOTE [values Python reads] and NOTE [data-dependent sizes count at their bou
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -151,14 +153,52 @@ def squeezes_chosen_rows(x: torch.Tensor) -> torch.Tensor:
     return chosen.squeeze(0).sin()  # (3,) where one row is chosen: eager squeezes a size of 1
 
 
-def test_a_squeeze_of_a_size_that_depends_on_data_squeezes_where_eager_does() -> None:
-    checkpointed = remat.checkpoint(squeezes_chosen_rows)
-    for rows in ([1], [0, 2], [3], [0, 1, 3], [0, 2]):
-        x = rows_chosen(rows, seed=len(rows))
-        out, expected = checkpointed(x), squeezes_chosen_rows(x)
-        assert out.shape == expected.shape
-        remat.testing.assert_checkpoint_equivalent(squeezes_chosen_rows, x, checkpointed=checkpointed)
+def squeezes_chosen_rows_in_place(x: torch.Tensor) -> torch.Tensor:
+    chosen = x[(x > 0).all(dim=1)].clone()
+    chosen.squeeze_(0)
+    return chosen.sin()
+
+
+def squeezes_every_dimension_of_chosen_rows(x: torch.Tensor) -> torch.Tensor:
+    return x[(x > 0).all(dim=1)].squeeze().cos()
+
+
+@pytest.mark.parametrize(
+    "fn", [squeezes_chosen_rows, squeezes_chosen_rows_in_place, squeezes_every_dimension_of_chosen_rows]
+)
+def test_a_squeeze_of_a_size_that_depends_on_data_squeezes_where_eager_does(fn: Callable[..., torch.Tensor]) -> None:
+    checkpointed = remat.checkpoint(fn)
+    with logged_by("torch._subclasses.fake_tensor") as records:  # torch logs a fake kernel that raised
+        for rows in ([1], [0, 2], [3], [0, 1, 3], [0, 2]):
+            x = rows_chosen(rows, seed=len(rows))
+            out, expected = checkpointed(x), fn(x)
+            assert out.shape == expected.shape
+            remat.testing.assert_checkpoint_equivalent(fn, x, checkpointed=checkpointed)
     assert checkpointed.cache_info().traces == 3  # one row, two rows, three rows
+    assert not records  # the size was read before torch's kernel could fail on it
+
+
+class ErrorRecords(logging.Handler):
+    """The errors a logger logs (torch's loggers do not propagate to pytest's `caplog`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def logged_by(name: str) -> Iterator[list[logging.LogRecord]]:
+    """The errors logger `name` logs inside."""
+    handler = ErrorRecords()
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
 
 
 def chosen_rows_by_sign_of_sum(x: torch.Tensor) -> torch.Tensor:
