@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -190,10 +191,18 @@ def epilogue(joint: JointGraph, returned: Sequence[int], overwritten: Mapping[fx
             node = node.args[0]  # type: ignore[assignment]
         for view in reversed(chain):
             env[view] = graph.node_copy(view, lambda n: env[n])
+            if view.meta.get("remat_stops_gradient") == "no_grad":  # a view `fn` took under no_grad
+                env[view].target, env[view].args = _without_grad, (view.target, *env[view].args)
         return env[chain[0] if chain else node]
 
     graph.output(tuple(emit(output) for output in joint.outputs[: joint.n_user_outputs]))
     return _module(joint, graph)
+
+
+def _without_grad(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`op` run as `fn` ran it, under `torch.no_grad()` (in the epilogue, outside the Function)."""
+    with torch.no_grad():
+        return op(*args, **kwargs)
 
 
 def _kept_placeholders(

@@ -326,6 +326,13 @@ def _tangent_like(fake_mode: FakeTensorMode, output: torch.Tensor) -> torch.Tens
     return torch.empty_like(output)
 
 
+def _has_history(output: torch.Tensor) -> bool:
+    """Whether autograd can differentiate `output` back into `fn`'s inputs. A view `fn` took under
+    `no_grad` of a tensor that requires grad requires grad too, but as a leaf of its own: as in eager,
+    no gradient reaches its base through it."""
+    return output.requires_grad and not (output.is_leaf and output._is_view())
+
+
 def _all_floats(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
@@ -349,7 +356,7 @@ def _trace(
     fake_primals = [_fake_like(fake_mode, t) for t in real_primals]
     joint = _JointFunction(fn, flat_args, roots, discovery, fake_primals, under_functorch, with_values)
     with fake_mode:
-        fake_tangents = [_tangent_like(fake_mode, o) for o in discovery.output_fakes if o.requires_grad]
+        fake_tangents = [_tangent_like(fake_mode, o) for o in discovery.output_fakes if _has_history(o)]
         fake_tangents += [torch.empty_like(fake_primals[i]) for i in discovery.dirty if joint.differentiated[i]]
     gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
     guarded_ints: set[str] = set()
@@ -391,7 +398,7 @@ class _JointFunction:
         self.differentiated = [_requires_grad(t) for t in [*flat_args.tensors, *discovery.closed_over]]
         n_user_outputs = len(discovery.output_fakes)
         self.differentiable = (
-            *(i for i, o in enumerate(discovery.output_fakes) if o.requires_grad),
+            *(i for i, o in enumerate(discovery.output_fakes) if _has_history(o)),
             *(n_user_outputs + j for j, i in enumerate(discovery.dirty) if self.differentiated[i]),  # others: jvp only
         )
         self.ran_in_fn: set[fx.Node] = set()  # the graph's nodes when fn returned (some may be dead code later)
@@ -534,7 +541,8 @@ def _joint_graph(
 
 
 def _mark_replayed_detaches(forward_nodes: frozenset[fx.Node], detached: set[fx.Node]) -> None:
-    """Mark as `fn`'s own detaches the aliases functionalization recreated of what `fn` detached.
+    """Mark as `fn`'s own detaches the aliases functionalization recreated of what `fn` detached,
+    and make each of `fn`'s detaches an `aten.detach`. See NOTE [a detach runs as a detach].
 
     `capture_mode` marks the node `x.detach()` creates (an `aten.detach`, or an `aten.alias` since
     torch 2.15); but functionalization recreates the detached alias of a tensor updated in place
@@ -543,6 +551,16 @@ def _mark_replayed_detaches(forward_nodes: frozenset[fx.Node], detached: set[fx.
     for node in forward_nodes:
         if node.target in (aten.detach.default, aten.alias.default) and node.args[0] in detached:
             node.meta["remat_stops_gradient"] = "detach"
+        if node.target is aten.alias.default and node.meta.get("remat_stops_gradient") == "detach":
+            node.target = aten.detach.default
+
+
+# NOTE [a detach runs as a detach]
+# Since torch 2.15 make_fx records `x.detach()` as `aten.alias`. Run as traced, an alias is a view
+# that autograd differentiates: an output `x.detach()` rebuilt outside the Function (the epilogue
+# rebuilds views of inputs and of returned outputs) would require grad, and send gradient back
+# into `x`. Eager's detach makes a tensor that shares `x`'s memory and version counter but is no
+# view and has no history, which is what `aten.detach` makes: `fn`'s own detaches run as that.
 
 
 def _differentiable_outputs(node: fx.Node, fake_mode: FakeTensorMode) -> tuple[bool, ...]:
