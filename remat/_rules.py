@@ -9,7 +9,7 @@ them, so that what a planner counts is what the partitioner keeps.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,8 +66,9 @@ def returned_outputs(joint: JointGraph) -> tuple[int, ...]:
     final_values = overwritten(joint)
 
     def base_of(node: fx.Node) -> fx.Node:
-        base = view_base(node)
-        return final_values.get(base, base)
+        # The final value of an input updated through a view of it is itself a view (of the scatter
+        # that functionalization wrote the update with): it is the input, whatever it views.
+        return view_base(node, stop_at=final_values)
 
     user_outputs = joint.outputs[: joint.n_user_outputs]
     returned: dict[fx.Node, int] = {}
@@ -81,14 +82,16 @@ def returned_outputs(joint: JointGraph) -> tuple[int, ...]:
     return (*sorted(returned.values()), *range(joint.n_user_outputs, len(joint.outputs)))
 
 
-def view_base(node: fx.Node) -> fx.Node:
+def view_base(node: fx.Node, stop_at: Mapping[fx.Node, fx.Node] | None = None) -> fx.Node:
     """Follow views down to the node whose memory they show: through the views of a multi-output
-    view op (`unbind`, `split`, `chunk`), not through the outputs of other multi-output calls."""
-    while node.op == "call_function" and is_free(node):
+    view op (`unbind`, `split`, `chunk`), not through the outputs of other multi-output calls.
+    A node in `stop_at` shows the memory of the node it maps to."""
+    stop_at = stop_at or {}
+    while node not in stop_at and node.op == "call_function" and is_free(node):
         if node.target is operator.getitem and not getattr(node.args[0].target, "is_view", False):  # type: ignore[union-attr]
             break
         node = node.args[0]  # type: ignore[assignment]
-    return node
+    return stop_at.get(node, node)
 
 
 def overwritten(joint: JointGraph) -> dict[fx.Node, fx.Node]:

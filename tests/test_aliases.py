@@ -150,3 +150,71 @@ def test_detached_aliases_under_torch_func_grad_and_vjp(fn: Callable) -> None:
     torch.testing.assert_close(actual_outputs, outputs, rtol=RTOL, atol=ATOL)
     cotangents = optree.tree_map(torch.ones_like, outputs)
     torch.testing.assert_close(actual_pullback(cotangents), pullback(cotangents), rtol=RTOL, atol=ATOL)
+
+
+def _update_through_a_transposed_slice(x: torch.Tensor) -> torch.Tensor:
+    view = x.t()[:, :1]
+    view.mul_(0.5).add_(1.0)
+    return view
+
+
+UPDATED_INPUTS = {
+    "returned": lambda x, w: (x, (_update_through_a_transposed_slice(x) * w[:1].t()).sum()),
+    "returned with the view": lambda x, w: ((v := _update_through_a_transposed_slice(x)), x, (v * w[:1].t()).sum()),
+    "a view of it returned": lambda x, w: ((_update_through_a_transposed_slice(x) * w[:1].t()).sum(), x[1:]),
+    "returned in a dict, twice": lambda x, w: {"a": x, "b": (_update_through_a_transposed_slice(x) * 2).sum(), "c": x},
+    "returned, updated in place directly": lambda x, w: (x.mul_(2), (x * w).sum()),
+}
+
+
+@POLICIES
+@pytest.mark.parametrize("fn", UPDATED_INPUTS.values(), ids=UPDATED_INPUTS.keys())
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["input without grad", "non-leaf input with grad"])
+def test_regression_an_input_updated_through_a_view_and_returned_is_the_input(
+    fn: Callable, requires_grad: bool, policy: Any
+) -> None:
+    # Its final value is a view of the scatter that writes the update: remat returned that, a copy.
+    x, w = _inputs()
+    x = x.detach().requires_grad_(requires_grad)
+
+    def fresh_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+        return (x * 1.0 if requires_grad else x.detach().clone()), w
+
+    expected_input, w_ = fresh_inputs()
+    expected_outputs = optree.tree_leaves(fn(expected_input, w_))
+    actual_input, _ = fresh_inputs()
+    actual_outputs = optree.tree_leaves(remat.checkpoint(fn, policy=policy)(actual_input, w_))
+    assert [o is expected_input for o in expected_outputs] == [o is actual_input for o in actual_outputs]
+    assert [o._base is expected_input for o in expected_outputs] == [o._base is actual_input for o in actual_outputs]
+    torch.testing.assert_close(actual_input, expected_input, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(actual_outputs, expected_outputs, rtol=RTOL, atol=ATOL)
+    if requires_grad:
+        expected_grads = torch.autograd.grad(sum(o.sum() for o in expected_outputs), (x, w), allow_unused=True)
+        actual_grads = torch.autograd.grad(sum(o.sum() for o in actual_outputs), (x, w), allow_unused=True)
+        torch.testing.assert_close(actual_grads, expected_grads, rtol=RTOL, atol=ATOL)
+
+
+@POLICIES
+def test_regression_the_fuzzers_input_updated_through_a_transposed_slice_is_returned_as_itself(policy: Any) -> None:
+    weight = torch.randn(3, 1, dtype=DTYPE, requires_grad=True)
+    bias = torch.randn(3, dtype=DTYPE)
+
+    def fn(x0: torch.Tensor, x1: torch.Tensor) -> dict[str, torch.Tensor]:
+        t1 = x1.transpose(-1, -2)[..., :1]
+        t1.sigmoid_()
+        t3 = torch.kthvalue(x1, 1, dim=0).values
+        t1.div_(2)
+        t1.uniform_(-1, 1)
+        return {"o0": t3, "o1": t3, "o2": x1, "o3": torch.nn.functional.linear(t1, weight, bias)}
+
+    x0 = torch.randn(2, 4, dtype=DTYPE, requires_grad=True)
+    x1 = torch.randn(3, 3, dtype=DTYPE)
+    torch.manual_seed(0)
+    expected_x1 = x1.clone()
+    expected = fn(x0, expected_x1)
+    torch.manual_seed(0)
+    actual_x1 = x1.clone()
+    actual = remat.checkpoint(fn, policy=policy)(x0, actual_x1)
+    assert actual["o2"] is actual_x1 and expected["o2"] is expected_x1
+    assert actual["o0"] is actual["o1"]
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL)
