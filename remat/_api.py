@@ -113,7 +113,7 @@ class Checkpointed(Generic[P, T]):
             if not entry.joint.value_checks:
                 outputs = run(entry.executable, [*flat.tensors, *lifted])
                 break
-            restore_streams = _rng.snapshot()  # See NOTE [values Python reads].
+            restore_streams = _rng.snapshot(entry.joint.generators)  # See NOTE [values Python reads].
             try:
                 outputs = run(entry.executable, [*flat.tensors, *lifted])
                 self._prefer(key, entry)

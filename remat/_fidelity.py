@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ._rng import DrawnGenerators
 from ._torch import (
     FAKE_DTYPE_ERRATA,
     STRICT_FAKE_KERNELS,
@@ -313,15 +314,20 @@ _CPU_LAYOUT_FROM = {  # op -> position of the argument whose suggested memory fo
 
 
 class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
-    """A fake tensor mode whose outputs have the strides (and dtypes, `FAKE_DTYPE_ERRATA`) eager's kernels give them."""
+    """A fake tensor mode whose outputs have the strides (and dtypes, `FAKE_DTYPE_ERRATA`) eager's kernels give them,
+    and that notes the user's generators it draws from (`drawn_generators`), to be put back."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.drawn_generators = DrawnGenerators()
 
     def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         try:
             if func in STRICT_FAKE_KERNELS and not _on_cuda(args):
                 return run_real_kernel_on_zeros(self, func, args, kwargs)
-            with _generator_put_back(kwargs.get("generator")):  # tracing with real values draws for real
-                result: Any = super().dispatch(func, types, args, kwargs)
+            self.drawn_generators.note(kwargs.get("generator"))  # tracing with real values draws for real
+            result: Any = super().dispatch(func, types, args, kwargs)
         except RuntimeError as error:
             if type(error) is RuntimeError:  # not one of the subclasses that say why tracing cannot go on
                 raise FakeKernelRefused(func, error) from error
@@ -359,19 +365,6 @@ class FakeKernelRefused(RuntimeError):
     def __init__(self, op: Any, error: RuntimeError):
         super().__init__(f"{op}: {error}")
         self.op, self.reason = op, str(error)
-
-
-@contextlib.contextmanager
-def _generator_put_back(generator: Any) -> Iterator[None]:
-    """Leave a user's generator as it was (the default ones are put back around the whole trace)."""
-    if not isinstance(generator, torch.Generator):
-        yield
-        return
-    state = generator.get_state()
-    try:
-        yield
-    finally:
-        generator.set_state(state)
 
 
 def _on_cuda(args: Sequence[Any]) -> bool:

@@ -10,7 +10,7 @@ import functools
 import importlib
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from torch import fx
 from ._torch import innermost
 
 __all__ = [
+    "DrawnGenerators",
     "GlobalSeeding",
     "seeding_refused",
     "has_zero_derivative",
@@ -27,7 +28,6 @@ __all__ = [
     "run_keeping_state",
     "snapshot",
     "state_nbytes",
-    "streams_put_back",
 ]
 
 # NOTE [replaying random calls]
@@ -116,28 +116,37 @@ def replay_with_rng_state(state: torch.Tensor, device: torch.device, op: Any, /,
             resolved.set_state(current)
 
 
-@contextlib.contextmanager
-def streams_put_back() -> Iterator[None]:
-    """Put the default generators (CPU, and CUDA where it is in use) back as they were on exit."""
-    restore = snapshot()
-    try:
-        yield
-    finally:
-        restore()
-
-
-def snapshot() -> Callable[[], None]:
-    """A function that puts the default generators (CPU, and CUDA where it is in use) back as they are now."""
-    generators = [torch.default_generator]
+def snapshot(generators: Iterable[torch.Generator] = ()) -> Callable[[], None]:
+    """A function that puts the default generators (CPU, and CUDA where it is in use), and `generators`,
+    back as they are now."""
+    every = [torch.default_generator]
     if torch.cuda.is_initialized():
-        generators += list(torch.cuda.default_generators)
-    states = [generator.get_state() for generator in generators]
+        every += list(torch.cuda.default_generators)
+    every += [g for g in generators if all(g is not other for other in every)]
+    states = [generator.get_state() for generator in every]
 
     def restore() -> None:
-        for generator, state in zip(generators, states, strict=True):
+        for generator, state in zip(every, states, strict=True):
             generator.set_state(state)
 
     return restore
+
+
+class DrawnGenerators:
+    """The user's `torch.Generator`s a trace drew from for real, each with its state before the first
+    draw (tracing with values draws real numbers: NOTE [values Python reads]), to put them back."""
+
+    def __init__(self) -> None:
+        self._before: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+
+    def note(self, generator: Any) -> None:
+        """Remember `generator`'s state, if it is a user's generator seen for the first time."""
+        if isinstance(generator, torch.Generator) and id(generator) not in self._before:
+            self._before[id(generator)] = (generator, generator.get_state())
+
+    def put_back(self) -> None:
+        for generator, state in self._before.values():
+            generator.set_state(state)
 
 
 def state_nbytes(device: torch.device) -> int:

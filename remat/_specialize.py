@@ -31,11 +31,13 @@ aten = torch.ops.aten
 # Code that reads a tensor's value in Python (`if t == k:`, `for i in t.nonzero():`, `.item()`)
 # takes one path for one value. The fake tensors of a trace have no values, so such a read first
 # fails; remat then traces again with the real inputs carried beside the fake ones (every op
-# runs on both, on copies of the data, with the random streams put back afterwards), and each
+# runs on both, on copies of the data, with every generator it drew from put back afterwards:
+# the default ones, and the user's `torch.Generator`s, each as before its first draw), and each
 # read takes its real value. The trace is then right for the inputs whose reads give the same
 # answers: each answer becomes a check in the forward program, right where the value is
 # computed. A run whose check fails stops there, before it has updated anything (updates of
-# inputs come last); the random streams are put back, and the call runs again with another
+# inputs come last); the random streams are put back (the user's generators the graph draws
+# from too: `JointGraph.generators`), and the call runs again with another
 # trace of the same signature whose checks pass, or a new one. Sizes that depend on data
 # (`nonzero`) stay symbolic unless Python reads them: a mixture-of-experts layer that loops over
 # the experts its router picked is traced once per set of picked experts, not once per routing.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import operator
 import threading
 import warnings
@@ -99,6 +100,11 @@ class JointGraph:
     under_functorch: bool | None  # traced for calls under a torch.func transform, or not; None: for both
     value_checks: tuple[str, ...] = ()  # what the trace assumes of values Python read: NOTE [values Python reads]
 
+    @functools.cached_property
+    def generators(self) -> tuple[torch.Generator, ...]:
+        """The user's `torch.Generator`s the graph draws from (the default ones are not in it)."""
+        return tuple(value for value in self.constants.values() if isinstance(value, torch.Generator))
+
 
 def trace_joint(
     fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, *, forward_mode: bool = False
@@ -120,7 +126,7 @@ def trace_joint(
             except GuardOnDataDependentSymNode:
                 if under_functorch:  # the inputs' values are not reachable under a transform
                     raise
-                with real_values_traced(), _rng.streams_put_back():  # See NOTE [values Python reads].
+                with real_values_traced():  # See NOTE [values Python reads].
                     joint = _trace_once(fn, flat_args, roots, forward_mode, under_functorch, with_values=True)
         _warn_about_hooks(joint.reached_modules, roots)
         return joint
@@ -140,13 +146,24 @@ def _trace_once(
     # that choose their output layout] and NOTE [data-dependent sizes count at their bound].
     fake_mode = EagerLayoutFakeMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
     _regions.recorded = []
-    streams = _rng.snapshot()
-    discovery = _discover(fn, flat_args, roots, fake_mode, forward_mode)
-    forget_pending_sizes(fake_mode)
-    if with_values:
-        streams()  # the trace draws the numbers discovery drew (and a call will): NOTE [values Python reads]
-    _regions.recorded = []
-    return _trace(fn, flat_args, roots, fake_mode, discovery, under_functorch, with_values)
+    # Traced with values, `fn` draws real numbers from every generator it uses: each is put back
+    # after discovery, so that the trace draws the numbers discovery drew (and the call will), and
+    # after the trace. NOTE [values Python reads]
+    default_streams = _rng.snapshot()
+
+    def put_streams_back() -> None:
+        if with_values:
+            default_streams()
+            fake_mode.drawn_generators.put_back()
+
+    try:
+        discovery = _discover(fn, flat_args, roots, fake_mode, forward_mode)
+        forget_pending_sizes(fake_mode)
+        put_streams_back()
+        _regions.recorded = []
+        return _trace(fn, flat_args, roots, fake_mode, discovery, under_functorch, with_values)
+    finally:
+        put_streams_back()
 
 
 # NOTE [nested checkpoints]

@@ -265,3 +265,67 @@ def test_the_report_of_a_trace_for_values_lists_its_checks() -> None:
     x = torch.ones(4, 3, dtype=torch.float64, requires_grad=True)
     joint_checks = remat.report(loops_over_chosen_rows, x).value_checks
     assert joint_checks and all("Runtime assertion failed for expression" in check for check in joint_checks)
+
+
+def _user_generator_and_batch_norm(
+    generator: torch.Generator, norm: torch.nn.Module
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        noisy = x + 0.1 * torch.rand(x.shape, dtype=x.dtype, generator=generator)
+        return norm(noisy).logsumexp(-1)  # momentum=None reads `num_batches_tracked` in Python
+
+    return fn
+
+
+def _calls(wrap: Callable[[Callable], Callable]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Three calls with fresh inputs, each backpropagated: outputs and gradients per call, then the
+    user generator's state, the default one's and the running statistics after the last."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(3)
+    norm = torch.nn.BatchNorm1d(4, momentum=None).double().train()
+    fn = wrap(_user_generator_and_batch_norm(generator, norm))
+    outputs, grads = [], []
+    for seed in range(3):
+        x = randn(3, 4, seed=seed)
+        out = fn(x)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        outputs.append(out.detach())
+        grads.append(grad)
+    state = [generator.get_state(), torch.get_rng_state(), norm.running_mean, norm.running_var, norm.num_batches_tracked]
+    return outputs, grads, state
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_regression_a_failed_check_puts_back_the_users_generator_too(policy: remat.Policy) -> None:
+    # The value check fails from the second call on and the call runs again: the default generator
+    # was put back, the user's generator drew twice.
+    expected = _calls(lambda fn: fn)
+    actual = _calls(lambda fn: remat.checkpoint(fn, policy=policy))
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_regression_two_draws_from_one_user_generator_are_traced_as_two_draws() -> None:
+    # Traced with values, each draw put the user's generator back: both drew the same numbers, the
+    # value Python read was wrong for the call, and the first call raised.
+    def run(wrap: Callable[[Callable], Callable]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        generator = torch.Generator().manual_seed(5)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            a = torch.rand(x.shape, dtype=x.dtype, generator=generator)
+            b = torch.rand(x.shape, dtype=x.dtype, generator=generator)
+            return x * (a - b) if (a - b).sum() > 0 else x.sin() * b
+
+        checkpointed = wrap(fn)
+        return [checkpointed(randn(3, 4, seed=seed)).detach() for seed in range(6)], generator.get_state()
+
+    (expected, expected_state), (actual, state) = run(lambda fn: fn), run(remat.checkpoint)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert torch.equal(state, expected_state)
+
+
+def test_tracing_with_values_leaves_a_users_generator_as_it_was() -> None:
+    generator = torch.Generator().manual_seed(7)
+    before = generator.get_state()
+    remat.trace(lambda x: x * 2 if torch.rand(3, generator=generator).sum() > 1.5 else x, randn(3, seed=0))
+    assert torch.equal(generator.get_state(), before)
