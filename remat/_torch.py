@@ -284,6 +284,8 @@ class UncheckedRealValuesFakeMode(FakeTensorMode):
             return self._squeeze(func, types, *args)
         if func in _SQUEEZES_IN_PLACE and not kwargs:
             _data_dependent_ones(*args)  # read here rather than inside torch's kernel, which logs an error
+        if self.propagate_real_tensors and func in _FAKE_KERNEL_IGNORES_MASK:  # NOTE [backward kernels that skip outputs]
+            args = _masked_as_the_fake_kernel(func, args)
         return super().dispatch(func, types, args, kwargs)
 
     def _squeeze(self, func: Any, types: Any, tensor: Any, dims: Any = None) -> Any:
@@ -304,6 +306,29 @@ class UncheckedRealValuesFakeMode(FakeTensorMode):
         if fake_ranks != real_ranks:
             raise FakeRankMismatch(func, fake_ranks, real_ranks)
         return fake_out
+
+
+# NOTE [backward kernels that skip outputs]
+# A backward kernel with an `output_mask` leaves the outputs it is not asked for undefined (None),
+# and its fake kernel should too. Batch norm's gives the input's gradient anyway: in `BatchNorm1d`
+# on an input that needs no grad, traced with real values, torch pairs the fake output with the
+# missing real one and fails. For such an op the fake mode asks the real kernel for those outputs
+# as well (the traced call keeps its own mask): an extra gradient, computed while tracing only.
+# op -> (the position of `output_mask`, the outputs its fake kernel gives whatever the mask says)
+_FAKE_KERNEL_IGNORES_MASK = {aten.native_batch_norm_backward.default: (9, (0,))}
+
+
+def _masked_as_the_fake_kernel(func: Any, args: Sequence[Any]) -> Sequence[Any]:
+    """`args` with `output_mask` asking for every output the fake kernel of `func` gives."""
+    position, filled = _FAKE_KERNEL_IGNORES_MASK[func]
+    if len(args) <= position:
+        return args
+    mask = list(args[position])
+    if all(mask[i] for i in filled):
+        return args
+    for i in filled:
+        mask[i] = True
+    return (*args[:position], mask, *args[position + 1 :])
 
 
 def _data_dependent_ones(tensor: Any, dims: Any = None) -> tuple[list[int], list[int]]:

@@ -329,3 +329,25 @@ def test_tracing_with_values_leaves_a_users_generator_as_it_was() -> None:
     before = generator.get_state()
     remat.trace(lambda x: x * 2 if torch.rand(3, generator=generator).sum() > 1.5 else x, randn(3, seed=0))
     assert torch.equal(generator.get_state(), before)
+
+
+@pytest.mark.parametrize("input_requires_grad", [False, True], ids=["input without grad", "input with grad"])
+def test_regression_batch_norm_without_momentum_on_an_input_without_grad(input_requires_grad: bool) -> None:
+    # Traced with values (momentum=None reads `num_batches_tracked`), batch norm's backward kernel
+    # leaves the input's gradient undefined where its fake kernel gives one; remat blamed the fake
+    # kernel. NOTE [backward kernels that skip outputs]
+    def run(wrap: Callable[[Callable], Callable]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        norm = torch.nn.BatchNorm1d(4, momentum=None).double().train()
+        fn = wrap(lambda x: norm(x).logsumexp(-1))
+        results = []
+        for seed in range(3):
+            x = randn(3, 4, seed=seed).detach().requires_grad_(input_requires_grad)
+            out = fn(x)
+            out.sum().backward()
+            results += [out.detach(), norm.weight.grad.clone(), norm.bias.grad.clone()]
+            results += [x.grad if input_requires_grad else torch.zeros(())]
+            norm.zero_grad()
+        return [*results, norm.running_mean, norm.running_var, norm.num_batches_tracked]
+
+    torch.testing.assert_close(run(remat.checkpoint), run(lambda fn: fn), rtol=1e-12, atol=1e-12)
