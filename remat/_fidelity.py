@@ -19,6 +19,7 @@ that this changes, and are kept here:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -142,19 +143,49 @@ _DROPOUTS = frozenset(
 
 
 class _InsideDropout(TorchFunctionMode):
-    """Notes, for `EagerFidelity`, when a dropout function is running."""
+    """Notes, for `EagerFidelity`, when a dropout function is running; and traces an `unfold` of
+    one window as the views it is (NOTE [writes through views]), where autograd sees them too."""
 
     def __init__(self) -> None:
         super().__init__()
         self.depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.unfold:
+            unfold = _Unfold(*args, **kwargs)
+            if unfold.has_one_window():
+                return unfold.as_slice()
         inside = func in _DROPOUTS
         self.depth += inside
         try:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         finally:
             self.depth -= inside
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unfold:
+    """A call `tensor.unfold(dimension, size, step)`."""
+
+    tensor: torch.Tensor
+    dimension: int
+    size: int
+    step: int
+
+    def has_one_window(self) -> bool:
+        """Whether it has one window, longer than its step: functionalization refuses writes through
+        such an `unfold`, though none of its elements overlap."""
+        length = self.tensor.shape[self.dimension] if self.tensor.dim() else 1
+        return isinstance(length, int) and length - self.size < self.step and self.size > self.step
+
+    def as_slice(self) -> torch.Tensor:
+        """Its one window as a slice, its elements moved last, a dimension of 1 in their place: the
+        unfold's shape and strides, through views that functionalization writes through exactly."""
+        if self.tensor.dim() == 0:
+            return self.tensor.unsqueeze(0)
+        dim = self.dimension % self.tensor.dim()
+        return self.tensor.narrow(dim, 0, self.size).movedim(dim, -1).unsqueeze(dim)
 
 
 # NOTE [error checks of linalg ops]
@@ -204,6 +235,9 @@ def _unwrap(functional: FunctionalTensor) -> torch.Tensor:
 # same shape is traced as the alias it is, and an in-place op into a tensor
 # whose elements may share memory (a broadcast, an overlapping `unfold`) is
 # refused: which of the writes wins is not something a functional graph says.
+# Functionalization itself refuses a write through any `unfold` whose window is
+# longer than its step, even where there is only one window and nothing
+# overlaps; such an `unfold` is traced as the slice and reordering it is.
 class EagerFidelity(TorchDispatchMode):
     """Sits above FunctionalTensorMode while the joint graph is traced, seeing eager's tensors."""
 

@@ -168,6 +168,44 @@ def test_regression_in_place_update_of_a_self_overlapping_view_is_a_trace_error(
         remat.checkpoint(fn)(x)
 
 
+def _unfold_of_one_window(update: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = torch.sigmoid(x).repeat(2, 1, 1, 1)  # (2, 2, 3, 4): dimension 0 holds one window of 2
+        update(t.unfold(-4, 2, 1))  # shape (1, 2, 3, 4, 2), strides (24, 12, 4, 1, 24): no overlap
+        return (t * x).sum()
+
+    return fn
+
+
+@POLICIES
+@pytest.mark.parametrize(
+    "update", [lambda v: v.mul_(2), lambda v: v.normal_(), lambda v: v.add_(v.detach() * 0.5)], ids=["mul_", "normal_", "add_"]
+)
+def test_regression_in_place_update_of_an_unfold_of_one_window_runs_as_in_eager(update: Callable, policy: Any) -> None:
+    # Functionalization refuses a write through any `unfold` whose window is longer than its step,
+    # with a raw RuntimeError, even where its one window overlaps nothing. NOTE [writes through views]
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(_unfold_of_one_window(update), x, policy=policy, transforms=["grad", "vjp"])
+
+
+def test_an_unfold_of_one_window_keeps_the_shape_and_strides_of_its_elements() -> None:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = x.cos()
+        window = t.unfold(1, 3, 2)  # one window of 3 over a dimension of 3, step 2
+        window.add_(1.0)
+        return t * x, window
+
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    expected = fn(x)[1]
+    actual = remat.checkpoint(fn)(x)[1]
+    assert actual.shape == expected.shape
+    # The stride of the dimension of 1 is the one thing that differs: no kernel reads it.
+    assert [s for s, n in zip(actual.stride(), actual.shape) if n > 1] == [
+        s for s, n in zip(expected.stride(), expected.shape) if n > 1
+    ]
+    assert_checkpoint_equivalent(fn, x)
+
+
 # --- aliasing and in-place updates of inputs ---------------------------------------------------------------
 
 
