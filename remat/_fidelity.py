@@ -71,7 +71,10 @@ aten = torch.ops.aten
 # metadata), and the programs run such a call as the in-place op itself on a
 # fresh tensor of those strides (`FillInEagerLayout`). Under `vmap` the fresh
 # tensor is made from the batched input, so the batching rule of the in-place
-# op fills the whole batch as eager's does.
+# op fills the whole batch as eager's does. The traced call's value is given
+# those strides too (the tracing fake mode's `fill_strides`): what reads the
+# filled tensor (a view, attention choosing its kernel) is traced for the
+# layout it will have, not for the contiguous one of `bernoulli.p`.
 class FillInEagerLayout(NamedTuple):
     """How eager ran an in-place random fill: its op and the strides of the tensor it filled.
 
@@ -241,10 +244,11 @@ def _unwrap(functional: FunctionalTensor) -> torch.Tensor:
 class EagerFidelity(TorchDispatchMode):
     """Sits above FunctionalTensorMode while the joint graph is traced, seeing eager's tensors."""
 
-    def __init__(self, dropouts: _InsideDropout, under_functorch: bool):
+    def __init__(self, dropouts: _InsideDropout, under_functorch: bool, fake_mode: EagerLayoutFakeMode):
         super().__init__()
         self.dropouts = dropouts
         self.under_functorch = under_functorch
+        self.fake_mode = fake_mode
         self.dropout_layout_matters = False  # a dropout filled a non-contiguous mask
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -263,17 +267,22 @@ class EagerFidelity(TorchDispatchMode):
             if self.under_functorch:
                 return trace_call(func, args, kwargs)
         fill = FillInEagerLayout(func.name(), tuple(target.stride()), _is_dense(target.shape, target.stride()))
-        result, random_nodes = random_calls_traced(lambda: trace_call(func, args, kwargs))
+        if fill.dense:  # the fill's value has eager's layout, for every op that reads it
+            self.fake_mode.fill_strides = fill.strides
+        try:
+            result, random_nodes = random_calls_traced(lambda: trace_call(func, args, kwargs))
+        finally:
+            self.fake_mode.fill_strides = None
         if random_nodes:
             random_nodes[0].meta["remat_fill"] = fill
         return result
 
 
 @contextlib.contextmanager
-def eager_fidelity(under_functorch: bool) -> Iterator[EagerFidelity]:
+def eager_fidelity(under_functorch: bool, fake_mode: EagerLayoutFakeMode) -> Iterator[EagerFidelity]:
     """The modes to run `fn` under, inside `FunctionalTensorMode`, while tracing the joint graph
     (for a function that runs under a torch.func transform, with `under_functorch`)."""
-    with _InsideDropout() as dropouts, EagerFidelity(dropouts, under_functorch) as fidelity:
+    with _InsideDropout() as dropouts, EagerFidelity(dropouts, under_functorch, fake_mode) as fidelity:
         yield fidelity
 
 
@@ -331,19 +340,29 @@ def _is_dense(shape: Sequence[Any], strides: Sequence[Any]) -> bool:
 
 # NOTE [kernels that choose their output layout]
 # Fake tensors predict output strides from each op's meta kernel or
-# decomposition, which follows the input's layout. The CPU batch-norm kernels
-# (forward and backward) instead return a tensor contiguous in the input's
-# suggested memory format: eager's `bn(x.transpose(1, 2)).view(-1)` works,
-# while the fake predicts transposed strides and refuses the view. The
-# tracing fake mode corrects those outputs, so that the trace (views, random
-# fills, output metadata) sees the layouts eager sees.
-_CPU_LAYOUT_FROM = {  # op -> position of the argument whose suggested memory format decides
-    aten.native_batch_norm.default: 0,
-    aten._native_batch_norm_legit.default: 0,
-    aten._native_batch_norm_legit.no_stats: 0,
-    aten._native_batch_norm_legit_functional.default: 0,
-    aten._native_batch_norm_legit_no_training.default: 0,
-    aten.native_batch_norm_backward.default: 1,
+# decomposition, which follows the input's layout. Some CPU kernels choose
+# their own: batch norm's (forward and backward) return a tensor contiguous in
+# the input's suggested memory format, log-sigmoid's a contiguous one whatever
+# its input. Eager's `bn(x.transpose(1, 2)).view(-1)` works, while the fake
+# predicts transposed strides and refuses the view. The tracing fake mode
+# corrects those outputs, so that the trace (views, random fills, the kernels
+# attention chooses, output metadata) sees the layouts eager sees.
+class _CpuLayout(NamedTuple):
+    """The layout a CPU kernel gives its outputs: contiguous in the suggested memory format of the
+    argument at `position` (plainly contiguous where None)."""
+
+    position: int | None
+    outputs: tuple[int, ...] = (0,)  # which of its outputs
+
+
+_CPU_LAYOUT = {
+    aten.native_batch_norm.default: _CpuLayout(0),
+    aten._native_batch_norm_legit.default: _CpuLayout(0),
+    aten._native_batch_norm_legit.no_stats: _CpuLayout(0),
+    aten._native_batch_norm_legit_functional.default: _CpuLayout(0),
+    aten._native_batch_norm_legit_no_training.default: _CpuLayout(0),
+    aten.native_batch_norm_backward.default: _CpuLayout(1),
+    aten.log_sigmoid_forward.default: _CpuLayout(None, (0, 1)),
 }
 
 
@@ -354,6 +373,7 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.drawn_generators = DrawnGenerators()
+        self.fill_strides: tuple[int, ...] | None = None  # eager's layout for the random fill traced next
 
     def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -366,6 +386,10 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
             if type(error) is RuntimeError:  # not one of the subclasses that say why tracing cannot go on
                 raise FakeKernelRefused(func, error) from error
             raise
+        if self.fill_strides is not None and torch.Tag.nondeterministic_seeded in func.tags:
+            strides, self.fill_strides = self.fill_strides, None  # NOTE [random fills draw in eager's layout]
+            if isinstance(result, torch.Tensor) and tuple(result.stride()) != strides:
+                return self._restrided(types, result, strides)
         erratum = FAKE_DTYPE_ERRATA.get(func)
         if erratum is not None:
             index, eager_dtype = erratum
@@ -373,23 +397,26 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
             if result[index].dtype != dtype:
                 fixed = super().dispatch(aten._to_copy.default, types, (result[index],), {"dtype": dtype})
                 result = (*result[:index], fixed, *result[index + 1 :])
-        position = _CPU_LAYOUT_FROM.get(func)
-        if position is None:
+        layout = _CPU_LAYOUT.get(func)
+        if layout is None or not isinstance(result, tuple):
             return result
-        source = args[position]
-        first = result[0]
-        if first is None or first.device.type != "cpu":
-            return result
-        layout = _suggested_memory_format(source)
-        if first.is_contiguous(memory_format=layout):
-            return result
+        outputs = list(result)
+        for i in layout.outputs:
+            output = outputs[i]
+            if not isinstance(output, torch.Tensor) or output.device.type != "cpu":
+                continue
+            memory_format = torch.contiguous_format if layout.position is None else _suggested_memory_format(args[layout.position])
+            if not output.is_contiguous(memory_format=memory_format):
+                strides = torch.empty(output.shape, device="meta", memory_format=memory_format).stride()
+                outputs[i] = self._restrided(types, output, strides)
+        return tuple(outputs)
+
+    def _restrided(self, types: Any, fake: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
+        """`fake` with `strides` (and, traced with values, the same values)."""
         fixed = super().dispatch(
-            aten.empty.memory_format,
-            types,
-            (first.shape,),
-            {"dtype": first.dtype, "device": first.device, "memory_format": layout},
+            aten.empty_strided.default, types, (fake.shape, tuple(strides)), {"dtype": fake.dtype, "device": fake.device}
         )
-        return (fixed, *result[1:])
+        return super().dispatch(aten.copy_.default, types, (fixed, fake), {})  # type: ignore[no-any-return]
 
 
 class FakeKernelRefused(RuntimeError):

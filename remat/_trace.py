@@ -371,7 +371,7 @@ def _trace(
 ) -> JointGraph:
     real_primals = [*flat_args.tensors, *discovery.closed_over]
     fake_primals = [_fake_like(fake_mode, t) for t in real_primals]
-    joint = _JointFunction(fn, flat_args, roots, discovery, fake_primals, under_functorch, with_values)
+    joint = _JointFunction(fn, flat_args, roots, discovery, fake_primals, fake_mode, under_functorch, with_values)
     with fake_mode:
         fake_tangents = [_tangent_like(fake_mode, o) for o in discovery.output_fakes if _has_history(o)]
         fake_tangents += [torch.empty_like(fake_primals[i]) for i in discovery.dirty if joint.differentiated[i]]
@@ -406,10 +406,12 @@ class _JointFunction:
         roots: ModuleRoots,
         discovery: _Discovery,
         fake_primals: list[torch.Tensor],
+        fake_mode: EagerLayoutFakeMode,
         under_functorch: bool,
         with_values: bool,
     ):
         self.fn, self.flat_args, self.roots, self.discovery = fn, flat_args, roots, discovery
+        self.fake_mode = fake_mode
         self.fake_primals, self.under_functorch, self.with_values = fake_primals, under_functorch, with_values
         self.n_args = len(flat_args.tensors)
         self.differentiated = [_requires_grad(t) for t in [*flat_args.tensors, *discovery.closed_over]]
@@ -457,7 +459,7 @@ class _JointFunction:
             arguments[i] = inputs[i].clone()
             self.copies.append(next(iter(reversed(graph.nodes))))
         substitutes = {id(real): inputs[self.n_args + i] for i, real in enumerate(self.discovery.closed_over)}
-        with capture_mode(self.roots, substitutes) as mode, eager_fidelity(self.under_functorch) as fidelity:
+        with capture_mode(self.roots, substitutes) as mode, eager_fidelity(self.under_functorch, self.fake_mode) as fidelity:
             args, kwargs = self.flat_args.rebuild(arguments)
             outputs, _ = flatten_outputs(self.fn(*args, **kwargs))
         self.ran_in_fn.update(graph.nodes)
