@@ -159,12 +159,26 @@ class _InsideDropout(TorchFunctionMode):
             unfold = _Unfold(*args, **kwargs)
             if unfold.has_one_window():
                 return unfold.as_slice()
+        if func in _AS_STRIDED and isinstance(args[0], torch.Tensor) and args[0]._base is not None:
+            return _as_strided_of_the_base(*args, **kwargs)
         inside = func in _DROPOUTS
         self.depth += inside
         try:
             return func(*args, **kwargs)
         finally:
             self.depth -= inside
+
+
+_AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)
+
+
+def _as_strided_of_the_base(
+    tensor: torch.Tensor, size: Sequence[int], stride: Sequence[int], storage_offset: int | None = None
+) -> torch.Tensor:
+    """`tensor.as_strided(...)` of a view, as the same `as_strided` of the tensor it views: functionalization
+    writes through an `as_strided` of a tensor, but refuses one at the end of a chain of views."""
+    offset = tensor.storage_offset() if storage_offset is None else storage_offset
+    return tensor._base.as_strided(size, stride, offset)  # type: ignore[union-attr]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +254,9 @@ def _unwrap(functional: FunctionalTensor) -> torch.Tensor:
 # refused: which of the writes wins is not something a functional graph says.
 # Functionalization itself refuses a write through any `unfold` whose window is
 # longer than its step, even where there is only one window and nothing
-# overlaps; such an `unfold` is traced as the slice and reordering it is.
+# overlaps; such an `unfold` is traced as the slice and reordering it is. It
+# also refuses a write through an `as_strided` of a view (as_strided reads the
+# storage, not the view): that is traced as the same `as_strided` of the base.
 class EagerFidelity(TorchDispatchMode):
     """Sits above FunctionalTensorMode while the joint graph is traced, seeing eager's tensors."""
 
@@ -314,15 +330,35 @@ def _known(shape: Sequence[Any], strides: Sequence[Any]) -> list[tuple[int, int]
 
 
 def _may_overlap(shape: Sequence[Any], strides: Sequence[Any]) -> bool:
-    """Whether two elements of a tensor may share memory: some stride does not step past the
-    whole extent of the smaller-strided dimensions (a zero stride never does)."""
+    """Whether two elements of a tensor may share memory. Where every stride steps past the whole
+    extent of the smaller-strided dimensions, none do; where one is zero, some do; in between
+    (`as_strided((3, 2), (2, 3))` interleaves distinct elements), the offsets are counted, up to
+    `_OFFSETS_COUNTED` elements (past that, the write is taken to overlap)."""
     dims = _known(shape, strides)
     extent = 0
     for stride, size in dims or ():
-        if stride <= extent:
+        if stride == 0:
             return True
+        if stride <= extent:
+            return _offsets_repeat(dims or [])
         extent += stride * (size - 1)
     return False
+
+
+_OFFSETS_COUNTED = 1 << 20
+
+
+def _offsets_repeat(dims: Sequence[tuple[int, int]]) -> bool:
+    """Whether two indices of a tensor with these (stride, size) dimensions reach one offset."""
+    count = 1
+    for _, size in dims:
+        count *= size
+    if count > _OFFSETS_COUNTED:
+        return True
+    offsets = {0}  # plain integers: no tensor op while a trace's modes are active
+    for stride, size in dims:
+        offsets = {offset + stride * i for offset in offsets for i in range(size)}
+    return len(offsets) < count
 
 
 def _is_dense(shape: Sequence[Any], strides: Sequence[Any]) -> bool:

@@ -206,6 +206,26 @@ def test_regression_in_place_update_of_a_self_overlapping_view_is_a_trace_error(
         remat.checkpoint(fn)(x)
 
 
+@POLICIES
+@pytest.mark.parametrize(
+    "update",
+    [
+        lambda t: t.as_strided((3, 2), (2, 3)).mul_(2.0),  # offsets 0 3 2 5 4 7: interleaved, distinct
+        lambda t: t.view(-1).as_strided((2, 3), (5, 1), 1).normal_(),
+        lambda t: t.expand(1, *t.shape)[0, :, ::2].uniform_(),
+    ],
+    ids=["interleaved_as_strided", "strided_rows", "leading_expand"],
+)
+def test_regression_in_place_update_of_a_view_whose_elements_share_nothing_runs(update: Callable, policy: Any) -> None:
+    # Each stride of the interleaved view is within the other's extent: remat took it to overlap.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = x.sin().repeat(2, 1)  # (4, 3)
+        update(t)
+        return t * 2
+
+    assert_checkpoint_equivalent(fn, torch.randn(2, 3, dtype=torch.float64, requires_grad=True), policy=policy)
+
+
 def _unfold_of_one_window(update: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], torch.Tensor]:
     def fn(x: torch.Tensor) -> torch.Tensor:
         t = torch.sigmoid(x).repeat(2, 1, 1, 1)  # (2, 2, 3, 4): dimension 0 holds one window of 2
