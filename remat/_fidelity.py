@@ -441,7 +441,9 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
             output = outputs[i]
             if not isinstance(output, torch.Tensor) or output.device.type != "cpu":
                 continue
-            memory_format = torch.contiguous_format if layout.position is None else _suggested_memory_format(args[layout.position])
+            memory_format = (
+                torch.contiguous_format if layout.position is None else _suggested_memory_format(args[layout.position])
+            )
             if not output.is_contiguous(memory_format=memory_format):
                 strides = torch.empty(output.shape, device="meta", memory_format=memory_format).stride()
                 outputs[i] = self._restrided(types, output, strides)
@@ -450,7 +452,10 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
     def _restrided(self, types: Any, fake: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
         """`fake` with `strides` (and, traced with values, the same values)."""
         fixed = super().dispatch(
-            aten.empty_strided.default, types, (fake.shape, tuple(strides)), {"dtype": fake.dtype, "device": fake.device}
+            aten.empty_strided.default,
+            types,
+            (fake.shape, tuple(strides)),
+            {"dtype": fake.dtype, "device": fake.device},
         )
         return super().dispatch(aten.copy_.default, types, (fixed, fake), {})  # type: ignore[no-any-return]
 

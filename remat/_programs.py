@@ -192,7 +192,7 @@ def epilogue(joint: JointGraph, returned: Sequence[int], overwritten: Mapping[fx
         for view in reversed(chain):
             env[view] = graph.node_copy(view, lambda n: env[n])
             if view.meta.get("remat_stops_gradient") == "no_grad":  # a view `fn` took under no_grad
-                env[view].target, env[view].args = _without_grad, (view.target, *env[view].args)
+                env[view].target, env[view].args = _without_grad, (view.target, *env[view].args)  # type: ignore[arg-type]
         return env[chain[0] if chain else node]
 
     graph.output(tuple(emit(output) for output in joint.outputs[: joint.n_user_outputs]))

@@ -284,7 +284,9 @@ class UncheckedRealValuesFakeMode(FakeTensorMode):
             return self._squeeze(func, types, *args)
         if func in _SQUEEZES_IN_PLACE and not kwargs:
             _data_dependent_ones(*args)  # read here rather than inside torch's kernel, which logs an error
-        if self.propagate_real_tensors and func in _FAKE_KERNEL_IGNORES_MASK:  # NOTE [backward kernels that skip outputs]
+        if (
+            self.propagate_real_tensors and func in _FAKE_KERNEL_IGNORES_MASK
+        ):  # NOTE [backward kernels that skip outputs]
             args = _masked_as_the_fake_kernel(func, args)
         return super().dispatch(func, types, args, kwargs)
 

@@ -364,7 +364,7 @@ def _trace(
     fn: Callable[..., Any],
     flat_args: FlatArgs,
     roots: ModuleRoots,
-    fake_mode: FakeTensorMode,
+    fake_mode: EagerLayoutFakeMode,
     discovery: _Discovery,
     under_functorch: bool,
     with_values: bool,
@@ -459,7 +459,10 @@ class _JointFunction:
             arguments[i] = inputs[i].clone()
             self.copies.append(next(iter(reversed(graph.nodes))))
         substitutes = {id(real): inputs[self.n_args + i] for i, real in enumerate(self.discovery.closed_over)}
-        with capture_mode(self.roots, substitutes) as mode, eager_fidelity(self.under_functorch, self.fake_mode) as fidelity:
+        with (
+            capture_mode(self.roots, substitutes) as mode,
+            eager_fidelity(self.under_functorch, self.fake_mode) as fidelity,
+        ):
             args, kwargs = self.flat_args.rebuild(arguments)
             outputs, _ = flatten_outputs(self.fn(*args, **kwargs))
         self.ran_in_fn.update(graph.nodes)

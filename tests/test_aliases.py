@@ -44,7 +44,9 @@ def _identity(output: torch.Tensor, outputs: list[torch.Tensor], inputs: tuple[t
                 return f"output {i}"
         return "none" if tensor is None else "another tensor"
 
-    shares_memory = [i for i, t in enumerate(inputs) if t.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()]
+    shares_memory = [
+        i for i, t in enumerate(inputs) if t.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()
+    ]
     return (
         which(output),
         which(output._base),

@@ -237,7 +237,9 @@ def _unfold_of_one_window(update: Callable[[torch.Tensor], Any]) -> Callable[[to
 
 @POLICIES
 @pytest.mark.parametrize(
-    "update", [lambda v: v.mul_(2), lambda v: v.normal_(), lambda v: v.add_(v.detach() * 0.5)], ids=["mul_", "normal_", "add_"]
+    "update",
+    [lambda v: v.mul_(2), lambda v: v.normal_(), lambda v: v.add_(v.detach() * 0.5)],
+    ids=["mul_", "normal_", "add_"],
 )
 def test_regression_in_place_update_of_an_unfold_of_one_window_runs_as_in_eager(update: Callable, policy: Any) -> None:
     # Functionalization refuses a write through any `unfold` whose window is longer than its step,
@@ -258,8 +260,8 @@ def test_an_unfold_of_one_window_keeps_the_shape_and_strides_of_its_elements() -
     actual = remat.checkpoint(fn)(x)[1]
     assert actual.shape == expected.shape
     # The stride of the dimension of 1 is the one thing that differs: no kernel reads it.
-    assert [s for s, n in zip(actual.stride(), actual.shape) if n > 1] == [
-        s for s, n in zip(expected.stride(), expected.shape) if n > 1
+    assert [s for s, n in zip(actual.stride(), actual.shape, strict=True) if n > 1] == [
+        s for s, n in zip(expected.stride(), expected.shape, strict=True) if n > 1
     ]
     assert_checkpoint_equivalent(fn, x)
 

@@ -291,7 +291,13 @@ def _calls(wrap: Callable[[Callable], Callable]) -> tuple[list[torch.Tensor], li
         (grad,) = torch.autograd.grad(out.sum(), x)
         outputs.append(out.detach())
         grads.append(grad)
-    state = [generator.get_state(), torch.get_rng_state(), norm.running_mean, norm.running_var, norm.num_batches_tracked]
+    state = [
+        generator.get_state(),
+        torch.get_rng_state(),
+        norm.running_mean,
+        norm.running_var,
+        norm.num_batches_tracked,
+    ]
     return outputs, grads, state
 
 
