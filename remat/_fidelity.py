@@ -35,6 +35,7 @@ from ._torch import (
     FunctionalTensorMode,
     TorchDispatchMode,
     UncheckedRealValuesFakeMode,
+    elementwise_output_strides,
     from_functional,
     op_schema,
     random_calls_traced,
@@ -376,29 +377,90 @@ def _is_dense(shape: Sequence[Any], strides: Sequence[Any]) -> bool:
 
 # NOTE [kernels that choose their output layout]
 # Fake tensors predict output strides from each op's meta kernel or
-# decomposition, which follows the input's layout. Some CPU kernels choose
-# their own: batch norm's (forward and backward) return a tensor contiguous in
-# the input's suggested memory format, log-sigmoid's a contiguous one whatever
-# its input. Eager's `bn(x.transpose(1, 2)).view(-1)` works, while the fake
-# predicts transposed strides and refuses the view. The tracing fake mode
-# corrects those outputs, so that the trace (views, random fills, the kernels
-# attention chooses, output metadata) sees the layouts eager sees.
+# decomposition, which mostly follows the input's layout. Some CPU kernels
+# choose another: batch norm's return a tensor contiguous in the input's
+# suggested memory format, log-sigmoid's and several backward kernels' a
+# contiguous one whatever their inputs, and some elementwise ops whose
+# decomposition reorders their operands (`floor_divide`, `copysign`, `xlogy`)
+# take the layout TensorIterator gives, led by the first operand. Eager's
+# `bn(x.transpose(1, 2)).view(-1)` works, while the fake predicts transposed
+# strides and refuses the view. The tracing fake mode corrects those outputs,
+# so that the trace (views, random fills, the kernels attention chooses, output
+# metadata) sees the layouts eager sees. The table is PyTorch's OpInfo database
+# swept on torch 2.13 and 2.15 for real CPU strides that differ from the fake
+# ones (docs/debugging.md).
 class _CpuLayout(NamedTuple):
     """The layout a CPU kernel gives its outputs: contiguous in the suggested memory format of the
-    argument at `position` (plainly contiguous where None)."""
+    argument at `position`, plainly contiguous (`CONTIGUOUS`), or TensorIterator's over its tensor
+    arguments (`ELEMENTWISE`)."""
 
-    position: int | None
+    position: int
     outputs: tuple[int, ...] = (0,)  # which of its outputs
 
 
+CONTIGUOUS, ELEMENTWISE = -1, -2
+
 _CPU_LAYOUT = {
-    aten.native_batch_norm.default: _CpuLayout(0),
-    aten._native_batch_norm_legit.default: _CpuLayout(0),
-    aten._native_batch_norm_legit.no_stats: _CpuLayout(0),
-    aten._native_batch_norm_legit_functional.default: _CpuLayout(0),
-    aten._native_batch_norm_legit_no_training.default: _CpuLayout(0),
-    aten.native_batch_norm_backward.default: _CpuLayout(1),
-    aten.log_sigmoid_forward.default: _CpuLayout(None, (0, 1)),
+    **{
+        op: _CpuLayout(0)
+        for op in (
+            aten.native_batch_norm.default,
+            aten._native_batch_norm_legit.default,
+            aten._native_batch_norm_legit.no_stats,
+            aten._native_batch_norm_legit_functional.default,
+            aten._native_batch_norm_legit_no_training.default,
+            aten._batch_norm_with_update.default,
+            aten._batch_norm_no_update.default,
+            aten.channel_shuffle.default,
+            aten.reflection_pad3d.default,
+            aten.replication_pad3d.default,
+        )
+    },
+    **{
+        op: _CpuLayout(1)  # the input's (or `self`'s), whatever the incoming gradient's layout
+        for op in (
+            aten.native_batch_norm_backward.default,
+            aten.batch_norm_backward.default,
+            aten.reflection_pad2d_backward.default,
+            aten.reflection_pad3d_backward.default,
+            aten.replication_pad2d_backward.default,
+            aten.replication_pad3d_backward.default,
+        )
+    },
+    **{
+        op: _CpuLayout(CONTIGUOUS)
+        for op in (
+            aten.native_layer_norm_backward.default,
+            aten.mse_loss_backward.default,
+            aten.huber_loss_backward.default,
+            aten.smooth_l1_loss_backward.default,
+            aten._log_softmax_backward_data.default,
+            aten.glu_backward.default,
+            aten.nll_loss2d_forward.default,
+            aten.normal.Tensor_Tensor,
+            aten.normal.float_Tensor,
+            aten.rrelu_with_noise.default,
+            aten.pow.Scalar,
+        )
+    },
+    aten.log_sigmoid_forward.default: _CpuLayout(CONTIGUOUS, (0, 1)),
+    **{
+        op: _CpuLayout(ELEMENTWISE)
+        for op in (
+            aten.heaviside.default,
+            aten.logaddexp.default,
+            aten.logaddexp2.default,
+            aten.logical_and.default,
+            aten.logical_or.default,
+            aten.logical_xor.default,
+            aten.copysign.Tensor,
+            aten.floor_divide.default,
+            aten.div.Tensor_mode,
+            aten.xlogy.Tensor,
+            aten.special_xlog1py.default,
+            aten.native_dropout_backward.default,
+        )
+    },
 }
 
 
@@ -434,20 +496,17 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
                 fixed = super().dispatch(aten._to_copy.default, types, (result[index],), {"dtype": dtype})
                 result = (*result[:index], fixed, *result[index + 1 :])
         layout = _CPU_LAYOUT.get(func)
-        if layout is None or not isinstance(result, tuple):
+        if layout is None:
             return result
-        outputs = list(result)
+        outputs = list(result) if isinstance(result, tuple) else [result]
         for i in layout.outputs:
             output = outputs[i]
-            if not isinstance(output, torch.Tensor) or output.device.type != "cpu":
+            if not isinstance(output, torch.Tensor) or output.device.type != "cpu" or output.dim() == 0:
                 continue
-            memory_format = (
-                torch.contiguous_format if layout.position is None else _suggested_memory_format(args[layout.position])
-            )
-            if not output.is_contiguous(memory_format=memory_format):
-                strides = torch.empty(output.shape, device="meta", memory_format=memory_format).stride()
-                outputs[i] = self._restrided(types, output, strides)
-        return tuple(outputs)
+            eager = _eager_strides(layout, output, args)
+            if eager is not None and tuple(output.stride()) != eager:
+                outputs[i] = self._restrided(types, output, eager)
+        return tuple(outputs) if isinstance(result, tuple) else outputs[0]
 
     def _restrided(self, types: Any, fake: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
         """`fake` with `strides` (and, traced with values, the same values)."""
@@ -471,6 +530,19 @@ class FakeKernelRefused(RuntimeError):
 
 def _on_cuda(args: Sequence[Any]) -> bool:
     return any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args)
+
+
+def _eager_strides(layout: _CpuLayout, output: torch.Tensor, args: Sequence[Any]) -> tuple[int, ...] | None:
+    """The strides the CPU kernel gives `output`, by `layout`; None where the fake's can stand."""
+    if layout.position == ELEMENTWISE:
+        operands = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]  # 0-d ones lead nothing
+        if not operands or torch.broadcast_shapes(*(o.shape for o in operands)) != output.shape:
+            return None
+        return elementwise_output_strides(operands)
+    memory_format = (
+        torch.contiguous_format if layout.position == CONTIGUOUS else _suggested_memory_format(args[layout.position])
+    )
+    return tuple(torch.empty(output.shape, device="meta", memory_format=memory_format).stride())
 
 
 def _suggested_memory_format(tensor: torch.Tensor) -> torch.memory_format:

@@ -46,6 +46,7 @@ from torch._C._functorch import TransformType
 from torch._functorch.autograd_function import CtxCustomSave
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_clear_interpreter_stack
 from torch._functorch.vmap import unwrap_batched
+from torch._prims_common import compute_elementwise_output_strides
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -72,6 +73,7 @@ __all__ = [
     "UNTRACEABLE_COLLECTIVE",
     "BoxedCodeGen",
     "any_autocast_enabled",
+    "elementwise_output_strides",
     "apply_without_binding",
     "CtxCustomSave",
     "DATA_NOT_ALLOCATED",
@@ -215,6 +217,14 @@ if _RELEASE < (2, 13):
 # and float16, which mixture-of-experts layers on CPU use. A fake mode finds their outputs with
 # `run_real_kernel_on_zeros` instead.
 STRICT_FAKE_KERNELS = frozenset({torch.ops.aten._grouped_mm.default})
+
+
+def elementwise_output_strides(operands: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """The strides TensorIterator gives the output of an elementwise op of `operands` (broadcast
+    together), led by the first: what eager's CPU kernels give it."""
+    metas = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device="meta") for o in operands]
+    shape = torch.broadcast_shapes(*(m.shape for m in metas))
+    return tuple(compute_elementwise_output_strides(*(m.expand(shape) for m in metas)))
 
 
 # --- data-dependent sizes -------------------------------------------------------------------------

@@ -149,6 +149,40 @@ def test_regression_log_sigmoid_of_a_transposed_tensor_is_contiguous_as_in_eager
         assert_checkpoint_equivalent(lambda x: F.logsigmoid(x).view(-1), x, policy=policy)
 
 
+def _transposed(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape[:-2], shape[-1], shape[-2], dtype=torch.float64, generator=generator).mT
+
+
+# Ops whose CPU kernel gives another layout than their fake kernel says (PyTorch's OpInfo database,
+# swept), each followed by a `view` that only eager's layout allows.
+KERNEL_LAYOUTS = {
+    "floor_divide": lambda a, b: torch.floor_divide(a.contiguous(), b + 3.0).view(-1) * a.reshape(-1),
+    "copysign": lambda a, b: torch.copysign(a.contiguous(), b).view(-1).sin() * a.reshape(-1),
+    "xlogy": lambda a, b: torch.xlogy(a.contiguous(), b * b + 1.0).view(-1),
+    "heaviside": lambda a, b: torch.heaviside(a[:, :1].contiguous(), b).mT.view(-1) + a.reshape(-1),
+    "pow_scalar": lambda a, b: torch.pow(2.0, a).view(-1),
+    "reflection_pad3d": lambda a, b: (
+        F.pad(
+            a.reshape(1, 1, 2, 3, 2).contiguous(memory_format=torch.channels_last_3d),
+            (1, 1, 1, 1, 1, 1),
+            mode="reflect",
+        )
+        .permute(0, 2, 3, 4, 1)
+        .view(-1)
+        .sum()
+        * a
+    ),
+}
+
+
+@pytest.mark.parametrize("fn", KERNEL_LAYOUTS.values(), ids=KERNEL_LAYOUTS.keys())
+def test_regression_ops_whose_cpu_kernel_chooses_their_layout_are_traced_with_it(fn: Callable) -> None:
+    a = _transposed((4, 3), seed=0).requires_grad_()
+    b = _transposed((4, 3), seed=1).requires_grad_()
+    assert_checkpoint_equivalent(fn, a, b)
+
+
 def _attention_over_a_filled_transpose(x: torch.Tensor) -> torch.Tensor:
     t = torch.cos(x).mT
     t.bernoulli_(0.5)
