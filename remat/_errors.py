@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import Any
 
 from ._fidelity import FakeKernelRefused, OverlappingWrite
-from ._rng import GlobalSeeding
+from ._rng import GeneratorMadeInside, GlobalSeeding
 from ._specialize import FloatRead, UncheckedValue
 from ._torch import (
     DATA_NOT_ALLOCATED,
@@ -124,6 +124,14 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "instead of the op. If eager runs this line without error, that rule is stricter than the real "
             "kernel: call the op outside the checkpointed function, or give it a rule that matches the kernel "
             "(`torch.library.register_fake` for a custom op), and tell remat's maintainers which op it was."
+        ) from error
+    except GeneratorMadeInside as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it draws from a `torch.Generator` that it creates "
+            "itself. A trace keeps the generator it was traced with and would go on drawing from that one, where "
+            "eager draws from the new one each call makes: other numbers from the second call on. Create (and "
+            "seed) the generator outside the function and let the function use it, or draw from the default "
+            "generator, seeded before the call."
         ) from error
     except GlobalSeeding as error:
         raise TraceError(

@@ -20,7 +20,9 @@ from ._torch import innermost
 
 __all__ = [
     "DrawnGenerators",
+    "GeneratorMadeInside",
     "GlobalSeeding",
+    "check_generators_outlive_fn",
     "seeding_refused",
     "has_zero_derivative",
     "is_random_factory",
@@ -147,6 +149,27 @@ class DrawnGenerators:
     def put_back(self) -> None:
         for generator, state in self._before.values():
             generator.set_state(state)
+
+    def seen(self) -> frozenset[int]:
+        """The ids of the generators noted so far (each is held here, so no other object takes its id)."""
+        return frozenset(self._before)
+
+
+class GeneratorMadeInside(RuntimeError):
+    """`fn` draws from a `torch.Generator` it creates itself: see NOTE [generators made inside the function]."""
+
+
+# NOTE [generators made inside the function]
+# A trace records the `torch.Generator` a call draws from as a constant of the graph: the generator
+# object itself. One that `fn` creates on every call (`torch.Generator().manual_seed(0)` inside it)
+# is another object in each run of `fn`, and the trace would keep drawing from the one made while
+# tracing, where eager draws from a fresh one: other numbers from the second call on, silently. Tracing
+# runs `fn` twice (discovery, then the joint trace), so such a generator shows as one that the trace
+# draws from but discovery never did; tracing refuses it.
+def check_generators_outlive_fn(traced: Iterable[torch.Generator], discovered: frozenset[int]) -> None:
+    """Raise `GeneratorMadeInside` if the trace draws from a generator discovery did not."""
+    if any(id(generator) not in discovered for generator in traced):
+        raise GeneratorMadeInside("the checkpointed function draws from a torch.Generator it creates itself")
 
 
 def state_nbytes(device: torch.device) -> int:

@@ -158,10 +158,13 @@ def _trace_once(
 
     try:
         discovery = _discover(fn, flat_args, roots, fake_mode, forward_mode)
+        discovered_generators = fake_mode.drawn_generators.seen()
         forget_pending_sizes(fake_mode)
         put_streams_back()
         _regions.recorded = []
-        return _trace(fn, flat_args, roots, fake_mode, discovery, under_functorch, with_values)
+        joint = _trace(fn, flat_args, roots, fake_mode, discovery, under_functorch, with_values)
+        _rng.check_generators_outlive_fn(joint.generators, discovered_generators)
+        return joint
     finally:
         put_streams_back()
 

@@ -353,6 +353,18 @@ def test_seeding_the_global_generator_inside_is_a_trace_error():
     assert "a `torch.Generator` of your own (`generator=g`)" in message
 
 
+def test_a_generator_made_inside_the_function_is_a_trace_error():
+    # The trace kept the generator it was traced with, and drew other numbers than eager from the
+    # second call on. NOTE [generators made inside the function]
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        return x * torch.rand(x.shape, generator=generator, dtype=x.dtype)
+
+    with pytest.raises(remat.TraceError, match=r"draws from a `torch.Generator` that it creates itself") as info:
+        remat.checkpoint(fn)(_randn(4))
+    assert "Create (and seed) the generator outside the function" in str(info.value)
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_a_sparse_argument_is_refused():
     sparse = torch.eye(3, dtype=DTYPE).to_sparse_csr()
