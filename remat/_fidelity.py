@@ -160,8 +160,10 @@ class _InsideDropout(TorchFunctionMode):
             unfold = _Unfold(*args, **kwargs)
             if unfold.has_one_window():
                 return unfold.as_slice()
-        if func in _AS_STRIDED and isinstance(args[0], torch.Tensor) and args[0]._base is not None:
-            return _as_strided_of_the_base(*args, **kwargs)
+            if unfold.has_gaps():
+                return unfold.as_strided()
+        if func in _AS_STRIDED and isinstance(args[0], torch.Tensor):
+            return _as_strided(*args, **kwargs)
         inside = func in _DROPOUTS
         self.depth += inside
         try:
@@ -173,13 +175,14 @@ class _InsideDropout(TorchFunctionMode):
 _AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)
 
 
-def _as_strided_of_the_base(
+def _as_strided(
     tensor: torch.Tensor, size: Sequence[int], stride: Sequence[int], storage_offset: int | None = None
 ) -> torch.Tensor:
-    """`tensor.as_strided(...)` of a view, as the same `as_strided` of the tensor it views: functionalization
-    writes through an `as_strided` of a tensor, but refuses one at the end of a chain of views."""
+    """`tensor.as_strided(...)`, of the tensor it views if it is a view: functionalization writes through
+    an `as_strided` of a tensor, but refuses one at the end of a chain of views."""
     offset = tensor.storage_offset() if storage_offset is None else storage_offset
-    return tensor._base.as_strided(size, stride, offset)  # type: ignore[union-attr]
+    base = tensor if tensor._base is None else tensor._base
+    return torch.Tensor.as_strided(base, size, stride, offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +199,24 @@ class _Unfold:
         such an `unfold`, though none of its elements overlap."""
         length = self.tensor.shape[self.dimension] if self.tensor.dim() else 1
         return isinstance(length, int) and length - self.size < self.step and self.size > self.step
+
+    def has_gaps(self) -> bool:
+        """Whether its windows share nothing but leave elements out (`unfold(0, 1, 2)`, or a last element
+        no window reaches): functionalization writes back through it as the sum of the windows, which
+        sets those elements to zero."""
+        length = self.tensor.shape[self.dimension] if self.tensor.dim() else 1
+        if not isinstance(length, int) or self.size > self.step:
+            return False
+        windows = (length - self.size) // self.step + 1
+        return self.size < self.step or windows * self.step != length
+
+    def as_strided(self) -> torch.Tensor:
+        """It as the `as_strided` it is, which functionalization writes through exactly."""
+        dim = self.dimension % self.tensor.dim()
+        shape, strides = list(self.tensor.shape), list(self.tensor.stride())
+        shape[dim] = (shape[dim] - self.size) // self.step + 1
+        strides[dim] *= self.step
+        return _as_strided(self.tensor, (*shape, self.size), (*strides, self.tensor.stride(dim)))
 
     def as_slice(self) -> torch.Tensor:
         """Its one window as a slice, its elements moved last, a dimension of 1 in their place: the

@@ -52,6 +52,7 @@ from ._torch import (
     op_schema,
     real_values_traced,
     sync,
+    unset_fake_temporarily,
     version_counter,
 )
 
@@ -283,7 +284,9 @@ def _fake_like(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
     if is_functorch_wrapped(tensor):
         with fake_mode:
             return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
-    return fake_mode.from_tensor(tensor.detach())
+    with unset_fake_temporarily():  # a real tensor detached under the fake mode (discovery's) has no real data
+        detached = tensor.detach()
+    return fake_mode.from_tensor(detached)
 
 
 def _discover(

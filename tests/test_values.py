@@ -357,3 +357,25 @@ def test_regression_batch_norm_without_momentum_on_an_input_without_grad(input_r
         return [*results, norm.running_mean, norm.running_var, norm.num_batches_tracked]
 
     torch.testing.assert_close(run(remat.checkpoint), run(lambda fn: fn), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda y, index: torch.nn.functional.embedding(index, y),
+        lambda y, index: y.index_select(0, index),
+        lambda y, index: y[index],
+    ],
+    ids=["embedding", "index_select", "advanced_index"],
+)
+def test_regression_closed_over_indices_keep_their_values_when_traced_with_values(read: Callable) -> None:
+    # On torch 2.13 a closed-over tensor detached under discovery's fake mode lost its real data:
+    # traced with values, the indices were garbage and the trace failed with a raw IndexError.
+    index = torch.tensor([0, 0, 0])
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin() if x.sum() > 0 else x.cos()
+        return read(y, index)
+
+    for x in (torch.ones(1, 6, dtype=torch.float64), -torch.ones(1, 6, dtype=torch.float64)):
+        remat.testing.assert_checkpoint_equivalent(fn, x.requires_grad_())
