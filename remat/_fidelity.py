@@ -161,7 +161,7 @@ class _InsideDropout(TorchFunctionMode):
             if unfold.has_one_window():
                 return unfold.as_slice()
             if unfold.has_gaps():
-                return unfold.as_strided()
+                return unfold.with_gaps()
         if func in _AS_STRIDED and isinstance(args[0], torch.Tensor):
             return _as_strided(*args, **kwargs)
         inside = func in _DROPOUTS
@@ -210,8 +210,18 @@ class _Unfold:
         windows = (length - self.size) // self.step + 1
         return self.size < self.step or windows * self.step != length
 
-    def as_strided(self) -> torch.Tensor:
-        """It as the `as_strided` it is, which functionalization writes through exactly."""
+    def with_gaps(self) -> torch.Tensor:
+        """It as views functionalization writes through exactly: where its windows fit in whole steps,
+        the steps as a dimension of their own and the first `size` elements of each; otherwise (a last
+        window shorter than a step) the `as_strided` it is. Both have its shape and strides."""
+        dim = self.dimension % self.tensor.dim()
+        windows = (self.tensor.shape[dim] - self.size) // self.step + 1
+        if windows * self.step <= self.tensor.shape[dim]:
+            steps = self.tensor.narrow(dim, 0, windows * self.step).unflatten(dim, (windows, self.step))
+            return steps.narrow(dim + 1, 0, self.size).movedim(dim + 1, -1)
+        return self._as_strided()
+
+    def _as_strided(self) -> torch.Tensor:
         dim = self.dimension % self.tensor.dim()
         shape, strides = list(self.tensor.shape), list(self.tensor.stride())
         shape[dim] = (shape[dim] - self.size) // self.step + 1
@@ -279,6 +289,11 @@ def _unwrap(functional: FunctionalTensor) -> torch.Tensor:
 # overlaps; such an `unfold` is traced as the slice and reordering it is. It
 # also refuses a write through an `as_strided` of a view (as_strided reads the
 # storage, not the view): that is traced as the same `as_strided` of the base.
+# And it writes back through an `unfold` whose windows leave gaps as the sum of
+# the windows, which sets the gaps to zero: such an unfold is traced as a
+# slice of whole steps, or, where its last window is shorter than a step, as
+# the `as_strided` it is (which `vmap` cannot batch and forward mode does not
+# yet differentiate exactly through remat: a known limitation).
 class EagerFidelity(TorchDispatchMode):
     """Sits above FunctionalTensorMode while the joint graph is traced, seeing eager's tensors."""
 
