@@ -24,7 +24,7 @@ from ._dataflow import with_dataflow
 from ._decide import decide_nested
 from ._dynamo import call_under_dynamo, register
 from ._errors import TraceError
-from ._execute import Executable, forward_mode_active, run
+from ._execute import Executable, forward_mode_active, run, unsupported_under
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import partition
 from ._peak import predict_peak
@@ -255,6 +255,10 @@ def _executable(
             "trace holds for the values it read and checks them as it runs, which compiled programs cannot "
             "do. Checkpoint it without `compile=`, or use `torch.compile` around the checkpointed model."
         )
+    if forward_mode:
+        inexact = unsupported_under("forward-mode AD (torch.func.jvp, jacfwd, forward_ad)", joint.graph.nodes)
+        if inexact is not None:
+            raise NotImplementedError(inexact)
     programs = partition(joint, decide_nested(policy, joint.trace, joint.regions), forward_mode=forward_mode)
     return Executable(
         programs=programs,
@@ -265,6 +269,7 @@ def _executable(
         dirty=joint.dirty,
         output_metas=tuple(TensorMeta.of(o.meta["val"]) for o in joint.outputs),
         compiled=None if compile_options is None else compile_programs(programs, compile_options),
+        unbatchable=unsupported_under("torch.func.vmap", joint.graph.nodes),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from ._torch import (
     unwrap_batched,
 )
 
-__all__ = ["Executable", "forward_mode_active", "run"]
+__all__ = ["Executable", "forward_mode_active", "run", "unsupported_under", "vmap_active"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,7 @@ class Executable:
     dirty: tuple[int, ...]  # primals fn updates in place that require grad: returned marked dirty
     output_metas: tuple[TensorMeta, ...]
     compiled: CompiledPrograms | None = None  # see NOTE [compiling remat's programs]
+    unbatchable: str | None = None  # why the programs cannot run under `vmap`, if they cannot
 
     def forward(self, *primals: torch.Tensor) -> Sequence[torch.Tensor]:
         if self.compiled is not None and not functorch_active():
@@ -61,6 +62,8 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
     """Run the forward program, keeping what backward needs; return the user's outputs."""
     programs = executable.programs
     if functorch_active():
+        if executable.unbatchable is not None and vmap_active():
+            raise NotImplementedError(executable.unbatchable)
         results = _CheckpointFunction.apply(executable, *primals)
     else:
         # `Function.apply` binds the arguments with `inspect.signature` on every
@@ -338,6 +341,32 @@ def forward_mode_active() -> bool:
     if not functorch_active():
         return False
     return any(interpreter.key() == TransformType.Jvp for interpreter in functorch_interpreters())
+
+
+def vmap_active() -> bool:
+    """Whether a `torch.func.vmap` is running."""
+    return any(interpreter.key() == TransformType.Vmap for interpreter in functorch_interpreters())
+
+
+# Ops of the functional graph that torch.func.vmap has no batching rule for, and that remat's forward
+# mode does not differentiate exactly (its tangents outside the written elements come out zero, an open
+# bug): op -> what the user wrote.
+_UNSUPPORTED_UNDER_TRANSFORMS = {
+    torch.ops.aten.as_strided_scatter.default: "a write through `as_strided` (or an `unfold` with gaps)"
+}
+
+
+def unsupported_under(transform: str, nodes: Iterable[Any]) -> str | None:
+    """Why programs with these graph nodes cannot run under `transform` ("vmap", or forward-mode AD), if so."""
+    for node in nodes:
+        written = _UNSUPPORTED_UNDER_TRANSFORMS.get(node.target)
+        if written is not None:
+            return (
+                f"remat.checkpoint: under {transform}, the function makes {written}, whose functional form "
+                f"(`{node.target}`) remat cannot run there yet. Call the checkpointed function outside it, or write "
+                "through a view such as a slice or an `unfold` whose windows cover their dimension."
+            )
+    return None
 
 
 def _accumulate(into: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -30,14 +31,16 @@ import optree
 import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 from . import _offload
 from . import policies as _policies
 from ._calls import Call, Decision, Trace
 from ._checkpoint import checkpoint as _remat_checkpoint
-from ._torch import import_jvp_decompositions
+from ._torch import import_jvp_decompositions, version_counter
 
 __all__ = [
+    "AS_STRIDED_WRITES",
     "CATALOG",
     "CheckpointedRun",
     "RandomFunction",
@@ -52,9 +55,33 @@ __all__ = [
 # --- the catalog -----------------------------------------------------------------------------------
 
 
+class CatalogState(torch.nn.Module):
+    """What the stateful catalog ops of one random function keep between its calls.
+
+    A user `torch.Generator` that `rand_from_generator` and `branch_on_generator` draw from, and a
+    `BatchNorm1d(rows, momentum=None)` in training mode that `batch_norm_momentum_none` runs (its
+    running statistics and `num_batches_tracked` change at every call, and its update reads
+    `num_batches_tracked` in Python: a value read). Both start from the function's seed.
+    `assert_checkpoint_equivalent` puts both back before the checkpoint's run and compares them after.
+
+    >>> import remat.testing
+    >>> state = remat.testing.CatalogState(rows=2, seed=0)
+    >>> state.batch_norm.momentum is None and state.batch_norm.training
+    True
+    >>> state.generator.initial_seed()
+    0
+    """
+
+    def __init__(self, rows: int, seed: int):
+        super().__init__()
+        self.batch_norm = torch.nn.BatchNorm1d(rows, momentum=None, dtype=torch.float64)
+        self.generator = torch.Generator().manual_seed(seed)
+
+
 @dataclasses.dataclass(frozen=True)
 class Constants:
-    """Fixed tensors a random function closes over (weights, valid indices), for values shaped `(rows, cols)`."""
+    """Fixed tensors a random function closes over (weights, valid indices), for values shaped `(rows, cols)`,
+    and the state its stateful ops keep (`CatalogState`)."""
 
     weight: torch.Tensor  # (cols, cols)
     bias: torch.Tensor  # (cols,)
@@ -62,6 +89,7 @@ class Constants:
     permutation: torch.Tensor  # (cols,) a permutation of range(cols)
     column_index: torch.Tensor  # (rows, cols) integers in [0, cols)
     row_index: torch.Tensor  # (rows,) integers in [0, rows)
+    state: CatalogState  # a user generator and a batch norm, which change at every call
 
     @staticmethod
     def make(rows: int, cols: int, seed: int) -> Constants:
@@ -73,6 +101,7 @@ class Constants:
             permutation=torch.randperm(cols, generator=generator),
             column_index=torch.randint(0, cols, (rows, cols), generator=generator),
             row_index=torch.randint(0, rows, (rows,), generator=generator),
+            state=CatalogState(rows, seed),
         )
 
 
@@ -173,6 +202,117 @@ def _fill_through_expand(x: torch.Tensor) -> torch.Tensor:
     return t * x
 
 
+def _rand_from_generator(x: torch.Tensor, c: Constants) -> torch.Tensor:
+    # Drawn on the CPU in float64 whatever `x` is, so that one generator serves every device and dtype.
+    noise = torch.rand(x.shape, generator=c.state.generator, dtype=torch.float64)
+    return x + 0.1 * noise.to(x)
+
+
+def _branch_on_generator(x: torch.Tensor, c: Constants) -> torch.Tensor:
+    # A value read of a draw from a user generator: another branch at a later call, which a traced
+    # function meets as a failed value check.
+    if torch.rand((), generator=c.state.generator, dtype=torch.float64) < 0.5:
+        return x.sin()
+    return x.cos()
+
+
+def _batch_norm_momentum_none(x: torch.Tensor, y: torch.Tensor, c: Constants) -> torch.Tensor:
+    # (2, rows, cols): `rows` channels of 2 * cols values each, so training mode always has more than
+    # one value per channel. With momentum=None the update of the running statistics reads
+    # num_batches_tracked in Python. On the CPU in float64, where the module lives.
+    out = c.state.batch_norm(torch.stack([x, y]).to(device="cpu", dtype=torch.float64)).to(x)
+    return out[0] + 0.5 * out[1]
+
+
+def _detached_rows_view(x: torch.Tensor) -> torch.Tensor:
+    return x.detach()[:1].expand(x.shape)  # a view (of a view) of a detached alias
+
+
+def _mul_through_unfold_window(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin()
+    t.unfold(1, t.shape[1], 1).mul_(2.0)  # one window as long as a row: no two elements overlap
+    return t
+
+
+def _normal_through_unfold_window(x: torch.Tensor) -> torch.Tensor:
+    t = x.cos()
+    t.unfold(1, t.shape[1], 1).normal_()
+    return t * x
+
+
+def _mul_through_unfold_gaps(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin()
+    t.unfold(1, 1, 2).mul_(2.0)  # windows of one element, two apart: the elements between are not in it
+    return t
+
+
+def _mul_through_as_strided_of_view(x: torch.Tensor) -> torch.Tensor:
+    rows, cols = x.shape
+    t = x.sin().contiguous()  # as_strided's strides count in the storage: that of a contiguous tensor
+    t.view(-1).as_strided((rows, cols // 2), (cols, 2)).mul_(2.0)  # every other column, through a view
+    return t
+
+
+def _mul_through_interleaved_as_strided(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin().repeat(4, 1)  # at least 8 elements
+    # Elements 2i + 3j: 0, 3, 2, 5, 4, 7, distinct, though each stride is within the other's extent.
+    t.as_strided((3, 2), (2, 3)).mul_(2.0)
+    return t.view(4, *x.shape).mean(0)
+
+
+def _normal_through_leading_expand(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin()
+    t.expand(1, *t.shape)[0, :, ::2].normal_()  # an `expand` that adds a dimension of one: no overlap
+    return t * x
+
+
+def _bernoulli_transposed_attention(x: torch.Tensor) -> torch.Tensor:
+    t = x.cos().unsqueeze(0).mT  # (1, cols, rows), transposed
+    t.bernoulli_(0.5)
+    out = F.scaled_dot_product_attention(t, t.sin(), t, is_causal=True)  # its strides follow its inputs'
+    return out.squeeze(0).t() * x
+
+
+def _bernoulli_reshaped_transposed(x: torch.Tensor) -> torch.Tensor:
+    rows, cols = x.shape
+    t = x.cos().reshape(rows, 2, cols // 2).mT  # a transpose of a view of an intermediate
+    t.bernoulli_(0.5)
+    return t.mT.reshape(rows, cols) * x
+
+
+def _log_sigmoid_transposed(x: torch.Tensor) -> torch.Tensor:
+    # The CPU kernel returns a contiguous tensor whatever its input's layout (a CUDA one follows the
+    # input's): `view` relies on it.
+    rows, cols = x.shape
+    return F.logsigmoid(x.t().to("cpu")).view(-1).view(cols, rows).t().to(x.device)
+
+
+def _slice_assign_transposed_clone(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    rows, cols = x.shape
+    t = x.contiguous().t().clone()  # keeps the transposed strides, so that t.t() is contiguous
+    t[1:] = y.t()[1:] * 2.0
+    flat = F.logsigmoid(t.to("cpu")).view(-1).to(x.device)  # contiguous on the CPU, as above
+    return t.t().view(-1).view(x.shape) * flat.view(cols, rows).t()
+
+
+def _uniform_transposed_clone(x: torch.Tensor) -> torch.Tensor:
+    t = x.contiguous().t().clone()
+    t[::2].uniform_()  # a random fill, in memory order, of rows of a non-contiguous intermediate
+    return t.t().view(-1).view(x.shape) * x
+
+
+def _normal_transposed_reduced(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin().t().contiguous().t()  # a copy of x.sin() in column-major layout
+    t.normal_()
+    return x * t.sum(1, keepdim=True) + t.amax(0, keepdim=True)
+
+
+def _scale_transposed_slice_without_grad(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # through a transposed slice: a view of `x` that is not a plain slice of it
+        x.t()[1:].mul_(0.5)
+    return x
+
+
 # Each entry maps (x, y, constants) -> a tensor shaped like x; y is another value of the same shape.
 # Every one is well-defined and differentiable almost everywhere on random float inputs.
 _Op = Callable[[torch.Tensor, torch.Tensor, Constants], torch.Tensor]
@@ -261,27 +401,64 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     "uniform_through_expand_": (1, lambda x, y, c: _fill_through_expand(x)),
     # random ops whose derivative is zero: their outputs still require grad, as in eager
     "normal_of_bernoulli": (1, lambda x, y, c: torch.normal(torch.bernoulli(x.sigmoid()), 0.5)),
-    # a kernel that chooses its output's layout (CPU batch norm: contiguous)
+    # kernels that choose their output's layout (CPU batch norm and log-sigmoid: contiguous)
     "batch_norm_transposed": (2, lambda x, y, c: _batch_norm_transposed(x, y)),
+    "log_sigmoid_transposed": (1, lambda x, y, c: _log_sigmoid_transposed(x)),
     # views of the operand (an input, maybe) through multi-output view ops, and updates of them
     "split_view": (1, lambda x, y, c: x.split(x.shape[0])[0]),
     "unbind_expand_view": (1, lambda x, y, c: x.unbind(0)[0].expand(x.shape)),
     "chunk_view": (1, lambda x, y, c: x.chunk(1, dim=1)[0]),
     "scale_without_grad_": (1, lambda x, y, c: _scale_without_grad(x)),
     "neg_split_output_": (1, lambda x, y, c: _neg_split_output(x)),
+    # detached aliases of the operand (an input, an intermediate also returned, maybe) and views of them
+    "detach": (1, lambda x, y, c: x.detach()),
+    "detach_view": (1, lambda x, y, c: x.detach().view(x.shape)),
+    "detach_rows_view": (1, lambda x, y, c: _detached_rows_view(x)),
+    # stateful ops: a user generator, a value read of one of its draws, a batch norm that reads a buffer
+    "rand_from_generator": (1, lambda x, y, c: _rand_from_generator(x, c)),
+    "branch_on_generator": (1, lambda x, y, c: _branch_on_generator(x, c)),
+    "batch_norm_momentum_none": (2, lambda x, y, c: _batch_norm_momentum_none(x, y, c)),
+    # in-place ops through `unfold`, `as_strided` and `expand` views whose elements do not overlap
+    "mul_unfold_window_": (1, lambda x, y, c: _mul_through_unfold_window(x)),
+    "normal_unfold_window_": (1, lambda x, y, c: _normal_through_unfold_window(x)),
+    "mul_unfold_gaps_": (1, lambda x, y, c: _mul_through_unfold_gaps(x)),
+    "mul_as_strided_of_view_": (1, lambda x, y, c: _mul_through_as_strided_of_view(x)),
+    "mul_interleaved_as_strided_": (1, lambda x, y, c: _mul_through_interleaved_as_strided(x)),
+    "normal_leading_expand_": (1, lambda x, y, c: _normal_through_leading_expand(x)),
+    # slice assignments and random fills of non-contiguous intermediates, then views, attention, reductions
+    "bernoulli_transposed_attention_": (1, lambda x, y, c: _bernoulli_transposed_attention(x)),
+    "bernoulli_reshaped_transposed_": (1, lambda x, y, c: _bernoulli_reshaped_transposed(x)),
+    "slice_assign_transposed_clone": (2, lambda x, y, c: _slice_assign_transposed_clone(x, y)),
+    "uniform_transposed_clone_": (1, lambda x, y, c: _uniform_transposed_clone(x)),
+    "normal_transposed_reduced_": (1, lambda x, y, c: _normal_transposed_reduced(x)),
+    # an update of the operand (an input, maybe) through a transposed slice, returning the operand itself
+    "scale_transposed_slice_without_grad_": (1, lambda x, y, c: _scale_transposed_slice_without_grad(x)),
 }
 
 # Catalog ops with which a program can be one eager refuses (at backward, when an earlier op saved the
 # value they update); `functions()` leaves them out unless `refusable=True` or asked for by name.
-REFUSABLE_OPS = frozenset({"scale_without_grad_"})
+REFUSABLE_OPS = frozenset({"scale_without_grad_", "scale_transposed_slice_without_grad_"})
 
 # Catalog ops that draw random numbers; `functions(random_ops=False)` leaves them out.
 RANDOM_OPS = frozenset(
     {
         "dropout", "bernoulli", "rand_like", "randn_like", "dropout_transposed", "bernoulli_transposed_",
         "normal_strided_", "exponential_rows_", "uniform_through_expand_", "normal_of_bernoulli",
+        "rand_from_generator", "branch_on_generator", "normal_unfold_window_", "bernoulli_transposed_attention_",
+        "bernoulli_reshaped_transposed_", "uniform_transposed_clone_", "normal_transposed_reduced_",
+        "normal_leading_expand_",
     }
 )  # fmt: skip
+
+# Catalog ops that write through an `as_strided` view: `torch.func.vmap` has no batching rule for their
+# functional form (remat says so), and remat's forward mode is not exact through them (a known limitation,
+# docs/testing.md). Drawn transforms leave out `vmap` and `jvp` for programs with them.
+AS_STRIDED_WRITES = frozenset({"mul_as_strided_of_view_", "mul_interleaved_as_strided_"})
+
+# Catalog ops that change the function's `CatalogState` (its user generator, its batch norm's buffers), so
+# that two calls differ unless that state is put back between them, as `assert_checkpoint_equivalent` does;
+# `functions()` leaves them out unless `stateful=True` or asked for by name.
+STATEFUL_OPS = frozenset({"rand_from_generator", "branch_on_generator", "batch_norm_momentum_none"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,6 +514,13 @@ class RandomFunction:
         object.__setattr__(self, "constants", Constants.make(*self.shape, seed=self.seed))
 
     @property
+    def state(self) -> CatalogState:
+        """The module holding what its stateful ops change at every call (`CatalogState`): its
+        parameters are the `params` that `assert_checkpoint_equivalent` compares by default, its
+        buffers and generator are put back before each run and compared after."""
+        return self.constants.state
+
+    @property
     def input_shapes(self) -> tuple[tuple[int, int], ...]:
         """The shape of each input tensor."""
         return (self.shape,) * self.n_inputs
@@ -378,6 +562,7 @@ def functions(
     random_ops: bool = True,
     return_inputs: bool = True,
     refusable: bool = False,
+    stateful: bool = False,
 ) -> RandomFunction:
     """Draw a random function of float tensors built from the ops in `CATALOG`.
 
@@ -396,6 +581,10 @@ def functions(
             an update, autograd does not see, of a value backward reads). Only a checker that
             expects errors where eager raises (`assert_checkpoint_equivalent` does) wants them.
         return_inputs: whether an input may also be returned as an extra output.
+        stateful: whether to include ops that change the function's `CatalogState` (`STATEFUL_OPS`:
+            draws from a user generator, a batch norm's running statistics), so that one call differs
+            from the next. Only a checker that puts that state back between the runs it compares
+            (`assert_checkpoint_equivalent` does) wants them.
 
     Returns:
         A strategy of `RandomFunction`s.
@@ -413,6 +602,8 @@ def functions(
         names = [name for name in names if name not in RANDOM_OPS]
     if not refusable and ops is None:
         names = [name for name in names if name not in REFUSABLE_OPS]
+    if not stateful and ops is None:
+        names = [name for name in names if name not in STATEFUL_OPS]
     unknown = set(names) - set(CATALOG)
     if unknown or not names:
         raise ValueError(
@@ -590,7 +781,7 @@ def policies(trace: Trace, *, save_calls: bool = True, offload: bool = False) ->
     >>> import torch, remat, remat.testing
     >>> trace = remat.trace(lambda x: x.sin().cos(), torch.ones(3))
     >>> from hypothesis import given, settings
-    >>> @settings(max_examples=5, derandomize=True, database=None)
+    >>> @settings(max_examples=5, derandomize=True, database=None, deadline=None)
     ... @given(remat.testing.policies(trace))
     ... def test(policy):
     ...     remat.testing.assert_checkpoint_equivalent(lambda x: x.sin().cos(), torch.ones(3, requires_grad=True), policy=policy)
@@ -764,17 +955,32 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
 
 
 @dataclasses.dataclass
+class _Output:
+    """What is compared of one tensor output beyond its value: how it relates to autograd and to the inputs."""
+
+    requires_grad: bool
+    grad_fn: str | None  # the name of its grad_fn's type; None for a leaf
+    layout: tuple[int, ...] | None  # the strides of its dimensions of size > 1
+    aliases: tuple[int, ...]  # the input tensors whose memory it shares
+    identity: int | None  # the input tensor it is, if any
+    view_of: int | None  # the input tensor it is a view of (its `_base`), if any
+    versions: tuple[int, ...] = ()  # the input tensors it shares a version counter with (views, detaches)
+
+
+@dataclasses.dataclass
 class _Run:
     tree: Any  # the output pytree
     outputs: list[Any]  # its leaves
     spec: Any
-    layouts: list[tuple[int, ...] | None]  # per output: the strides of its dimensions of size > 1
-    aliases: list[tuple[int, ...]]  # per output: the input tensors whose memory it shares
+    metadata: list[_Output | None]  # per output (None for a non-tensor)
     inputs_after: list[torch.Tensor]  # the input tensors' values after the call (in-place updates)
     input_grads: list[torch.Tensor | None]
     param_grads: list[torch.Tensor | None]
     backpropagated: tuple[int, ...]  # the outputs given a cotangent
     rng_after: torch.Tensor  # the CPU generator's state after the call and backward
+    cuda_rng_after: list[torch.Tensor]  # each CUDA device's default generator state, where CUDA is in use
+    buffers_after: list[tuple[str, torch.Tensor]]  # the buffers of the module whose state is compared
+    generators_after: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # by id, user generators
 
 
 @dataclasses.dataclass(frozen=True)
@@ -787,16 +993,108 @@ class _Call:
     seed: int
     backward: bool
     backprop: frozenset[int] | None  # the outputs to backpropagate through; None: every one
+    calls: int = 1  # how many times in a row each function is called
 
 
-def _run(fn: Callable[..., Any], call: _Call) -> _Run:
-    params, seed, backward, backprop = call.params, call.seed, call.backward, call.backprop
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """The state both functions change that is put back before the checkpoint's run and compared after
+    each call: the buffers of the module each side runs (None: no module to compare)."""
+
+    expected_buffers: list[tuple[str, torch.Tensor]] | None
+    actual_buffers: list[tuple[str, torch.Tensor]] | None
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [buffer.detach().clone() for _, buffer in self.actual_buffers or ()]
+
+    def restore(self, saved: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for (_, buffer), value in zip(self.actual_buffers or (), saved, strict=True):
+                buffer.copy_(value)
+
+
+def _state_module(fn: Any) -> torch.nn.Module | None:
+    """The module whose parameters and buffers `fn` runs: itself, or a random function's `CatalogState`."""
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    if isinstance(fn, RandomFunction):
+        return fn.state
+    return None
+
+
+def _buffers(fn: Any) -> list[tuple[str, torch.Tensor]] | None:
+    module = _state_module(fn)
+    return None if module is None else list(module.named_buffers())
+
+
+class _UserGenerators(TorchFunctionMode):
+    """Records the user generators (other than torch's default ones) that torch functions are given
+    while active, each with the state it had when first seen: its state before the function drew
+    from it. Only those that outlive the call count: a generator made inside the call (the checker's
+    own for tangents, a user's seeded afresh at each call) is gone when it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, weakref.ref[torch.Generator]] = {}
+        self.start: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Generator) and not _is_default(value):
+                seen = self.seen.get(id(value))
+                if seen is None or seen() is not value:
+                    self.seen[id(value)] = weakref.ref(value)
+                    self.start[id(value)] = value.get_state()
+        return func(*args, **kwargs)
+
+    @property
+    def generators(self) -> dict[int, torch.Generator]:
+        """The generators seen that are still alive, by id, in the order first seen."""
+        alive = {key: ref() for key, ref in self.seen.items()}
+        return {key: generator for key, generator in alive.items() if generator is not None}
+
+    def states(self) -> dict[int, torch.Tensor]:
+        """The state of each live generator seen; the state it was first seen in for the others."""
+        return {**self.start, **{key: generator.get_state() for key, generator in self.generators.items()}}
+
+    def put_back(self) -> None:
+        for key, generator in self.generators.items():
+            generator.set_state(self.start[key])
+
+
+def _is_default(generator: torch.Generator) -> bool:
+    defaults = [torch.default_generator]
+    if torch.cuda.is_available():
+        defaults += list(torch.cuda.default_generators)
+    return any(generator is default for default in defaults)
+
+
+def _cuda_rng_states() -> list[torch.Tensor]:
+    """The default CUDA generators' states, where CUDA is in use (asking would start it otherwise)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    return list(torch.cuda.get_rng_state_all())
+
+
+def _run(
+    fn: Callable[..., Any],
+    call: _Call,
+    state: _State,
+    index: int,
+    recording: contextlib.AbstractContextManager[Any] | None = None,
+) -> _Run:
+    """Call `fn` (for the `index`-th time in a row) on fresh copies of the arguments and backpropagate,
+    under `recording` (eager's run, whose user generators are found so) or as the checkpoint."""
+    params, backward, backprop = call.params, call.backward, call.backprop
+    seed = call.seed + index
     for param in params:
         param.grad = None
     args, kwargs = _fresh((call.args, call.kwargs))
     leaves = _tensor_leaves((args, kwargs))
     torch.manual_seed(seed)
-    tree = fn(*args, **kwargs)
+    with recording or contextlib.nullcontext():
+        tree = fn(*args, **kwargs)
     outputs, spec = optree.tree_flatten(tree, none_is_leaf=False)
     generator = torch.Generator().manual_seed(seed)
     # One cotangent per float output, drawn in order, so that an output gets the same one in both runs.
@@ -805,19 +1103,57 @@ def _run(fn: Callable[..., Any], call: _Call) -> _Run:
     }
     backpropagated = tuple(i for i in cotangents if outputs[i].requires_grad and (backprop is None or i in backprop))
     if backward and backpropagated:
-        torch.autograd.backward([outputs[i] for i in backpropagated], [cotangents[i] for i in backpropagated])
-    return _Run(
+        with recording or contextlib.nullcontext():
+            torch.autograd.backward([outputs[i] for i in backpropagated], [cotangents[i] for i in backpropagated])
+    buffers = state.actual_buffers if recording is None else state.expected_buffers
+    run = _Run(
         tree=tree,
         outputs=outputs,
         spec=spec,
-        layouts=[_layout(o) for o in outputs],
-        aliases=[_aliased_inputs(o, leaves) for o in outputs],
+        metadata=[_output(o, leaves) for o in outputs],
         inputs_after=[t.detach().clone() for t in leaves],
         input_grads=[t.grad for t in leaves],
         param_grads=[None if p.grad is None else p.grad.clone() for p in params],
         backpropagated=backpropagated if backward else (),
         rng_after=torch.get_rng_state(),
+        cuda_rng_after=_cuda_rng_states(),
+        buffers_after=[(name, b.detach().clone()) for name, b in buffers or ()],
     )
+    _find_shared_versions(run.metadata, outputs, leaves)  # last: it bumps the inputs' version counters
+    return run
+
+
+def _output(value: Any, leaves: Sequence[torch.Tensor]) -> _Output | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    base = value._base if value._is_view() else None
+    return _Output(
+        requires_grad=value.requires_grad,
+        grad_fn=None if value.grad_fn is None else type(value.grad_fn).__name__,
+        layout=_layout(value),
+        aliases=_aliased_inputs(value, leaves),
+        identity=next((i for i, t in enumerate(leaves) if value is t), None),
+        view_of=next((i for i, t in enumerate(leaves) if base is t), None),
+    )
+
+
+def _find_shared_versions(
+    metadata: list[_Output | None], outputs: Sequence[Any], leaves: Sequence[torch.Tensor]
+) -> None:
+    """Which inputs each output shares a version counter with (a view or a `detach()` of one does):
+    bump each input's counter and see which outputs' counters move."""
+    # Inference tensors have no version counter.
+    tensors = [(m, o) for m, o in zip(metadata, outputs, strict=True) if m is not None and not o.is_inference()]
+    shared: list[list[int]] = [[] for _ in tensors]
+    for i, leaf in enumerate(leaves):
+        before = [version_counter(o) for _, o in tensors]
+        torch.autograd.graph.increment_version(leaf)
+        for k, ((_, output), version) in enumerate(zip(tensors, before, strict=True)):
+            if version_counter(output) != version:
+                shared[k].append(i)
+    for (meta, _), inputs in zip(tensors, shared, strict=True):
+        if meta is not None:
+            meta.versions = tuple(inputs)
 
 
 def _layout(value: Any) -> tuple[int, ...] | None:
@@ -883,30 +1219,109 @@ def _diff(what: str, actual: Any, expected: Any, rtol: float | None, atol: float
     )
 
 
-def _compare(label: str, expected: _Run, actual: _Run, rtol: float | None, atol: float | None) -> list[str]:
+def _compare(
+    label: str,
+    expected: _Run,
+    actual: _Run,
+    rtol: float | None,
+    atol: float | None,
+    generators: Sequence[torch.Generator] = (),
+) -> list[str]:
     problems = []
     if actual.spec != expected.spec:
         return [f"{label}output structure differs: expected {expected.spec}, got {actual.spec}"]
     for i, (a, e) in enumerate(zip(actual.outputs, expected.outputs, strict=True)):
-        if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor) and a.requires_grad != e.requires_grad:
-            problems.append(f"{label}output {i}: requires_grad expected {e.requires_grad}, got {a.requires_grad}")
         problems.append(_diff(f"{label}output {i}", a, e, rtol, atol) or "")
-        if actual.layouts[i] != expected.layouts[i] and _diff("", a, e, rtol, atol) is None:
-            problems.append(f"{label}output {i}: strides expected {_strides(e)}, got {_strides(a)}")
-        if actual.aliases[i] != expected.aliases[i]:
-            problems.append(
-                f"{label}output {i}: shares memory with input tensors {list(expected.aliases[i])} in eager, "
-                f"but with {list(actual.aliases[i])}"
-            )
+        meta, expected_meta = actual.metadata[i], expected.metadata[i]
+        if meta is not None and expected_meta is not None:
+            same_values = _diff("", a, e, rtol, atol) is None
+            problems += _compare_output(f"{label}output {i}", meta, expected_meta, a, e, same_values)
     for i, (after, expected_after) in enumerate(zip(actual.inputs_after, expected.inputs_after, strict=True)):
         problems.append(_diff(f"{label}input tensor {i} after the call", after, expected_after, rtol, atol) or "")
-    if not torch.equal(actual.rng_after, expected.rng_after):
-        problems.append(f"{label}the random stream is left elsewhere than eager leaves it")
+    problems += _compare_state(label, expected, actual, rtol, atol, generators)
     for i, (grad, expected_grad) in enumerate(zip(actual.input_grads, expected.input_grads, strict=True)):
         problems.append(_diff(f"{label}gradient of input tensor {i}", grad, expected_grad, rtol, atol) or "")
     for i, (grad, expected_grad) in enumerate(zip(actual.param_grads, expected.param_grads, strict=True)):
         problems.append(_diff(f"{label}gradient of parameter {i}", grad, expected_grad, rtol, atol) or "")
     return [p for p in problems if p]
+
+
+def _compare_output(
+    what: str, actual: _Output, expected: _Output, a: torch.Tensor, e: torch.Tensor, same_values: bool
+) -> list[str]:
+    """How an output relates to autograd and to the inputs, in eager and under the checkpoint."""
+    problems = []
+    if actual.requires_grad != expected.requires_grad:
+        problems.append(f"{what}: requires_grad expected {expected.requires_grad}, got {actual.requires_grad}")
+    elif (actual.grad_fn is None) != (expected.grad_fn is None):
+        problems.append(f"{what}: expected {_autograd_words(expected.grad_fn)}, got {_autograd_words(actual.grad_fn)}")
+    if actual.layout != expected.layout and same_values:
+        problems.append(f"{what}: strides expected {_strides(e)}, got {_strides(a)}")
+    if actual.identity != expected.identity:
+        problems.append(
+            f"{what}: {_identity_words(expected.identity)} in eager, but {_identity_words(actual.identity)}"
+        )
+    elif actual.view_of != expected.view_of:
+        problems.append(f"{what}: {_view_words(expected.view_of)} in eager, but {_view_words(actual.view_of)}")
+    if actual.aliases != expected.aliases:
+        problems.append(
+            f"{what}: shares memory with input tensors {list(expected.aliases)} in eager, but with {list(actual.aliases)}"
+        )
+    elif actual.versions != expected.versions:
+        problems.append(
+            f"{what}: shares its version counter with input tensors {list(expected.versions)} in eager (an in-place "
+            f"update of one bumps the other's `_version`, as for a view or a `detach()`), but with {list(actual.versions)}"
+        )
+    return problems
+
+
+def _autograd_words(grad_fn: str | None) -> str:
+    return "a leaf (grad_fn None)" if grad_fn is None else f"a non-leaf (grad_fn {grad_fn})"
+
+
+def _identity_words(index: int | None) -> str:
+    return "a tensor that is no input" if index is None else f"input tensor {index} itself (`out is input`)"
+
+
+def _view_words(index: int | None) -> str:
+    return "not a view of an input tensor" if index is None else f"a view of input tensor {index} (its `_base`)"
+
+
+def _compare_state(
+    label: str,
+    expected: _Run,
+    actual: _Run,
+    rtol: float | None,
+    atol: float | None,
+    generators: Sequence[torch.Generator],
+) -> list[str]:
+    """Where the random streams are left, and the buffers of the module whose state is compared."""
+    problems = []
+    if not torch.equal(actual.rng_after, expected.rng_after):
+        problems.append(f"{label}the random stream is left elsewhere than eager leaves it")
+    for device, (state, expected_state) in enumerate(zip(actual.cuda_rng_after, expected.cuda_rng_after, strict=False)):
+        if not torch.equal(state, expected_state):
+            problems.append(f"{label}the CUDA random stream of device {device} is left elsewhere than eager leaves it")
+    for number, generator in enumerate(generators):
+        key = id(generator)
+        if not torch.equal(actual.generators_after[key], expected.generators_after[key]):
+            problems.append(
+                f"{label}user generator {number} ({generator.device} generator of initial seed "
+                f"{generator.initial_seed()}, the {_ordinal(number)} fn drew from) is left elsewhere than eager leaves it"
+            )
+    if len(actual.buffers_after) == len(expected.buffers_after):
+        for (name, buffer), (_, expected_buffer) in zip(actual.buffers_after, expected.buffers_after, strict=True):
+            problems.append(_diff(f"{label}buffer {name} after the call", buffer, expected_buffer, rtol, atol) or "")
+    elif actual.buffers_after and expected.buffers_after:
+        problems.append(
+            f"{label}the module of the checkpoint has {len(actual.buffers_after)} buffers, the module of fn "
+            f"{len(expected.buffers_after)}: {[n for n, _ in expected.buffers_after]}"
+        )
+    return problems
+
+
+def _ordinal(number: int) -> str:
+    return {0: "first", 1: "second", 2: "third"}.get(number, f"{number + 1}th")
 
 
 def _check_backprop_outputs(backprop: frozenset[int], expected: _Run) -> None:
@@ -949,32 +1364,63 @@ def _run_and_compare(
     fn: Callable[..., Any],
     checkpointed: Callable[..., Any],
     call: _Call,
+    state: _State,
     rtol: float | None,
     atol: float | None,
 ) -> tuple[list[str], _Run | None]:
-    """Run both; compare what they computed, or, where `fn` raises, that the checkpoint raises too.
+    """Run both, `call.calls` times each; compare what they computed, or, where `fn` raises, that the
+    checkpoint raises too.
 
-    Returns the differences and the checkpoint's run (None where `fn` raised). Under a transform
-    (`label`), a program eager refuses is not compared: remat may run it where eager cannot (its
-    views are traced as reshapes, which never fail)."""
-    try:
-        expected = _run(fn, call)
-    except Exception as error:  # eager refuses this program: so must the checkpoint
-        if label:
-            return [], None
+    The checkpoint starts from the state eager started from: its module's buffers and the user
+    generators eager drew from are put back first. Returns the differences and the checkpoint's last
+    run (None where `fn` raised). Under a transform (`label`), a program eager refuses is not compared:
+    remat may run it where eager cannot (its views are traced as reshapes, which never fail)."""
+    start = state.snapshot()
+    recorder = _UserGenerators()
+    expected_runs: list[_Run] = []
+    refused: Exception | None = None
+    for index in range(call.calls):
         try:
-            _run(checkpointed, call)
-        except type(error):
-            return [], None
-        except Exception as other:
-            return [f"{label}eager raises {type(error).__name__}: {error}; the checkpoint raises {other!r}"], None
-        return [f"{label}eager raises {type(error).__name__}: {error}; the checkpoint does not"], None
-    if call.backward and call.backprop is not None:
-        _check_backprop_outputs(call.backprop, expected)
-    if call.backward and not label:
-        _check_gradients_reach_something(expected)
-    actual = _run(checkpointed, call)
-    return _compare(label, expected, actual, rtol, atol), actual
+            run = _run(fn, call, state, index, recording=recorder)
+        except Exception as error:  # eager refuses this program: so must the checkpoint
+            refused = error
+            break
+        run.generators_after = recorder.states()
+        expected_runs.append(run)
+    if refused is not None and label:
+        return [], None
+    if expected_runs and call.backward and call.backprop is not None:
+        _check_backprop_outputs(call.backprop, expected_runs[0])
+    if expected_runs and call.backward and not label:
+        _check_gradients_reach_something(expected_runs[0])
+    generators = recorder.generators
+    for run in expected_runs:  # a generator first seen at a later call was as first seen until then
+        run.generators_after = {key: run.generators_after.get(key, recorder.start[key]) for key in generators}
+    state.restore(start)
+    recorder.put_back()
+    problems: list[str] = []
+    actual = None
+    for index, expected in enumerate(expected_runs):
+        actual = _run(checkpointed, call, state, index)
+        actual.generators_after = {key: generator.get_state() for key, generator in generators.items()}
+        problems += _compare(_label(label, index, call.calls), expected, actual, rtol, atol, list(generators.values()))
+    if refused is None:
+        return problems, actual
+    at = _label(label, len(expected_runs), call.calls)
+    try:
+        _run(checkpointed, call, state, len(expected_runs))
+    except type(refused):
+        return problems, None
+    except Exception as other:
+        return [
+            *problems,
+            f"{at}eager raises {type(refused).__name__}: {refused}; the checkpoint raises {other!r}",
+        ], None
+    return [*problems, f"{at}eager raises {type(refused).__name__}: {refused}; the checkpoint does not"], None
+
+
+def _label(label: str, index: int, calls: int) -> str:
+    return f"{label}call {index + 1} of {calls}: " if calls > 1 else label
 
 
 def _strides(value: Any) -> tuple[int, ...] | None:
@@ -1004,7 +1450,8 @@ def _checked_kwargs(kwargs: Any) -> dict[str, Any]:
 
 def _checked_params(params: Any, fn: Callable[..., Any]) -> list[torch.Tensor]:
     if params is None:
-        return list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+        module = _state_module(fn)
+        return [] if module is None else list(module.parameters())
     if isinstance(params, (torch.Tensor, torch.nn.Module, Mapping)) or not isinstance(params, Iterable):
         raise TypeError(
             f"{_API}: expected params to be an iterable of tensors (such as module.parameters() or a list), "
@@ -1050,6 +1497,7 @@ def assert_checkpoint_equivalent(
     transforms: Sequence[str] = (),
     device: str | torch.device | None = None,
     seed: int = 0,
+    calls: int = 1,
     rtol: float | None = None,
     atol: float | None = None,
 ) -> CheckpointedRun | None:
@@ -1060,14 +1508,22 @@ def assert_checkpoint_equivalent(
     draw the same numbers; the same seeded random cotangents are
     backpropagated through every float output that requires grad (or those
     in `backprop`). Compared: the output structure and every output with its
-    metadata (`requires_grad`, device, the strides of its dimensions longer
-    than one, which inputs it shares memory with), the values of the inputs
-    after the call (in-place updates), the gradient of every input tensor,
-    the `.grad` of each tensor in `params` (for an `nn.Module` `fn`, its
-    parameters), and where the CPU random stream is left after forward and
-    backward. Where `fn` raises, the checkpoint must raise an exception of
-    the same type. Tolerances depend on the dtype (tight for float64, loose
-    for bfloat16 and float16) unless given.
+    metadata (`requires_grad`, whether it is a leaf, device, the strides of
+    its dimensions longer than one, whether it is an input itself or a view
+    of one, which inputs it shares memory and a version counter with), the
+    values of the inputs after the call (in-place updates), the gradient of
+    every input tensor, the `.grad` of each tensor in `params` (for an
+    `nn.Module` `fn`, its parameters), the module's buffers after the call
+    (running statistics), and where the random streams are left after
+    forward and backward: the CPU's, each CUDA device's where CUDA is in use,
+    and each user `torch.Generator` that `fn` draws from (found while it
+    runs). Before the checkpoint's run, the buffers and those generators are
+    put back as they were before `fn`'s, so both start alike. With `calls`,
+    each is called several times in a row, which is where a cached trace
+    meets state (buffers, generators, values read in Python) that moved on.
+    Where `fn` raises, the checkpoint must raise an exception of the same
+    type. Tolerances depend on the dtype (tight for float64, loose for
+    bfloat16 and float16) unless given.
 
     Args:
         fn: a function of tensors, or an `nn.Module`.
@@ -1077,11 +1533,14 @@ def assert_checkpoint_equivalent(
             `remat.checkpoint(fn, policy=policy)`: a model after
             `remat.checkpoint_modules`, a method decorated with
             `remat.checkpoint`, a compiled checkpoint. Not with `policy`.
+            Its buffers are compared with `fn`'s; one that is no module is
+            taken to run `fn`'s (and is compared with them).
         kwargs: keyword arguments for both, copied fresh like `args`.
         params: tensors both functions close over (leaf tensors, such as
             `model.parameters()`) whose `.grad` is compared; each `.grad` is
             cleared before each run and holds the checkpoint's afterwards.
-            Default: the parameters of `fn` if it is an `nn.Module`, else none.
+            Default: the parameters of `fn` if it is an `nn.Module` (of its
+            `state` for a `RandomFunction`), else none.
         backprop: backpropagate only through the outputs at these positions
             (among the leaves of the output pytree, in `optree` order), each a
             float tensor that requires grad in `fn`.
@@ -1096,7 +1555,13 @@ def assert_checkpoint_equivalent(
             neither differentiated nor batched.
         device: move the arguments, and `fn` and `checkpointed` where they
             are modules, there first (not the tensors of `params`).
-        seed: the seed for random ops and cotangents.
+        seed: the seed for random ops and cotangents (`seed + k` at the call
+            `k`, counted from 0).
+        calls: call `fn` this many times in a row, then as many times the
+            checkpoint (one object, keeping its cached traces), on fresh
+            copies of the arguments, comparing each call with the same call
+            of `fn`; buffers and user generators carry over from call to call
+            on each side. Under `transforms`, each is compared once.
         rtol: relative tolerance, instead of the dtype's.
         atol: absolute tolerance, instead of the dtype's.
 
@@ -1110,9 +1575,9 @@ def assert_checkpoint_equivalent(
             its shape, dtype, maximum absolute and relative error and the worst
             element.
         ValueError: for both `policy` and `checkpointed`, for `backprop`
-            naming an output that cannot be backpropagated through, and where
+            naming an output that cannot be backpropagated through, where
             backward reaches no input and none of `params` (so no gradient
-            would be compared).
+            would be compared), and for `calls` below 1.
         TypeError: for arguments of the wrong type.
 
     >>> import torch, remat, remat.testing
@@ -1132,6 +1597,15 @@ def assert_checkpoint_equivalent(
     >>> run = remat.testing.assert_checkpoint_equivalent(layer, x, checkpointed=checkpointed_layer, params=[w])
     >>> run.param_grads[0].shape
     torch.Size([4, 4])
+
+    A function that draws from a generator of its own, called three times in a row: the generator
+    is put back before the checkpoint's first call, and compared after each.
+
+    >>> generator = torch.Generator().manual_seed(0)
+    >>> def noisy(x):
+    ...     return x * torch.rand(x.shape, generator=generator, dtype=x.dtype)
+    >>> remat.testing.assert_checkpoint_equivalent(noisy, x, calls=3).outputs.shape
+    torch.Size([4, 4])
     """
     unknown = [t for t in transforms if t not in TRANSFORMS]
     if unknown:
@@ -1148,6 +1622,11 @@ def assert_checkpoint_equivalent(
                 f"{_API}: expected checkpointed to be a callable to compare with fn, but got "
                 f"{type(checkpointed).__name__}: {checkpointed!r}."
             )
+    if not isinstance(calls, int) or isinstance(calls, bool) or calls < 1:
+        raise ValueError(
+            f"{_API}: expected calls to be how many times to call fn and the checkpoint in a row, an int of "
+            f"at least 1, but got {calls!r}."
+        )
     call_kwargs = _checked_kwargs(kwargs)
     positions = _checked_backprop(backprop)
     if device is not None:
@@ -1157,13 +1636,17 @@ def assert_checkpoint_equivalent(
             if isinstance(module, torch.nn.Module):
                 module.to(device)
     tensors = _checked_params(params, fn)
+    expected_buffers = _buffers(fn)
     if checkpointed is None:
         checkpointed = _checkpoint(fn, policy)
         header = f"remat.checkpoint(fn, policy={policy!r}) differs from fn = {fn!r}:"
     else:
         header = f"checkpointed = {checkpointed!r} differs from fn = {fn!r}:"
-    call = _Call(args, call_kwargs, tensors, seed, backward=True, backprop=positions)
-    problems, run = _run_and_compare("", fn, checkpointed, call, rtol, atol)
+    # A checkpoint that is not a module itself runs fn's (remat.checkpoint of a function, a lambda).
+    actual_buffers = _buffers(checkpointed)
+    state = _State(expected_buffers, expected_buffers if actual_buffers is None else actual_buffers)
+    call = _Call(args, call_kwargs, tensors, seed, backward=True, backprop=positions, calls=calls)
+    problems, run = _run_and_compare("", fn, checkpointed, call, state, rtol, atol)
     for name in transforms:
         # grad, jvp and vjp are compared as pure functions of detached inputs; vmap also backpropagates.
         vmap = name == "vmap"
@@ -1172,12 +1655,14 @@ def assert_checkpoint_equivalent(
             args=_stack(args) if vmap else _detached(args),
             kwargs=call_kwargs if vmap else _detached(call_kwargs),
             backward=vmap,
+            calls=1,
         )
         problems += _run_and_compare(
             f"[{name}] ",
             _transformed(name, fn, seed),
             _transformed(name, checkpointed, seed),
             transformed_call,
+            state,
             rtol,
             atol,
         )[0]

@@ -353,6 +353,24 @@ def test_seeding_the_global_generator_inside_is_a_trace_error():
     assert "a `torch.Generator` of your own (`generator=g`)" in message
 
 
+def test_a_write_through_as_strided_under_vmap_is_refused_with_what_to_do():
+    # torch's vmap has no batching rule for `as_strided_scatter`: a raw RuntimeError from inside torch.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = x.sin()
+        t.view(-1).as_strided((1, 1), (2, 2)).mul_(2.0)
+        return t
+
+    checkpointed = remat.checkpoint(fn)
+    x = _randn(1, 2)
+    torch.testing.assert_close(checkpointed(x), fn(x))  # outside vmap it runs
+    with pytest.raises(
+        NotImplementedError, match=r"under torch.func.vmap, the function makes a write through `as_strided`"
+    ):
+        torch.func.vmap(checkpointed)(_randn(3, 1, 2))
+    with pytest.raises(NotImplementedError, match=r"under forward-mode AD .* makes a write through `as_strided`"):
+        torch.func.jvp(checkpointed, (x.detach(),), (torch.ones_like(x),))
+
+
 def test_a_generator_made_inside_the_function_is_a_trace_error():
     # The trace kept the generator it was traced with, and drew other numbers than eager from the
     # second call on. NOTE [generators made inside the function]
