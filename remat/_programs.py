@@ -199,6 +199,12 @@ def epilogue(joint: JointGraph, returned: Sequence[int], overwritten: Mapping[fx
     return _module(joint, graph)
 
 
+def _copied(destination: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """`aten.copy(destination, source)` (what a slice assignment functionalizes into) as ops that
+    forward-mode AD differentiates: `source`, cast and broadcast to `destination`."""
+    return source.to(dtype=destination.dtype, device=destination.device).expand(destination.shape).clone()
+
+
 def _without_grad(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`op` run as `fn` ran it, under `torch.no_grad()` (in the epilogue, outside the Function)."""
     with torch.no_grad():
@@ -252,6 +258,9 @@ def _emitter(
             copy.meta = dict(node.meta)
         elif node.target is aten.detach.default and not stops_gradient(node):
             copy = env[node.args[0]]  # type: ignore[index]  # autograd's own detach of a saved value
+        elif node.target is aten.copy.default and forward_mode:  # no forward-mode derivative of its own
+            copy = graph.call_function(_copied, (env[node.args[0]], env[node.args[1]]))  # type: ignore[index]
+            copy.meta = dict(node.meta)
         else:
             copy = _copy(graph, node, env)
             if _stops_gradient(node, forward_mode):
