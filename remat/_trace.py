@@ -536,7 +536,7 @@ def _joint_graph(
     )
     value_checks = checks_of(graph)
     forward_nodes = _forward_nodes(graph, joint.ran_in_fn, tangents, [*outputs, *mutations, *value_checks])
-    _mark_replayed_detaches(forward_nodes, joint.detached)
+    _mark_replayed_detaches(forward_nodes, joint.detached, mutations)
     call_nodes = tuple(n for n in graph.nodes if n in forward_nodes and is_call(n) and n not in mutations)
     for node in call_nodes:
         if isinstance(node.meta.get("val"), (tuple, list)):
@@ -568,14 +568,18 @@ def _joint_graph(
     )
 
 
-def _mark_replayed_detaches(forward_nodes: frozenset[fx.Node], detached: set[fx.Node]) -> None:
+def _mark_replayed_detaches(
+    forward_nodes: frozenset[fx.Node], detached: set[fx.Node], mutations: Sequence[fx.Node]
+) -> None:
     """Mark as `fn`'s own detaches the aliases functionalization recreated of what `fn` detached,
     and make each of `fn`'s detaches an `aten.detach`. See NOTE [a detach runs as a detach].
 
     `capture_mode` marks the node `x.detach()` creates (an `aten.detach`, or an `aten.alias` since
     torch 2.15); but functionalization recreates the detached alias of a tensor updated in place
-    when it is next read, during another call. Autograd's own aliases of the values it saves are
-    of other nodes, and read only by backward."""
+    when it is next read, during another call: of its new value (for an input, the value written
+    back into it). Autograd's own aliases of the values it saves are of other nodes, and read only
+    by backward."""
+    detached = detached | {m.args[1] for m in mutations if m.args[0] in detached}  # type: ignore[misc]
     for node in forward_nodes:
         if node.target in (aten.detach.default, aten.alias.default) and node.args[0] in detached:
             node.meta["remat_stops_gradient"] = "detach"

@@ -220,3 +220,21 @@ def test_regression_the_fuzzers_input_updated_through_a_transposed_slice_is_retu
     assert actual["o2"] is actual_x1 and expected["o2"] is expected_x1
     assert actual["o0"] is actual["o1"]
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL)
+
+
+@POLICIES
+def test_regression_a_detached_input_updated_in_place_and_returned_stays_detached(policy: Any) -> None:
+    # The soak found it on torch 2.15: functionalization reads the updated tensor through a new alias of
+    # its new value, which was not known as the detach it is, and was rebuilt as a view with grad.
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        detached = x.detach()
+        with torch.no_grad():
+            detached.t()[1:].mul_(0.5)  # updates x too, which autograd allows through a detach
+        return detached, (x * w).sum()
+
+    x, w = _inputs()
+    expected_identities, expected_grads = _run(fn, (x.detach().clone().requires_grad_(), w))
+    identities, grads = _run(remat.checkpoint(fn, policy=policy), (x.detach().clone().requires_grad_(), w))
+    assert identities == expected_identities
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=RTOL, atol=ATOL)
