@@ -305,7 +305,26 @@ def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.
     fill = node.meta.get("remat_fill")
     if fill is not None:  # a NamedTuple prints as an argument, not as a target
         copy.target, copy.args = fill_in_eager_layout, (fill, *copy.args)
+    elif node.target in _SCATTERS:
+        copy.target, copy.args = _scattered_in_base_layout, (node.target, *copy.args)
     return copy
+
+
+# The functional forms of writes through views. Eager's write keeps the layout of the tensor written
+# into, and so do these, except under `vmap`, whose batching rules for them return contiguous tensors.
+_SCATTERS = frozenset({aten.slice_scatter.default, aten.select_scatter.default, aten.diagonal_scatter.default})
+
+
+def _scattered_in_base_layout(op: Any, base: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`op(base, *args, **kwargs)`, in the layout of `base`, as eager's write through a view leaves it."""
+    out: torch.Tensor = op(base, *args, **kwargs)
+    if out.stride() == base.stride() or not _is_dense(base):
+        return out
+    return torch.empty_like(base).copy_(out)  # under vmap, see `_SCATTERS`
+
+
+def _is_dense(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() or torch.empty_like(tensor).stride() == tensor.stride()
 
 
 def _stops_gradient(node: fx.Node, forward_mode: bool) -> bool:

@@ -318,6 +318,20 @@ def test_an_unfold_of_one_window_keeps_the_shape_and_strides_of_its_elements() -
     assert_checkpoint_equivalent(fn, x)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+def test_regression_a_write_through_a_transposed_slice_keeps_the_layout_under_vmap() -> None:
+    # vmap's batching rule for `slice_scatter` returns a contiguous tensor, where eager's write keeps the
+    # layout of the tensor it writes into (the soak found it: strides (4, 1, 2) for eager's (4, 2, 1)).
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.abs()
+        with torch.no_grad():
+            y.t()[1:].mul_(0.5)
+        return y
+
+    x = torch.randn(2, 2, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, transforms=["vmap", "grad"])
+
+
 # --- aliasing and in-place updates of inputs ---------------------------------------------------------------
 
 
