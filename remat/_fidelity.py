@@ -54,6 +54,7 @@ __all__ = [
     "OverlappingWrite",
     "eager_fidelity",
     "fill_in_eager_layout",
+    "is_dense",
     "kept_as_dead_code",
     "runnable",
 ]
@@ -147,12 +148,24 @@ _DROPOUTS = frozenset(
 
 
 class _InsideDropout(TorchFunctionMode):
-    """Notes, for `EagerFidelity`, when a dropout function is running; and traces an `unfold` of
-    one window as the views it is (NOTE [writes through views]), where autograd sees them too."""
+    """Notes, for `EagerFidelity`, when a dropout function is running."""
 
     def __init__(self) -> None:
         super().__init__()
         self.depth = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        inside = func in _DROPOUTS
+        self.depth += inside
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.depth -= inside
+
+
+class _ViewsWrittenThroughExactly(TorchFunctionMode):
+    """Traces the views functionalization cannot write back through exactly as views it can
+    (NOTE [writes through views]), above autograd, so that its view replays take them too."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -164,12 +177,7 @@ class _InsideDropout(TorchFunctionMode):
                 return unfold.with_gaps()
         if func in _AS_STRIDED and isinstance(args[0], torch.Tensor):
             return _as_strided(*args, **kwargs)
-        inside = func in _DROPOUTS
-        self.depth += inside
-        try:
-            return func(*args, **kwargs)
-        finally:
-            self.depth -= inside
+        return func(*args, **kwargs)
 
 
 _AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)
@@ -194,37 +202,38 @@ class _Unfold:
     size: int
     step: int
 
+    @property
+    def length(self) -> Any:
+        """The size of the unfolded dimension (a symbol where it depends on data)."""
+        return self.tensor.shape[self.dimension] if self.tensor.dim() else 1
+
+    @property
+    def windows(self) -> Any:
+        return (self.length - self.size) // self.step + 1
+
     def has_one_window(self) -> bool:
         """Whether it has one window, longer than its step: functionalization refuses writes through
         such an `unfold`, though none of its elements overlap."""
-        length = self.tensor.shape[self.dimension] if self.tensor.dim() else 1
-        return isinstance(length, int) and length - self.size < self.step and self.size > self.step
+        return isinstance(self.length, int) and self.windows == 1 and self.size > self.step
 
     def has_gaps(self) -> bool:
         """Whether its windows share nothing but leave elements out (`unfold(0, 1, 2)`, or a last element
         no window reaches): functionalization writes back through it as the sum of the windows, which
         sets those elements to zero."""
-        length = self.tensor.shape[self.dimension] if self.tensor.dim() else 1
-        if not isinstance(length, int) or self.size > self.step:
+        if not isinstance(self.length, int) or self.size > self.step:
             return False
-        windows = (length - self.size) // self.step + 1
-        return self.size < self.step or windows * self.step != length
+        return self.size < self.step or self.windows * self.step != self.length
 
     def with_gaps(self) -> torch.Tensor:
         """It as views functionalization writes through exactly: where its windows fit in whole steps,
         the steps as a dimension of their own and the first `size` elements of each; otherwise (a last
         window shorter than a step) the `as_strided` it is. Both have its shape and strides."""
         dim = self.dimension % self.tensor.dim()
-        windows = (self.tensor.shape[dim] - self.size) // self.step + 1
-        if windows * self.step <= self.tensor.shape[dim]:
-            steps = self.tensor.narrow(dim, 0, windows * self.step).unflatten(dim, (windows, self.step))
+        if self.windows * self.step <= self.length:
+            steps = self.tensor.narrow(dim, 0, self.windows * self.step).unflatten(dim, (self.windows, self.step))
             return steps.narrow(dim + 1, 0, self.size).movedim(dim + 1, -1)
-        return self._as_strided()
-
-    def _as_strided(self) -> torch.Tensor:
-        dim = self.dimension % self.tensor.dim()
         shape, strides = list(self.tensor.shape), list(self.tensor.stride())
-        shape[dim] = (shape[dim] - self.size) // self.step + 1
+        shape[dim] = self.windows
         strides[dim] *= self.step
         return _as_strided(self.tensor, (*shape, self.size), (*strides, self.tensor.stride(dim)))
 
@@ -319,7 +328,7 @@ class EagerFidelity(TorchDispatchMode):
             self.dropout_layout_matters = True
             if self.under_functorch:
                 return trace_call(func, args, kwargs)
-        fill = FillInEagerLayout(func.name(), tuple(target.stride()), _is_dense(target.shape, target.stride()))
+        fill = FillInEagerLayout(func.name(), tuple(target.stride()), is_dense(target.shape, target.stride()))
         if fill.dense:  # the fill's value has eager's layout, for every op that reads it
             self.fake_mode.fill_strides = fill.strides
         try:
@@ -335,7 +344,11 @@ class EagerFidelity(TorchDispatchMode):
 def eager_fidelity(under_functorch: bool, fake_mode: EagerLayoutFakeMode) -> Iterator[EagerFidelity]:
     """The modes to run `fn` under, inside `FunctionalTensorMode`, while tracing the joint graph
     (for a function that runs under a torch.func transform, with `under_functorch`)."""
-    with _InsideDropout() as dropouts, EagerFidelity(dropouts, under_functorch, fake_mode) as fidelity:
+    with (
+        _ViewsWrittenThroughExactly(),
+        _InsideDropout() as dropouts,
+        EagerFidelity(dropouts, under_functorch, fake_mode) as fidelity,
+    ):
         yield fidelity
 
 
@@ -398,7 +411,7 @@ def _offsets_repeat(dims: Sequence[tuple[int, int]]) -> bool:
     return len(offsets) < count
 
 
-def _is_dense(shape: Sequence[Any], strides: Sequence[Any]) -> bool:
+def is_dense(shape: Sequence[Any], strides: Sequence[Any]) -> bool:
     """Whether a tensor's elements fill its memory with no gaps (contiguous in some order)."""
     dims = _known(shape, strides)
     if dims is None:

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from . import _offload, _rng
-from ._fidelity import fill_in_eager_layout, runnable
+from ._fidelity import fill_in_eager_layout, is_dense, runnable
 from ._torch import BoxedCodeGen
 from ._trace import JointGraph, stops_gradient
 
@@ -318,13 +318,9 @@ _SCATTERS = frozenset({aten.slice_scatter.default, aten.select_scatter.default, 
 def _scattered_in_base_layout(op: Any, base: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
     """`op(base, *args, **kwargs)`, in the layout of `base`, as eager's write through a view leaves it."""
     out: torch.Tensor = op(base, *args, **kwargs)
-    if out.stride() == base.stride() or not _is_dense(base):
+    if out.stride() == base.stride() or not is_dense(base.shape, base.stride()):
         return out
     return torch.empty_like(base).copy_(out)  # under vmap, see `_SCATTERS`
-
-
-def _is_dense(tensor: torch.Tensor) -> bool:
-    return tensor.is_contiguous() or torch.empty_like(tensor).stride() == tensor.stride()
 
 
 def _stops_gradient(node: fx.Node, forward_mode: bool) -> bool:
