@@ -192,6 +192,12 @@ def run_jvp(method: Method) -> Any:
     return jvp(method.function(mlp), primals, tangents)
 
 
+def run_jvp_of_vmap(method: Method) -> Any:
+    primals = inputs()
+    tangents = tuple(_randn(*p.shape, seed=10 + i) for i, p in enumerate(primals))
+    return jvp(vmap(method.function(mlp), in_dims=PER_SAMPLE), primals, tangents)
+
+
 def run_hessian(method: Method) -> Any:
     return hessian(_loss(method.function(mlp)), argnums=1)(*inputs())
 
@@ -292,6 +298,14 @@ def run_forward_ad(method: Method) -> Any:
         return out.primal, out.tangent
 
 
+def run_forward_ad_of_vmap(method: Method) -> Any:
+    x, *params = inputs()
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, _randn(BATCH, IN, seed=7))
+        out = fwAD.unpack_dual(vmap(method.function(mlp), in_dims=PER_SAMPLE)(dual, *params))
+        return out.primal, out.tangent
+
+
 def run_nested(method: Method) -> Any:
     inner = method.function(mlp)
 
@@ -317,6 +331,7 @@ ROWS = (
     Row("`jacrev`", "`jacrev` with respect to the input and the first weight", run_jacrev),
     Row("`jacfwd`", "`jacfwd`, likewise", run_jacfwd),
     Row("`jvp`", "`torch.func.jvp` with a tangent for every argument", run_jvp),
+    Row("`jvp(vmap)`", "`torch.func.jvp` of the `vmap` below, a tangent for every argument", run_jvp_of_vmap),
     Row("`hessian`", "`hessian` of the loss with respect to the first weight", run_hessian),
     Row("`vmap`", "`vmap(checkpointed, in_dims=(0, None, ...))`, then `backward` to the weights", run_vmap),
     Row(
@@ -351,6 +366,11 @@ ROWS = (
     Row("`gradcheck`", "`torch.autograd.gradcheck` of the MLP", run_gradcheck),
     Row("`gradgradcheck`", "`torch.autograd.gradgradcheck` of the MLP", run_gradgradcheck),
     Row("`forward_ad` dual tensors", "`torch.autograd.forward_ad.make_dual` on the input", run_forward_ad),
+    Row(
+        "`forward_ad` dual tensors through `vmap`",
+        "the `vmap` below of the method, called on a dual input",
+        run_forward_ad_of_vmap,
+    ),
     Row("nested checkpoints", "the method applied to a function that calls the MLP through the method", run_nested),
 )
 

@@ -255,10 +255,6 @@ def _executable(
             "trace holds for the values it read and checks them as it runs, which compiled programs cannot "
             "do. Checkpoint it without `compile=`, or use `torch.compile` around the checkpointed model."
         )
-    if forward_mode:
-        inexact = unsupported_under("forward-mode AD (torch.func.jvp, jacfwd, forward_ad)", joint.graph.nodes)
-        if inexact is not None:
-            raise NotImplementedError(inexact)
     programs = partition(joint, decide_nested(policy, joint.trace, joint.regions), forward_mode=forward_mode)
     return Executable(
         programs=programs,
@@ -270,6 +266,11 @@ def _executable(
         output_metas=tuple(TensorMeta.of(o.meta["val"]) for o in joint.outputs),
         compiled=None if compile_options is None else compile_programs(programs, compile_options),
         unbatchable=unsupported_under("torch.func.vmap", joint.graph.nodes),
+        not_under_forward_ad=unsupported_under(
+            "torch.autograd.forward_ad", joint.graph.nodes, works_under="torch.func.jvp (or jacfwd)"
+        )
+        if forward_mode
+        else None,
     )
 
 

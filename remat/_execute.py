@@ -42,6 +42,7 @@ class Executable:
     output_metas: tuple[TensorMeta, ...]
     compiled: CompiledPrograms | None = None  # see NOTE [compiling remat's programs]
     unbatchable: str | None = None  # why the programs cannot run under `vmap`, if they cannot
+    not_under_forward_ad: str | None = None  # why they cannot under `torch.autograd.forward_ad`, if so
 
     def forward(self, *primals: torch.Tensor) -> Sequence[torch.Tensor]:
         if self.compiled is not None and not functorch_active():
@@ -61,6 +62,8 @@ class Executable:
 def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Run the forward program, keeping what backward needs; return the user's outputs."""
     programs = executable.programs
+    if executable.not_under_forward_ad is not None and not _func_jvp_active():
+        raise NotImplementedError(executable.not_under_forward_ad)  # traced for forward mode: it is on
     if functorch_active():
         if executable.unbatchable is not None and vmap_active():
             raise NotImplementedError(executable.unbatchable)
@@ -112,6 +115,8 @@ class _CheckpointFunction(torch.autograd.Function):
         if programs.pure_returns_outputs:  # traced under forward mode: for the jvp rule
             ctx.save_for_forward(*kept)
             ctx.remat_output_metas = [TensorMeta.of(o) for o in output]  # zeros where it finds no tangent
+            if not functorch_active():  # See NOTE [tangents in their outputs' layouts].
+                ctx.remat_output_layouts = [_Layout.of(o) for o in output]
         if executable.dirty:  # (each skipped call is a microsecond of every cached call's overhead)
             ctx.mark_dirty(*_as_seen_by_autograd(ctx, [primals[i] for i in executable.dirty]))
         non_differentiable = [o for o, skip in zip(output, _without_grad(ctx, programs), strict=True) if skip]
@@ -188,7 +193,7 @@ class _CheckpointFunction(torch.autograd.Function):
                     given.copy_(new)
                 output_tangents[position] = given
         n_states = sum(k.rng_state for k in programs.kept)
-        return tuple(
+        tangents = tuple(
             None if skip else _zeros(meta) if tangent is None else tangent.to(meta.device)  # offloaded: the host's
             for tangent, skip, meta in zip(
                 (*output_tangents, *([None] * n_states)),
@@ -197,6 +202,10 @@ class _CheckpointFunction(torch.autograd.Function):
                 strict=True,
             )
         )
+        layouts = getattr(ctx, "remat_output_layouts", None)
+        if layouts is None:
+            return tangents
+        return tuple(t if t is None else layout.laid_out(t) for t, layout in zip(tangents, layouts, strict=True))
 
 
 # NOTE [the backward owns its gradients]
@@ -217,35 +226,55 @@ def _pure_jvp(
 ) -> Sequence[torch.Tensor | None]:
     """Tangents of the pure forward's outputs for tangents on some of its inputs."""
     _check_pure_differentiable(programs)
-    positions = [i for i, _ in chosen]
-    if not positions:  # no input the pure forward reads has a tangent (or it reads none)
+    if not chosen:  # no input the pure forward reads has a tangent (or it reads none)
         return [None] * (len(programs.returned) + programs.n_activations)
-    if forward_ad_level() < 0:  # under torch.func.jvp: forward mode of our own
+    if _func_jvp_active():  # torch.func.jvp nests: forward mode of our own
+        return _jvp_in_forward_mode(programs, kept, chosen)
+    return _jvp_as_vjp_of_vjp(programs, kept, chosen)
 
-        def pure(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            values = list(kept)
-            for position, value in zip(positions, inputs, strict=True):
-                values[position] = value
-            with autocast_disabled():
-                return tuple(programs.pure.forward(*values))
 
-        return torch.func.jvp(pure, tuple(kept[i] for i in positions), tuple(t for _, t in chosen))[1]  # type: ignore[no-any-return]
-    # Inside torch.autograd.forward_ad, forward mode cannot nest: take the tangents as a
-    # vector-Jacobian product differentiated with respect to its (zero) vector instead.
-    values, inputs = _differentiable(kept, positions)
-    with torch.enable_grad(), autocast_disabled():
-        outputs = programs.pure.forward(*values)
-        differentiable = [o for o in outputs if o.requires_grad]
-        vectors = [torch.zeros_like(o, requires_grad=True) for o in differentiable]
-        grads = torch.autograd.grad(differentiable, inputs, vectors, create_graph=True, allow_unused=True)
-        pairs = [(g, t) for g, (_, t) in zip(grads, chosen, strict=True) if g is not None]
-        products = (
-            torch.autograd.grad([g for g, _ in pairs], vectors, [t for _, t in pairs], allow_unused=True)
-            if pairs
-            else [None] * len(vectors)
-        )
-    found = iter(products)
-    return [next(found) if o.requires_grad else None for o in outputs]
+def _jvp_in_forward_mode(
+    programs: Programs, kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
+) -> Sequence[torch.Tensor]:
+    positions = [i for i, _ in chosen]
+
+    def pure(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values = list(kept)
+        for position, value in zip(positions, inputs, strict=True):
+            values[position] = value
+        with autocast_disabled():
+            return tuple(programs.pure.forward(*values))
+
+    return torch.func.jvp(pure, tuple(kept[i] for i in positions), tuple(t for _, t in chosen))[1]  # type: ignore[no-any-return]
+
+
+def _jvp_as_vjp_of_vjp(
+    programs: Programs, kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
+) -> Sequence[torch.Tensor | None]:
+    """Inside torch.autograd.forward_ad, whose levels do not nest: the tangents as a vector-Jacobian
+    product differentiated with respect to its (zero) vector, with torch.func's vjp, which (unlike
+    autograd's) also differentiates batched tensors under vmap."""
+    positions = [i for i, _ in chosen]
+    constants = [value.detach() for value in kept]  # See `_differentiable`.
+    floats: list[int] = []  # the outputs that have tangents: the floating ones
+
+    def pure(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values = list(constants)
+        for position, value in zip(positions, inputs, strict=True):
+            values[position] = value
+        with autocast_disabled():
+            outputs = programs.pure.forward(*values)
+        floats[:] = [i for i, o in enumerate(outputs) if o.is_floating_point() or o.is_complex()]
+        return tuple(outputs[i] for i in floats)
+
+    with torch.enable_grad():
+        outputs, pullback = torch.func.vjp(pure, *(constants[i] for i in positions))[:2]
+        pullback_of_pullback = torch.func.vjp(pullback, tuple(torch.zeros_like(o) for o in outputs))[1]
+        (products,) = pullback_of_pullback(tuple(t for _, t in chosen))
+    tangents: list[torch.Tensor | None] = [None] * (len(programs.returned) + programs.n_activations)
+    for i, product in zip(floats, products, strict=True):
+        tangents[i] = product
+    return tangents
 
 
 def _activations_vjp(
@@ -306,6 +335,40 @@ def _check_pure_differentiable(programs: Programs) -> None:
         )
 
 
+# NOTE [tangents in their outputs' layouts]
+# Under torch.autograd.forward_ad, autograd gives an output of the Function
+# the tangent its jvp rule returns only where both have one layout (strides,
+# offset, and the size of their storage); otherwise it copies the tangent into
+# the output's strides, which fails an internal assert for an output that is a
+# view, and fails for one whose elements share memory (an `expand`). Eager's
+# ops give their tangents their outputs' layouts; the jvp rule's tangents come
+# from differentiating the pure forward twice, which keeps no layout, so the
+# rule lays each out as its output is. (Under torch.func, autograd sees
+# wrappers, and the tangents of torch.func.jvp already have the layouts.)
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    storage_size: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Layout:
+        storage_size = tensor.untyped_storage().nbytes() // tensor.element_size()
+        return cls(tuple(tensor.shape), tensor.stride(), int(tensor.storage_offset()), storage_size)
+
+    def laid_out(self, tangent: torch.Tensor) -> torch.Tensor:
+        """`tangent` in this layout. Where elements share memory they agree (it is the tangent of such an
+        output), so writing each into its one place in the storage keeps its value."""
+        if _Layout.of(tangent) == self:
+            return tangent
+        positions = torch.full((), self.offset, dtype=torch.long, device=tangent.device)
+        for size, stride in zip(self.shape, self.stride, strict=True):
+            positions = positions.unsqueeze(-1) + torch.arange(size, device=tangent.device) * stride
+        storage = tangent.new_zeros(self.storage_size).index_put((positions.reshape(-1),), tangent.reshape(-1))
+        return storage.as_strided(self.shape, self.stride, self.offset)
+
+
 def _zeros(meta: TensorMeta) -> torch.Tensor:
     return torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
 
@@ -338,8 +401,11 @@ def forward_mode_active() -> bool:
     """Whether forward-mode AD (`torch.func.jvp`, `jacfwd`, `torch.autograd.forward_ad`) is running."""
     if forward_ad_level() >= 0:
         return True
-    if not functorch_active():
-        return False
+    return functorch_active() and _func_jvp_active()
+
+
+def _func_jvp_active() -> bool:
+    """Whether a `torch.func.jvp` (or `jacfwd`, `hessian`) is running."""
     return any(interpreter.key() == TransformType.Jvp for interpreter in functorch_interpreters())
 
 
@@ -348,23 +414,26 @@ def vmap_active() -> bool:
     return any(interpreter.key() == TransformType.Vmap for interpreter in functorch_interpreters())
 
 
-# Ops of the functional graph that torch.func.vmap has no batching rule for, and that remat's forward
-# mode does not differentiate exactly (its tangents outside the written elements come out zero, an open
-# bug): op -> what the user wrote.
+# Ops of the functional graph that torch.func.vmap has no batching rule for, and that remat does not
+# differentiate exactly under torch.autograd.forward_ad (differentiating their derivative again, as it
+# does there, gives zero tangents outside the written elements; torch.func.jvp is exact): op -> what
+# the user wrote.
 _UNSUPPORTED_UNDER_TRANSFORMS = {
     torch.ops.aten.as_strided_scatter.default: "a write through `as_strided` (or an `unfold` with gaps)"
 }
 
 
-def unsupported_under(transform: str, nodes: Iterable[Any]) -> str | None:
-    """Why programs with these graph nodes cannot run under `transform` ("vmap", or forward-mode AD), if so."""
+def unsupported_under(transform: str, nodes: Iterable[Any], works_under: str | None = None) -> str | None:
+    """Why programs with these graph nodes cannot run under `transform`, if so."""
     for node in nodes:
         written = _UNSUPPORTED_UNDER_TRANSFORMS.get(node.target)
         if written is not None:
+            instead = f"use {works_under}, where this works, " if works_under is not None else ""
             return (
                 f"remat.checkpoint: under {transform}, the function makes {written}, whose functional form "
-                f"(`{node.target}`) remat cannot run there yet. Call the checkpointed function outside it, or write "
-                "through a view such as a slice or an `unfold` whose windows cover their dimension."
+                f"(`{node.target}`) remat cannot run there yet. Call the checkpointed function outside it, "
+                f"{instead}or write through a view such as a slice or an `unfold` whose windows cover their "
+                "dimension."
             )
     return None
 

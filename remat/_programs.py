@@ -15,7 +15,7 @@ from torch import fx
 
 from . import _offload, _rng
 from ._fidelity import fill_in_eager_layout, is_dense, runnable
-from ._torch import BoxedCodeGen
+from ._torch import BoxedCodeGen, memory_layout
 from ._trace import JointGraph, stops_gradient
 
 __all__ = ["backward_program", "device_of", "epilogue", "forward_program", "pure_forward"]
@@ -318,9 +318,12 @@ _SCATTERS = frozenset({aten.slice_scatter.default, aten.select_scatter.default, 
 def _scattered_in_base_layout(op: Any, base: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
     """`op(base, *args, **kwargs)`, in the layout of `base`, as eager's write through a view leaves it."""
     out: torch.Tensor = op(base, *args, **kwargs)
-    if out.stride() == base.stride() or not is_dense(base.shape, base.stride()):
+    # Under vmap, the layout is that of the batched tensors, the batch dimension's place in memory too.
+    layout = memory_layout(base)
+    _, shape, stride = layout
+    if memory_layout(out) == layout or not is_dense(shape, stride):
         return out
-    return torch.empty_like(base).copy_(out)  # under vmap, see `_SCATTERS`
+    return torch.empty_like(base).copy_(out)
 
 
 def _stops_gradient(node: fx.Node, forward_mode: bool) -> bool:

@@ -111,6 +111,7 @@ __all__ = [
     "import_jvp_decompositions",
     "inplace_requires_grad_allowed",
     "innermost",
+    "memory_layout",
     "is_user_code",
     "is_functorch_wrapped",
     "make_fx",
@@ -470,6 +471,17 @@ def innermost(tensor: torch.Tensor) -> torch.Tensor:
     while is_functorch_wrapped(tensor):
         tensor = unwrap_level(tensor)
     return tensor
+
+
+def memory_layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Where each `vmap` level keeps its batch dimension, and the shape and strides of the tensor under
+    every torch.func wrapper: what decides its layout in memory."""
+    batch_dims = []
+    while is_functorch_wrapped(tensor):
+        if torch._C._functorch.is_batchedtensor(tensor):
+            batch_dims.append(torch._C._functorch.maybe_get_bdim(tensor))
+        tensor = unwrap_level(tensor)
+    return tuple(batch_dims), tuple(tensor.shape), tensor.stride()
 
 
 def batched_level(ctx: Any) -> int:

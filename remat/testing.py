@@ -42,7 +42,6 @@ from ._torch import import_jvp_decompositions, version_counter
 __all__ = [
     "AS_STRIDED_WRITES",
     "CATALOG",
-    "NO_JVP_YET",
     "CheckpointedRun",
     "RandomFunction",
     "Step",
@@ -51,6 +50,7 @@ __all__ = [
     "inputs",
     "offloading_on_cpu",
     "policies",
+    "transforms_for",
 ]
 
 # --- the catalog -----------------------------------------------------------------------------------
@@ -454,15 +454,9 @@ RANDOM_OPS = frozenset(
 )  # fmt: skip
 
 # Catalog ops that write through an `as_strided` view: `torch.func.vmap` has no batching rule for their
-# functional form (remat says so), and remat's forward mode is not exact through them (a known limitation,
-# docs/testing.md). Drawn transforms leave out `vmap` and `jvp` for programs with them.
+# functional form, and remat's derivative under `torch.autograd.forward_ad` is not exact through them
+# (remat says so under both; docs/testing.md). `transforms_for` leaves those transforms out.
 AS_STRIDED_WRITES = frozenset({"mul_as_strided_of_view_", "mul_interleaved_as_strided_"})
-
-# Catalog ops whose outputs remat cannot yet give a tangent under `torch.func.jvp`: an `expand` of a
-# detached value, returned, makes torch's custom-Function machinery write into the overlapping view
-# ("more than one element of the written-to tensor refers to a single memory location"). Drawn
-# transforms leave out `jvp` for programs with them, until that is fixed.
-NO_JVP_YET = frozenset({"detach_rows_view"})
 
 # Catalog ops that change the function's `CatalogState` (its user generator, its batch norm's buffers), so
 # that two calls differ unless that state is put back between them, as `assert_checkpoint_equivalent` does;
@@ -824,7 +818,33 @@ _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.bfloat16: (2e-2, 2e-2),
     torch.float16: (1e-2, 1e-2),
 }
-TRANSFORMS = ("grad", "vmap", "jvp", "vjp")
+TRANSFORMS = ("grad", "vmap", "jvp", "vjp", "jvp_of_vmap", "vmap_of_jvp", "forward_ad")
+_BATCHED = frozenset({"vmap", "jvp_of_vmap", "vmap_of_jvp"})  # transforms of stacked arguments
+_UNDER_FUNC_JVP = frozenset({"jvp", "jvp_of_vmap", "vmap_of_jvp"})
+
+
+def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
+    """The transforms (of `TRANSFORMS`) that `assert_checkpoint_equivalent` can compare for `fn`.
+
+    Left out: `torch.func.jvp` where a catalog op may update an input in place (`REFUSABLE_OPS`: torch.func
+    does not let a Function update the input's tangent in place, which remat says), and the batched
+    transforms and `forward_ad` for writes through `as_strided` (`AS_STRIDED_WRITES`: remat says it does
+    not support them there).
+
+    >>> import remat.testing
+    >>> fn = remat.testing.RandomFunction((2, 3), 1, (remat.testing.Step("sin", 0, 0),), (1,))
+    >>> remat.testing.transforms_for(fn) == remat.testing.TRANSFORMS
+    True
+    """
+    ops = set(fn.ops)
+    left_out: set[str] = set()
+    if REFUSABLE_OPS & ops:
+        left_out |= _UNDER_FUNC_JVP
+    if AS_STRIDED_WRITES & ops:
+        left_out |= _BATCHED | {"forward_ad"}
+    return tuple(t for t in TRANSFORMS if t not in left_out)
+
+
 _API = "remat.testing.assert_checkpoint_equivalent"
 
 
@@ -942,17 +962,30 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
         return torch.func.grad(_scalar(fn, seed))
     if name == "vmap":
         return torch.func.vmap(fn, randomness="different")
-    if name == "jvp":
+    if name in ("jvp", "jvp_of_vmap", "vmap_of_jvp", "forward_ad"):
         # The first forward-mode AD call in a process imports torch's jvp decompositions, which
         # warn (an error where warnings are errors): import them here, quietly.
         import_jvp_decompositions()
+    if name == "jvp_of_vmap":
+        return _jvp(torch.func.vmap(fn, randomness="different"), seed)
+    if name == "vmap_of_jvp":
 
-        def jvp(*primals: Any, **kwargs: Any) -> Any:
-            generator = torch.Generator().manual_seed(seed + 2)
-            tangents = tuple(_random_like(t, generator) for t in primals)
+        def jvp_per_example(*primals_and_tangents: Any, **kwargs: Any) -> Any:
+            half = len(primals_and_tangents) // 2
+            primals, tangents = primals_and_tangents[:half], primals_and_tangents[half:]
             return torch.func.jvp(functools.partial(fn, **kwargs) if kwargs else fn, primals, tangents)
 
-        return jvp
+        def vmap_of_jvp(*primals: Any, **kwargs: Any) -> Any:
+            tangents = _tangents(primals, seed)
+            return torch.func.vmap(functools.partial(jvp_per_example, **kwargs), randomness="different")(
+                *primals, *tangents
+            )
+
+        return vmap_of_jvp
+    if name == "jvp":
+        return _jvp(fn, seed)
+    if name == "forward_ad":
+        return _forward_ad(fn, seed)
 
     def vjp(*primals: Any, **kwargs: Any) -> Any:
         outputs, pullback = torch.func.vjp(functools.partial(fn, **kwargs) if kwargs else fn, *primals)[:2]
@@ -961,6 +994,41 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
         return outputs, pullback(cotangents)
 
     return vjp
+
+
+def _tangents(primals: Sequence[Any], seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed + 2)
+    return tuple(_random_like(t, generator) for t in primals)
+
+
+def _jvp(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+    def jvp(*primals: Any, **kwargs: Any) -> Any:
+        return torch.func.jvp(functools.partial(fn, **kwargs) if kwargs else fn, primals, _tangents(primals, seed))
+
+    return jvp
+
+
+def _forward_ad(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+    """`fn` on dual tensors of `torch.autograd.forward_ad`: each output becomes (primal, tangent), a
+    tangent autograd did not attach given as zeros (eager attaches none where remat may attach zeros)."""
+
+    def forward_ad(*primals: Any, **kwargs: Any) -> Any:
+        with torch.autograd.forward_ad.dual_level():
+            duals = [
+                torch.autograd.forward_ad.make_dual(p, t) if isinstance(p, torch.Tensor) and _is_float(p) else p
+                for p, t in zip(primals, _tangents(primals, seed), strict=True)
+            ]
+            outputs = fn(*duals, **kwargs)
+
+            def unpacked(leaf: Any) -> Any:
+                if not isinstance(leaf, torch.Tensor):
+                    return leaf
+                primal, tangent = torch.autograd.forward_ad.unpack_dual(leaf)
+                return primal, torch.zeros_like(primal) if tangent is None else tangent
+
+            return optree.tree_map(unpacked, outputs, none_is_leaf=False)
+
+    return forward_ad
 
 
 @dataclasses.dataclass
@@ -1558,10 +1626,14 @@ def assert_checkpoint_equivalent(
             weighted sum of the outputs, with respect to the first argument),
             `"vmap"` (over a batch of 2 stacked copies of the positional
             arguments, with `randomness="different"`), `"jvp"` and `"vjp"`
-            (with seeded random tangents and cotangents). `grad`, `jvp` and
-            `vjp` take detached copies of the arguments; the `vmap` outputs
-            are also backpropagated. Keyword arguments are passed through,
-            neither differentiated nor batched.
+            (with seeded random tangents and cotangents), their compositions
+            `"jvp_of_vmap"` and `"vmap_of_jvp"` (over the stacked arguments,
+            the latter with a tangent per example, as `jacfwd` does), and
+            `"forward_ad"` (dual tensors of `torch.autograd.forward_ad`, each
+            output compared as its primal and tangent). All but `vmap` take
+            detached copies of the arguments; the `vmap` outputs are also
+            backpropagated. Keyword arguments are passed through, neither
+            differentiated nor batched.
         device: move the arguments, and `fn` and `checkpointed` where they
             are modules, there first (not the tensors of `params`).
         seed: the seed for random ops and cotangents (`seed + k` at the call
@@ -1657,13 +1729,13 @@ def assert_checkpoint_equivalent(
     call = _Call(args, call_kwargs, tensors, seed, backward=True, backprop=positions, calls=calls)
     problems, run = _run_and_compare("", fn, checkpointed, call, state, rtol, atol)
     for name in transforms:
-        # grad, jvp and vjp are compared as pure functions of detached inputs; vmap also backpropagates.
-        vmap = name == "vmap"
+        # The transforms are compared as pure functions of detached inputs; vmap also backpropagates.
+        batched = name in _BATCHED
         transformed_call = dataclasses.replace(
             call,
-            args=_stack(args) if vmap else _detached(args),
-            kwargs=call_kwargs if vmap else _detached(call_kwargs),
-            backward=vmap,
+            args=(_stack(args) if name == "vmap" else _stack(_detached(args))) if batched else _detached(args),
+            kwargs=call_kwargs if batched else _detached(call_kwargs),
+            backward=name == "vmap",
             calls=1,
         )
         problems += _run_and_compare(

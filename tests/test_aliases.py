@@ -17,6 +17,7 @@ import torch
 from conftest import ATOL, RTOL
 
 import remat
+import remat.testing
 from remat import policies
 
 DTYPE = torch.float64
@@ -152,6 +153,27 @@ def test_detached_aliases_under_torch_func_grad_and_vjp(fn: Callable) -> None:
     torch.testing.assert_close(actual_outputs, outputs, rtol=RTOL, atol=ATOL)
     cotangents = optree.tree_map(torch.ones_like, outputs)
     torch.testing.assert_close(actual_pullback(cotangents), pullback(cotangents), rtol=RTOL, atol=ATOL)
+
+
+FORWARD_MODE = ["jvp", "forward_ad", "jvp_of_vmap", "vmap_of_jvp"]
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [*DETACHED_ALIASES.values(), lambda x, w: (x.abs().detach()[:1].expand(x.shape), x * w)],
+    ids=[*DETACHED_ALIASES.keys(), "expand of a detach, returned"],
+)
+def test_regression_detached_outputs_have_no_tangent_in_forward_mode(fn: Callable) -> None:
+    # The checkpoint gave a detached output a tangent (of zeros): for an `expand` of one, torch's
+    # Function machinery then wrote the tangent into the overlapping output, a raw torch error. As in
+    # eager, a detached output has no derivative with respect to any input, and no tangent.
+    remat.testing.assert_checkpoint_equivalent(fn, *_inputs(), transforms=FORWARD_MODE)
+    x, w = (t.detach() for t in _inputs())
+    with torch.autograd.forward_ad.dual_level():
+        duals = [torch.autograd.forward_ad.make_dual(t, torch.ones_like(t)) for t in (x, w)]
+        expected = [torch.autograd.forward_ad.unpack_dual(o).tangent is None for o in optree.tree_leaves(fn(*duals))]
+        outputs = optree.tree_leaves(remat.checkpoint(fn)(*duals))
+        assert [torch.autograd.forward_ad.unpack_dual(o).tangent is None for o in outputs] == expected
 
 
 def _update_through_a_transposed_slice(x: torch.Tensor) -> torch.Tensor:

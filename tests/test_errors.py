@@ -353,7 +353,7 @@ def test_seeding_the_global_generator_inside_is_a_trace_error():
     assert "a `torch.Generator` of your own (`generator=g`)" in message
 
 
-def test_a_write_through_as_strided_under_vmap_is_refused_with_what_to_do():
+def test_a_write_through_as_strided_under_vmap_or_forward_ad_is_refused_with_what_to_do():
     # torch's vmap has no batching rule for `as_strided_scatter`: a raw RuntimeError from inside torch.
     def fn(x: torch.Tensor) -> torch.Tensor:
         t = x.sin()
@@ -367,8 +367,19 @@ def test_a_write_through_as_strided_under_vmap_is_refused_with_what_to_do():
         NotImplementedError, match=r"under torch.func.vmap, the function makes a write through `as_strided`"
     ):
         torch.func.vmap(checkpointed)(_randn(3, 1, 2))
-    with pytest.raises(NotImplementedError, match=r"under forward-mode AD .* makes a write through `as_strided`"):
-        torch.func.jvp(checkpointed, (x.detach(),), (torch.ones_like(x),))
+    # torch.func.jvp differentiates it exactly; remat's derivative under torch.autograd.forward_ad would not be.
+    tangent = torch.randn_like(x)
+    torch.testing.assert_close(
+        torch.func.jvp(checkpointed, (x.detach(),), (tangent,)), torch.func.jvp(fn, (x.detach(),), (tangent,))
+    )
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x.detach(), tangent)
+        with pytest.raises(
+            NotImplementedError,
+            match=r"under torch.autograd.forward_ad, the function makes a write through `as_strided`.*"
+            r"use torch.func.jvp \(or jacfwd\), where this works",
+        ):
+            checkpointed(dual)
 
 
 def test_a_generator_made_inside_the_function_is_a_trace_error():

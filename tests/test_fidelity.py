@@ -297,7 +297,8 @@ def test_regression_a_write_through_an_unfold_with_gaps_leaves_the_gaps_alone(
 
     x = torch.randn(2, length, dtype=torch.float64, requires_grad=True)
     ragged = ((length - size) // step + 1) * step > length  # traced as an as_strided: see the NOTE
-    assert_checkpoint_equivalent(fn, x, policy=policy, transforms=["grad", "vjp"] if ragged else list(TRANSFORMS))
+    transforms = ["grad", "vjp", "jvp"] if ragged else list(TRANSFORMS)  # see remat.testing.transforms_for
+    assert_checkpoint_equivalent(fn, x, policy=policy, transforms=transforms)
 
 
 def test_an_unfold_of_one_window_keeps_the_shape_and_strides_of_its_elements() -> None:
@@ -327,6 +328,23 @@ def test_regression_a_write_through_a_transposed_slice_keeps_the_layout_under_vm
         with torch.no_grad():
             y.t()[1:].mul_(0.5)
         return y
+
+    x = torch.randn(2, 2, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, transforms=["vmap", "grad"])
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+def test_regression_a_write_into_a_tensor_batched_in_its_middle_dimension_keeps_that_layout_under_vmap() -> None:
+    # Under vmap, embedding's output keeps the batch dimension in the middle of
+    # memory; eager's write through a view keeps it there, and remat's scatter made it contiguous: the
+    # per-example strides of a batched tensor (here (4, 1) of a (2, 2) example) are not a dense layout
+    # of their own, so the check that restores the layout missed it (the soak found it).
+    rows = torch.tensor([1, 0])
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = torch.nn.functional.embedding(rows, x).clone()
+        t[:, 0].mul_(2.0)
+        return t
 
     x = torch.randn(2, 2, dtype=torch.float64, requires_grad=True)
     assert_checkpoint_equivalent(fn, x, transforms=["vmap", "grad"])

@@ -236,13 +236,7 @@ def test_random_functions_and_three_way_policies(data: st.DataObject) -> None:
     args = data.draw(inputs(fn), label="args")
     trace = remat.trace(fn, *args)
     policy = data.draw(remat.testing.policies(trace, save_calls=False, offload=True), label="policy")
-    # torch.func.jvp does not let a Function update an input's tangent in place (remat says so), which
-    # the refusable ops do (they update their operand, an input maybe, under no_grad).
-    allowed = [(), ("grad",), ("vmap",), ("vjp",)] + ([] if remat.testing.REFUSABLE_OPS & set(fn.ops) else [("jvp",)])
-    if remat.testing.AS_STRIDED_WRITES & set(fn.ops):
-        allowed = [t for t in allowed if t not in (("vmap",), ("jvp",))]
-    if remat.testing.NO_JVP_YET & set(fn.ops):
-        allowed = [t for t in allowed if t != ("jvp",)]
+    allowed = [(), *((t,) for t in remat.testing.transforms_for(fn))]
     transforms = data.draw(st.sampled_from(allowed), label="transforms")
     with offloading_on_cpu():
         assert_checkpoint_equivalent(fn, *args, policy=policy, transforms=transforms)

@@ -24,9 +24,7 @@ from hypothesis import strategies as st
 import remat
 import remat.testing
 from remat.testing import (
-    AS_STRIDED_WRITES,
     CATALOG,
-    NO_JVP_YET,
     RANDOM_OPS,
     REFUSABLE_OPS,
     STATEFUL_OPS,
@@ -36,6 +34,7 @@ from remat.testing import (
     functions,
     inputs,
     policies,
+    transforms_for,
 )
 
 
@@ -116,14 +115,7 @@ def test_random_functions_under_torch_func_transforms(data: st.DataObject) -> No
     fn = data.draw(functions(max_ops=4, refusable=True), label="fn")
     args = data.draw(inputs(fn), label="args")
     policy = _draw_policy(data, fn, args, save_calls=False)  # a transform may trace fewer calls
-    # torch.func.jvp does not let a Function update an input's tangent in place (remat says so), which
-    # the refusable ops do (they update their operand, an input maybe, under no_grad).
-    allowed = ["grad", "vmap", "vjp"] if REFUSABLE_OPS & set(fn.ops) else ["grad", "vmap", "jvp", "vjp"]
-    if AS_STRIDED_WRITES & set(fn.ops):
-        allowed = [t for t in allowed if t not in ("vmap", "jvp")]
-    if NO_JVP_YET & set(fn.ops):
-        allowed = [t for t in allowed if t != "jvp"]
-    transforms = data.draw(st.lists(st.sampled_from(allowed), min_size=1, unique=True))
+    transforms = data.draw(st.lists(st.sampled_from(transforms_for(fn)), min_size=1, unique=True))
     assert_checkpoint_equivalent(fn, *args, policy=policy, transforms=transforms)
 
 

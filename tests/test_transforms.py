@@ -171,6 +171,20 @@ def _jvp(fn: Callable, m: Model) -> Any:
     return jvp(fn, (m.x, m.s), (cotangent_like(m.x, 1), cotangent_like(m.s, 2)))
 
 
+def _jvp_of_vmap(fn: Callable, m: Model) -> Any:
+    # Forward mode over a batch: the checkpoint's jvp rule runs on batched tensors.
+    stacked = m.stacked()
+    return jvp(vmap(fn, in_dims=(0, None)), (stacked, m.s), (cotangent_like(stacked, 1), cotangent_like(m.s, 2)))
+
+
+def _forward_ad_of_vmap(fn: Callable, m: Model) -> Any:
+    stacked = m.stacked()
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(stacked, cotangent_like(stacked, 1))
+        primal, tangent = fwAD.unpack_dual(vmap(fn, in_dims=(0, None))(dual, m.s))
+    return primal, tangent
+
+
 def _hessian(fn: Callable, m: Model) -> Any:
     # A scalar function of the small input `s` (8 or 16 numbers): a 16 x 16 Hessian at most.
     return hessian(scalar_loss(fn), argnums=1)(m.x, m.s)
@@ -214,6 +228,8 @@ TRANSFORMS: dict[str, Callable[[Callable, Model], Any]] = {
     "jacrev": _jacrev,
     "jacfwd": _jacfwd,
     "jvp": _jvp,
+    "jvp_of_vmap": _jvp_of_vmap,
+    "forward_ad_of_vmap": _forward_ad_of_vmap,
     "hessian": _hessian,
     "vmap_in_dims_out_dims": _vmap_in_dims_out_dims,
     "vmap_in_dim_1": _vmap_in_dim_1,
@@ -1016,3 +1032,17 @@ def test_regression_forward_mode_through_a_slice_assignment(fn: Callable) -> Non
         expected = fwAD.unpack_dual(fn(*duals)).tangent
         actual = fwAD.unpack_dual(remat.checkpoint(fn)(*duals)).tangent
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_regression_forward_ad_of_an_intermediate_updated_through_a_transposed_view() -> None:
+    # The checkpoint's output is a view (of its transposed update) and its tangent came from
+    # differentiating the pure forward twice, in another layout: torch.autograd.forward_ad failed an
+    # internal assert ("the tangent have the same layout as primal"). NOTE [tangents in their outputs' layouts]
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.tanh().exp()
+        with torch.no_grad():
+            y.t()[1:].mul_(0.5)
+        return y
+
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, transforms=["forward_ad", "jvp"])
