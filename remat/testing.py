@@ -977,9 +977,10 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
 
         def vmap_of_jvp(*primals: Any, **kwargs: Any) -> Any:
             tangents = _tangents(primals, seed)
-            return torch.func.vmap(functools.partial(jvp_per_example, **kwargs), randomness="different")(
-                *primals, *tangents
-            )
+            outputs, output_tangents = torch.func.vmap(
+                functools.partial(jvp_per_example, **kwargs), randomness="different"
+            )(*primals, *tangents)
+            return outputs, _by_value(output_tangents)
 
         return vmap_of_jvp
     if name == "jvp":
@@ -1001,16 +1002,25 @@ def _tangents(primals: Sequence[Any], seed: int) -> tuple[torch.Tensor, ...]:
     return tuple(_random_like(t, generator) for t in primals)
 
 
+def _by_value(tangents: Any) -> Any:
+    """Tangents to compare by value alone. Their layouts are those of torch's derivative formulas (a zero
+    tangent of an op without a derivative may be a broadcast, under vmap unbatched), not of the program."""
+    return optree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, tangents, none_is_leaf=False)
+
+
 def _jvp(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
     def jvp(*primals: Any, **kwargs: Any) -> Any:
-        return torch.func.jvp(functools.partial(fn, **kwargs) if kwargs else fn, primals, _tangents(primals, seed))
+        function = functools.partial(fn, **kwargs) if kwargs else fn
+        outputs, tangents = torch.func.jvp(function, primals, _tangents(primals, seed))
+        return outputs, _by_value(tangents)
 
     return jvp
 
 
 def _forward_ad(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
     """`fn` on dual tensors of `torch.autograd.forward_ad`: each output becomes (primal, tangent), a
-    tangent autograd did not attach given as zeros (eager attaches none where remat may attach zeros)."""
+    tangent autograd did not attach given as zeros (eager attaches zeros where an op has a derivative of
+    zero, a random draw from a dual mean, where remat attaches none)."""
 
     def forward_ad(*primals: Any, **kwargs: Any) -> Any:
         with torch.autograd.forward_ad.dual_level():
@@ -1024,7 +1034,7 @@ def _forward_ad(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
                 if not isinstance(leaf, torch.Tensor):
                     return leaf
                 primal, tangent = torch.autograd.forward_ad.unpack_dual(leaf)
-                return primal, torch.zeros_like(primal) if tangent is None else tangent
+                return primal, torch.zeros_like(primal) if tangent is None else _by_value(tangent)
 
             return optree.tree_map(unpacked, outputs, none_is_leaf=False)
 
@@ -1630,7 +1640,8 @@ def assert_checkpoint_equivalent(
             `"jvp_of_vmap"` and `"vmap_of_jvp"` (over the stacked arguments,
             the latter with a tangent per example, as `jacfwd` does), and
             `"forward_ad"` (dual tensors of `torch.autograd.forward_ad`, each
-            output compared as its primal and tangent). All but `vmap` take
+            output compared as its primal and tangent). Tangents are compared
+            by value, not layout. All but `vmap` take
             detached copies of the arguments; the `vmap` outputs are also
             backpropagated. Keyword arguments are passed through, neither
             differentiated nor batched.
