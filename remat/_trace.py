@@ -14,7 +14,7 @@ import functools
 import operator
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -349,6 +349,11 @@ def _tangent_like(fake_mode: FakeTensorMode, output: torch.Tensor) -> torch.Tens
     return torch.empty_like(output)
 
 
+def _is_detached(output: torch.Tensor) -> bool:
+    """Whether `output` is what a detach makes: no view, and no history."""
+    return not output.requires_grad and not output._is_view()
+
+
 def _has_history(output: torch.Tensor) -> bool:
     """Whether autograd can differentiate `output` back into `fn`'s inputs. A view `fn` took under
     `no_grad` of a tensor that requires grad requires grad too, but as a leaf of its own: as in eager,
@@ -536,7 +541,8 @@ def _joint_graph(
     )
     value_checks = checks_of(graph)
     forward_nodes = _forward_nodes(graph, joint.ran_in_fn, tangents, [*outputs, *mutations, *value_checks])
-    _mark_replayed_detaches(forward_nodes, joint.detached, mutations)
+    user_outputs = dict(zip(outputs[: len(discovery.output_fakes)], discovery.output_fakes, strict=True))
+    _mark_replayed_detaches(forward_nodes, joint.detached, mutations, user_outputs)
     call_nodes = tuple(n for n in graph.nodes if n in forward_nodes and is_call(n) and n not in mutations)
     for node in call_nodes:
         if isinstance(node.meta.get("val"), (tuple, list)):
@@ -569,7 +575,10 @@ def _joint_graph(
 
 
 def _mark_replayed_detaches(
-    forward_nodes: frozenset[fx.Node], detached: set[fx.Node], mutations: Sequence[fx.Node]
+    forward_nodes: frozenset[fx.Node],
+    detached: set[fx.Node],
+    mutations: Sequence[fx.Node],
+    returned: Mapping[fx.Node, Any],
 ) -> None:
     """Mark as `fn`'s own detaches the aliases functionalization recreated of what `fn` detached,
     and make each of `fn`'s detaches an `aten.detach`. See NOTE [a detach runs as a detach].
@@ -578,10 +587,15 @@ def _mark_replayed_detaches(
     torch 2.15); but functionalization recreates the detached alias of a tensor updated in place
     when it is next read, during another call: of its new value (for an input, the value written
     back into it). Autograd's own aliases of the values it saves are of other nodes, and read only
-    by backward."""
+    by backward. An alias `fn` returns (`returned`: output node -> what `fn` returned, as eager made
+    it) that is no view and has no history is a detach too, however many updates of the memory it
+    shares came between (a detach of an input updated in place before and after)."""
     detached = detached | {m.args[1] for m in mutations if m.args[0] in detached}  # type: ignore[misc]
     for node in forward_nodes:
         if node.target in (aten.detach.default, aten.alias.default) and node.args[0] in detached:
+            node.meta["remat_stops_gradient"] = "detach"
+        value = returned.get(node)
+        if node.target is aten.alias.default and isinstance(value, torch.Tensor) and _is_detached(value):
             node.meta["remat_stops_gradient"] = "detach"
         if node.target is aten.alias.default and node.meta.get("remat_stops_gradient") == "detach":
             node.target = aten.detach.default

@@ -1034,7 +1034,7 @@ def _forward_ad(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
                 if not isinstance(leaf, torch.Tensor):
                     return leaf
                 primal, tangent = torch.autograd.forward_ad.unpack_dual(leaf)
-                return primal, torch.zeros_like(primal) if tangent is None else _by_value(tangent)
+                return primal, _by_value(torch.zeros_like(primal) if tangent is None else tangent)
 
             return optree.tree_map(unpacked, outputs, none_is_leaf=False)
 
