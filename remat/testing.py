@@ -1011,7 +1011,7 @@ def _by_value(tangents: Any) -> Any:
 def _jvp(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
     def jvp(*primals: Any, **kwargs: Any) -> Any:
         function = functools.partial(fn, **kwargs) if kwargs else fn
-        outputs, tangents = torch.func.jvp(function, primals, _tangents(primals, seed))
+        outputs, tangents = torch.func.jvp(function, primals, _tangents(primals, seed))[:2]
         return outputs, _by_value(tangents)
 
     return jvp
