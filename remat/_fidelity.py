@@ -36,7 +36,9 @@ from ._torch import (
     TorchDispatchMode,
     UncheckedRealValuesFakeMode,
     elementwise_output_strides,
+    empty_in_memory_layout,
     from_functional,
+    memory_layout,
     op_schema,
     random_calls_traced,
     run_real_kernel_on_zeros,
@@ -87,6 +89,7 @@ class FillInEagerLayout(NamedTuple):
     op: str  # the in-place op, e.g. "aten::bernoulli_.float"
     strides: tuple[int, ...]
     dense: bool  # whether those strides cover their storage exactly (a strided slice does not)
+    of_fns_tensor: bool  # whether it filled a tensor of `fn`'s (not one a dropout function made for its mask)
 
     def __call__(self, like: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
         return fill_in_eager_layout(self, like, *args, **kwargs)
@@ -94,11 +97,31 @@ class FillInEagerLayout(NamedTuple):
 
 def fill_in_eager_layout(fill: FillInEagerLayout, like: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Run the in-place random fill `fill.op` on a fresh tensor shaped like `like` with eager's strides."""
-    out = like.new_empty_strided(like.shape, fill.strides)
+    out = None
+    if fill.of_fns_tensor and _ordered_as(like, fill.strides):
+        # Under vmap, eager fills `fn`'s tensor with its whole batch in its memory order, and the batch
+        # dimension may lie anywhere in memory (after an embedding, in the middle): `like` is laid out
+        # as that tensor. (A dropout function's mask under vmap is contiguous: NOTE [dropout under torch.func])
+        if fill.dense and is_dense(*memory_layout(like)[1:]):
+            out = torch.empty_like(like)
+        elif not fill.dense:
+            out = empty_in_memory_layout(like)  # a strided view of it: its strides, gaps and all
+    if out is None:
+        out = like.new_empty_strided(like.shape, fill.strides)
     _op_named(fill.op)(out, *args, **kwargs)
     # A non-dense layout (a strided view in eager) is only written back into its base:
     # hand on a compact copy, the size the trace accounted for.
     return out if fill.dense else out.contiguous()
+
+
+def _ordered_as(tensor: torch.Tensor, strides: Sequence[int]) -> bool:
+    """Whether `tensor` orders its dimensions in memory as `strides` do."""
+    sizes = tensor.shape
+
+    def order(of: Sequence[Any]) -> list[int]:
+        return sorted((d for d in range(len(sizes)) if sizes[d] != 1), key=lambda d: -of[d])
+
+    return order(tensor.stride()) == order(strides)
 
 
 def _op_named(name: str) -> Any:
@@ -328,7 +351,8 @@ class EagerFidelity(TorchDispatchMode):
             self.dropout_layout_matters = True
             if self.under_functorch:
                 return trace_call(func, args, kwargs)
-        fill = FillInEagerLayout(func.name(), tuple(target.stride()), is_dense(target.shape, target.stride()))
+        strides = tuple(target.stride())
+        fill = FillInEagerLayout(func.name(), strides, is_dense(target.shape, strides), not self.dropouts.depth)
         if fill.dense:  # the fill's value has eager's layout, for every op that reads it
             self.fake_mode.fill_strides = fill.strides
         try:

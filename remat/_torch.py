@@ -112,6 +112,7 @@ __all__ = [
     "inplace_requires_grad_allowed",
     "innermost",
     "memory_layout",
+    "empty_in_memory_layout",
     "is_user_code",
     "is_functorch_wrapped",
     "make_fx",
@@ -482,6 +483,19 @@ def memory_layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...
             batch_dims.append(torch._C._functorch.maybe_get_bdim(tensor))
         tensor = unwrap_level(tensor)
     return tuple(batch_dims), tuple(tensor.shape), tensor.stride()
+
+
+def empty_in_memory_layout(tensor: torch.Tensor) -> torch.Tensor | None:
+    """An uninitialized tensor with the strides of `tensor`, batched as it is under one `vmap` (its batch
+    dimension where `tensor` keeps it in memory); None for a tensor under other torch.func wrappers."""
+    if not torch._C._functorch.is_batchedtensor(tensor):
+        return None
+    physical = unwrap_level(tensor)
+    if is_functorch_wrapped(physical):
+        return None
+    empty = torch.empty_strided(physical.shape, physical.stride(), dtype=physical.dtype, device=physical.device)
+    level = torch._C._functorch.maybe_get_level(tensor)
+    return torch._C._functorch._add_batch_dim(empty, torch._C._functorch.maybe_get_bdim(tensor), level)
 
 
 def batched_level(ctx: Any) -> int:

@@ -333,6 +333,30 @@ def test_regression_a_write_through_a_transposed_slice_keeps_the_layout_under_vm
     assert_checkpoint_equivalent(fn, x, transforms=["vmap", "grad"])
 
 
+_ROWS = torch.tensor([1, 0, 2])
+FILLS_OF_A_TENSOR_BATCHED_IN_ITS_MIDDLE = {
+    "bernoulli_ of a transposed reshape": lambda x: (
+        F.embedding(_ROWS, x).cos().reshape(3, 2, 2).mT.bernoulli_(0.5).mT.reshape(3, 4) * x
+    ),
+    "normal_": lambda x: F.embedding(_ROWS, x).sin().normal_() * x,
+    "normal_ of a strided slice": lambda x: ((t := F.embedding(_ROWS, x).sin())[:, ::2].normal_(), t * x)[1],
+    "dropout": lambda x: F.dropout(F.embedding(_ROWS, x), 0.5, training=True),
+    "dropout of a transpose": lambda x: F.dropout(F.embedding(_ROWS, x).t(), 0.5, training=True),
+}
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+@pytest.mark.parametrize(
+    "fn", FILLS_OF_A_TENSOR_BATCHED_IN_ITS_MIDDLE.values(), ids=FILLS_OF_A_TENSOR_BATCHED_IN_ITS_MIDDLE.keys()
+)
+def test_regression_a_random_fill_under_vmap_draws_in_the_batched_tensors_memory_order(fn: Callable) -> None:
+    # Under vmap an embedding's output keeps its batch dimension in the middle of memory, and eager's
+    # in-place fill draws the batch's numbers in that order; remat filled a fresh tensor with the batch
+    # first: other numbers, silently (the soak found it). A dropout's mask under vmap is contiguous.
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, transforms=["vmap"])
+
+
 @pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
 def test_regression_a_write_into_a_tensor_batched_in_its_middle_dimension_keeps_that_layout_under_vmap() -> None:
     # Under vmap, embedding's output keeps the batch dimension in the middle of
