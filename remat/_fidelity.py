@@ -75,7 +75,10 @@ aten = torch.ops.aten
 # metadata), and the programs run such a call as the in-place op itself on a
 # fresh tensor of those strides (`FillInEagerLayout`). Under `vmap` the fresh
 # tensor is made from the batched input, so the batching rule of the in-place
-# op fills the whole batch as eager's does. The traced call's value is given
+# op fills the whole batch as eager's does, in the memory order eager's
+# batched tensor has: its batch dimension need not lead (an embedding's
+# output keeps it in the middle), so the fresh tensor takes the layout of the
+# value it replaces, batch dimension included. The traced call's value is given
 # those strides too (the tracing fake mode's `fill_strides`): what reads the
 # filled tensor (a view, attention choosing its kernel) is traced for the
 # layout it will have, not for the contiguous one of `bernoulli.p`.
