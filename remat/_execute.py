@@ -228,7 +228,7 @@ def _pure_jvp(
     _check_pure_differentiable(programs)
     if not chosen:  # no input the pure forward reads has a tangent (or it reads none)
         return [None] * (len(programs.returned) + programs.n_activations)
-    if _func_jvp_active():  # torch.func.jvp nests: forward mode of our own
+    if _func_jvp_active() and not vmap_active():  # torch.func.jvp nests: forward mode of our own
         return _jvp_in_forward_mode(programs, kept, chosen)
     return _jvp_as_vjp_of_vjp(programs, kept, chosen)
 
@@ -251,9 +251,11 @@ def _jvp_in_forward_mode(
 def _jvp_as_vjp_of_vjp(
     programs: Programs, kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
 ) -> Sequence[torch.Tensor | None]:
-    """Inside torch.autograd.forward_ad, whose levels do not nest: the tangents as a vector-Jacobian
-    product differentiated with respect to its (zero) vector, with torch.func's vjp, which (unlike
-    autograd's) also differentiates batched tensors under vmap."""
+    """The tangents as a vector-Jacobian product differentiated with respect to its (zero) vector, with
+    torch.func's vjp, which (unlike autograd's) also differentiates batched tensors. For
+    torch.autograd.forward_ad, whose levels do not nest, and under vmap: there the rule runs inside the
+    batching, and torch.func.jvp inside vmap meets torch bugs that eager's order does not (a draw
+    followed by a log-sigmoid warns of a deprecated resize of an `out=` tensor)."""
     positions = [i for i, _ in chosen]
     constants = [value.detach() for value in kept]  # See `_differentiable`.
     floats: list[int] = []  # the outputs that have tangents: the floating ones

@@ -95,7 +95,6 @@ class _Split:
     replayed: set[fx.Node]  # what backward replays
     activations: list[fx.Node]  # kept values the forward returns besides the outputs (copies of inputs included)
     constants: set[fx.Node]  # kept values without a derivative: the pure forward reads them as they are
-    with_derivative: set[fx.Node]  # forward nodes with a derivative (see `varying`)
     recomputed: set[fx.Node]  # what the pure forward recomputes
     random_states: list[fx.Node]  # random calls whose generator state is kept
 
@@ -146,7 +145,12 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         n_activations=len(activations),
         pure_unsupported=_pure_unsupported(joint, split),
         without_tangent=_without_tangent(
-            joint, returned, activations, split.constants, len(random_states), forward_mode, split.with_derivative
+            joint,
+            returned,
+            activations,
+            split.constants,
+            len(random_states),
+            varying(joint, forward_mode=True, through_draws=True) if forward_mode else None,
         ),
         output_sources=(
             *_output_sources(joint, returned),
@@ -203,7 +207,6 @@ def _split(joint: JointGraph, decisions: Sequence[Decision], forward_mode: bool)
         replayed,
         activations,
         constants,
-        with_derivative,
         recomputed,
         random_states,
     )
@@ -232,24 +235,23 @@ def _without_tangent(
     activations: Sequence[fx.Node],
     constants: set[fx.Node],
     n_states: int,
-    forward_mode: bool,
-    with_derivative: set[fx.Node],
+    dual: set[fx.Node] | None,
 ) -> tuple[bool, ...]:
     """For each output of the Function, whether it is marked non-differentiable.
 
-    As in eager, an output that depends on no input requiring grad does not require grad
-    (under forward mode, where inputs need not require grad, one of `fn`'s outputs that
-    has a derivative with respect to no input: eager gives it no tangent); nor do kept
-    values that autograd does not differentiate or that have no derivative at all
-    (`constants`: a view of one rebuilt outside the Function must not require grad), nor
-    generator states.
+    As in eager, an output that depends on no input requiring grad does not require grad;
+    under forward mode (`dual`: the nodes autograd would give a tangent, inputs with
+    tangents not needing to require grad), one of `fn`'s outputs autograd would give no
+    tangent (a detach) gets none. Nor do kept values that autograd does not differentiate
+    or that have no derivative at all (`constants`: a view of one rebuilt outside the
+    Function must not require grad), nor generator states.
     """
     requiring_grad = set(joint.differentiable_outputs)
 
     def without_derivative(i: int) -> bool:
-        if not forward_mode:
+        if dual is None:
             return True
-        return i < joint.n_user_outputs and joint.outputs[i] not in with_derivative
+        return i < joint.n_user_outputs and joint.outputs[i] not in dual
 
     return (
         *(not _is_float(joint.outputs[i]) or (i not in requiring_grad and without_derivative(i)) for i in returned),

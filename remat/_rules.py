@@ -116,12 +116,14 @@ def mutated_inputs(joint: JointGraph, returned: Sequence[int]) -> set[fx.Node]:
 # copy of the input, taken before anything overwrites it, is kept instead.
 
 
-def varying(joint: JointGraph, forward_mode: bool) -> set[fx.Node]:
+def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = False) -> set[fx.Node]:
     """Forward nodes whose value has a derivative with respect to some differentiable input.
 
     Differentiable inputs are those requiring grad (any floating input under forward
     mode). Derivatives stop at detaches and no_grad regions of `fn` (forward mode sees
-    through the latter), and at random draws, whose outputs have none.
+    through the latter), and at random draws, whose outputs have none; `through_draws`
+    follows autograd instead, which gives a draw from a differentiable mean or
+    probability a derivative of zero (only a draw of a new tensor, `rand_like`, has none).
     """
     if forward_mode:
         found = {p for p in joint.primals if p.meta["val"].is_floating_point() or p.meta["val"].is_complex()}
@@ -132,7 +134,8 @@ def varying(joint: JointGraph, forward_mode: bool) -> set[fx.Node]:
             continue
         if node.target is operator.getitem and (node.args[0] not in found or not differentiable(node)):
             continue
-        has_derivative = node.op == "call_function" and not _rng.has_zero_derivative(node)
+        plain_draw = _rng.is_random_factory(node) if through_draws else _rng.has_zero_derivative(node)
+        has_derivative = node.op == "call_function" and not plain_draw
         if has_derivative and any(arg in found for arg in node.all_input_nodes):
             found.add(node)
     return found

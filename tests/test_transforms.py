@@ -1046,3 +1046,14 @@ def test_regression_forward_ad_of_an_intermediate_updated_through_a_transposed_v
 
     x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     assert_checkpoint_equivalent(fn, x, transforms=["forward_ad", "jvp"])
+
+
+def test_regression_forward_mode_over_vmap_of_a_draw_followed_by_log_sigmoid() -> None:
+    # The jvp rule runs inside the batching; there torch.func.jvp of a draw followed by a log-sigmoid
+    # warns of a deprecated resize (an error here), a torch bug that eager's jvp(vmap(f)) does not meet
+    # (the soak found it). Under vmap the rule differentiates by vjps instead.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.logsigmoid(torch.normal(x.sigmoid(), 0.5)) * x
+
+    x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, transforms=["jvp_of_vmap", "jvp", "forward_ad"])
