@@ -51,7 +51,9 @@ def tests(session: nox.Session, torch: str) -> None:
     installed = time.monotonic() - started
     junit = Path(session.create_tmp()) / "junit.xml"
     started = time.monotonic()
-    session.run("python", "-m", "pytest", "-q", f"--junitxml={junit}", *session.posargs, success_codes=[0, 1])
+    session.run(
+        "python", "-m", "pytest", "-n", "auto", "-q", f"--junitxml={junit}", *session.posargs, success_codes=[0, 1]
+    )  # fmt: skip
     seconds = time.monotonic() - started
     counts = _counts(junit)
     if not session.posargs:
@@ -111,7 +113,7 @@ def soak(session: nox.Session) -> None:
     """
     install(session, "test")
     session.run(
-        "python", "-m", "pytest", "-q", *(session.posargs or ["tests"]),
+        "python", "-m", "pytest", "-n", "auto", "-q", "--timeout=0", *(session.posargs or ["tests"]),
         env={"HYPOTHESIS_PROFILE": "soak"},
     )  # fmt: skip
 

@@ -21,6 +21,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat._torch import import_jvp_decompositions
 
+# Under pytest-xdist (`-n auto`) every worker is a process of its own, and torch would start a thread per
+# core in each: one thread apiece keeps the workers from fighting over the cores.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    torch.set_num_threads(1)
+
 # --- hypothesis profiles ---------------------------------------------------------------------------
 
 # When a property fails, hypothesis's pytest plugin imports `hypothesis.extra._patching`
