@@ -45,6 +45,7 @@ from ._torch import (
     sync,
     trace_call,
     tree_map_only,
+    under_torch_func,
 )
 
 __all__ = [
@@ -100,21 +101,27 @@ class FillInEagerLayout(NamedTuple):
 
 def fill_in_eager_layout(fill: FillInEagerLayout, like: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Run the in-place random fill `fill.op` on a fresh tensor shaped like `like` with eager's strides."""
-    out = None
-    if fill.of_fns_tensor and _ordered_as(like, fill.strides):
-        # Under vmap, eager fills `fn`'s tensor with its whole batch in its memory order, and the batch
-        # dimension may lie anywhere in memory (after an embedding, in the middle): `like` is laid out
-        # as that tensor. (A dropout function's mask under vmap is contiguous: NOTE [dropout under torch.func])
-        if fill.dense and is_dense(*memory_layout(like)[1:]):
-            out = torch.empty_like(like)
-        elif not fill.dense:
-            out = empty_in_memory_layout(like)  # a strided view of it: its strides, gaps and all
+    out = _empty_as_batched(fill, like) if under_torch_func(like) else None
     if out is None:
         out = like.new_empty_strided(like.shape, fill.strides)
     _op_named(fill.op)(out, *args, **kwargs)
     # A non-dense layout (a strided view in eager) is only written back into its base:
     # hand on a compact copy, the size the trace accounted for.
     return out if fill.dense else out.contiguous()
+
+
+def _empty_as_batched(fill: FillInEagerLayout, like: torch.Tensor) -> torch.Tensor | None:
+    """The tensor to fill under vmap, laid out as eager's batched tensor, if `like` shows that layout.
+
+    Eager fills `fn`'s tensor with its whole batch in its memory order, and the batch dimension may
+    lie anywhere in memory (after an embedding, in the middle): `like`, the value the fill replaces,
+    is laid out as that tensor. (A dropout function's mask under vmap is contiguous: NOTE [dropout
+    under torch.func])"""
+    if not fill.of_fns_tensor or not _ordered_as(like, fill.strides):
+        return None
+    if not fill.dense:
+        return empty_in_memory_layout(like)  # a strided view of it: its strides, gaps and all
+    return torch.empty_like(like) if is_dense(*memory_layout(like)[1:]) else None
 
 
 def _ordered_as(tensor: torch.Tensor, strides: Sequence[int]) -> bool:

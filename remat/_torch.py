@@ -74,6 +74,7 @@ __all__ = [
     "BoxedCodeGen",
     "any_autocast_enabled",
     "elementwise_output_strides",
+    "empty_in_memory_layout",
     "apply_without_binding",
     "CtxCustomSave",
     "DATA_NOT_ALLOCATED",
@@ -111,11 +112,10 @@ __all__ = [
     "import_jvp_decompositions",
     "inplace_requires_grad_allowed",
     "innermost",
-    "memory_layout",
-    "empty_in_memory_layout",
     "is_user_code",
     "is_functorch_wrapped",
     "make_fx",
+    "memory_layout",
     "op_schema",
     "overload_name",
     "release_saved_tensors",
@@ -127,6 +127,7 @@ __all__ = [
     "random_calls_traced",
     "trace_call",
     "tree_map_only",
+    "under_torch_func",
     "unset_fake_temporarily",
     "unwrap_batched",
     "unwrap_level",
@@ -474,11 +475,17 @@ def innermost(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def under_torch_func(tensor: torch.Tensor) -> bool:
+    """Whether a program meets `tensor` wrapped by a torch.func transform. Never inside a graph Dynamo
+    compiles (`compile=`), which cannot trace the question, and in which no tensor is wrapped."""
+    return not torch.compiler.is_compiling() and is_functorch_wrapped(tensor)
+
+
 def memory_layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Where each `vmap` level keeps its batch dimension, and the shape and strides of the tensor under
     every torch.func wrapper: what decides its layout in memory."""
     batch_dims = []
-    while is_functorch_wrapped(tensor):
+    while under_torch_func(tensor):
         if torch._C._functorch.is_batchedtensor(tensor):
             batch_dims.append(torch._C._functorch.maybe_get_bdim(tensor))
         tensor = unwrap_level(tensor)

@@ -973,7 +973,7 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
         def jvp_per_example(*primals_and_tangents: Any, **kwargs: Any) -> Any:
             half = len(primals_and_tangents) // 2
             primals, tangents = primals_and_tangents[:half], primals_and_tangents[half:]
-            return torch.func.jvp(functools.partial(fn, **kwargs) if kwargs else fn, primals, tangents)
+            return torch.func.jvp(_bound(fn, kwargs), primals, tangents)
 
         def vmap_of_jvp(*primals: Any, **kwargs: Any) -> Any:
             tangents = _tangents(primals, seed)
@@ -989,12 +989,17 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
         return _forward_ad(fn, seed)
 
     def vjp(*primals: Any, **kwargs: Any) -> Any:
-        outputs, pullback = torch.func.vjp(functools.partial(fn, **kwargs) if kwargs else fn, *primals)[:2]
+        outputs, pullback = torch.func.vjp(_bound(fn, kwargs), *primals)[:2]
         generator = torch.Generator().manual_seed(seed + 3)
         cotangents = optree.tree_map(lambda t: _random_like(t, generator) if _is_float(t) else None, outputs)
         return outputs, pullback(cotangents)
 
     return vjp
+
+
+def _bound(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """`fn` with the keyword arguments a transform passes through, neither differentiated nor batched."""
+    return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 def _tangents(primals: Sequence[Any], seed: int) -> tuple[torch.Tensor, ...]:
@@ -1010,8 +1015,7 @@ def _by_value(tangents: Any) -> Any:
 
 def _jvp(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
     def jvp(*primals: Any, **kwargs: Any) -> Any:
-        function = functools.partial(fn, **kwargs) if kwargs else fn
-        outputs, tangents = torch.func.jvp(function, primals, _tangents(primals, seed))[:2]
+        outputs, tangents = torch.func.jvp(_bound(fn, kwargs), primals, _tangents(primals, seed))[:2]
         return outputs, _by_value(tangents)
 
     return jvp

@@ -346,6 +346,23 @@ def test_compiled_programs_give_eager_gradients_and_keep_what_the_policy_saves(p
     )
 
 
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=str)
+def test_compiled_programs_write_through_views_and_fill_in_eagers_layout(policy: Any) -> None:
+    # The programs' scatter and random-fill calls ask whether a tensor is batched under vmap, which
+    # Dynamo cannot trace: inside a compiled program they must not ask (a warning, an error here).
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = x.sin()
+        t[:, 0] = 1.0
+        u = x.cos()
+        u[1:].bernoulli_(0.5)
+        return t * x + u
+
+    x = models.randn(3, 4, seed=3)
+    counter = CompileCounterWithBackend("aot_eager")
+    assert_checkpoint_equivalent(fn, x, checkpointed=remat.checkpoint(fn, policy=policy, compile=counter))
+    assert counter.frame_count >= 2  # the programs ran compiled
+
+
 def test_inductor_compiles_remat_programs() -> None:
     block = models.GPT2Block().float()
     checkpointed = remat.checkpoint(block, policy=policies.dots_saveable, compile=True)
