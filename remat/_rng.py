@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._torch import innermost
+from ._torch import default_generator, innermost
 
 __all__ = [
     "DrawnGenerators",
@@ -78,16 +78,7 @@ def _random_name(node: fx.Node) -> str | None:
 
 
 def _resolve(device: torch.device, generator: torch.Generator | None) -> torch.Generator:
-    if generator is not None:
-        return generator
-    if device.type == "cpu":
-        return torch.default_generator
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    raise NotImplementedError(
-        f"remat.checkpoint: replaying a random call on a {device.type!r} device is not supported; save it with a "
-        "policy (e.g. `policy | (lambda call: call.is_random)`)."
-    )
+    return default_generator(device) if generator is None else generator
 
 
 # Reading a generator's state and drawing from it must happen as one step, and so must

@@ -102,6 +102,7 @@ __all__ = [
     "TransformType",
     "batched_level",
     "check_supported",
+    "default_generator",
     "disable_current_modes",
     "forward_ad_level",
     "from_functional",
@@ -163,7 +164,9 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d
 # Since torch 2.13 make_fx records a `torch.Generator` argument as a `get_attr` constant of the
 # graph (an "opaque reference"); before, it raises NotImplementedError. On those releases the call
 # is traced with `generator=None`, and its generator is then put back on the node as such a constant, so that
-# every later step sees one graph on every release.
+# every later step sees one graph on every release. Traced with values, the real kernel then draws
+# from the device's default generator, which is first set to the user's generator's state, so that it
+# draws the user's numbers and advances the user's generator as eager does.
 _TRACES_GENERATORS = _RELEASE >= (2, 13)
 
 
@@ -172,7 +175,8 @@ def trace_call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     generator = kwargs.get("generator")
     if generator is None or _TRACES_GENERATORS:
         return func(*args, **kwargs)
-    result, random_nodes = random_calls_traced(lambda: func(*args, **{**kwargs, "generator": None}))
+    with _default_standing_in_for(generator):
+        result, random_nodes = random_calls_traced(lambda: func(*args, **{**kwargs, "generator": None}))
     tracer: Any = get_proxy_mode().tracer  # type: ignore[union-attr]
     name = tracer.get_fresh_qualname("_generator")
     setattr(tracer.root, name, generator)
@@ -180,6 +184,32 @@ def trace_call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         with tracer.graph.inserting_before(node):
             node.kwargs = {**node.kwargs, "generator": tracer.graph.get_attr(name)}
     return result
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The generator a random call on `device` draws from when given none."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    raise NotImplementedError(
+        f"remat.checkpoint: replaying a random call on a {device.type!r} device is not supported; save it with a "
+        "policy (e.g. `policy | (lambda call: call.is_random)`)."
+    )
+
+
+@contextlib.contextmanager
+def _default_standing_in_for(generator: torch.Generator) -> Iterator[None]:
+    """While active, the default generator of `generator`'s device draws `generator`'s numbers; after,
+    `generator` is where those draws left it, and the default generator is as before."""
+    default = default_generator(generator.device)
+    own = default.get_state()
+    default.set_state(generator.get_state())
+    try:
+        yield
+    finally:
+        generator.set_state(default.get_state())
+        default.set_state(own)
 
 
 def random_calls_traced(run: Callable[[], Any]) -> tuple[Any, list[Any]]:

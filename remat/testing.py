@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import weakref
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -1122,28 +1122,29 @@ class _UserGenerators(TorchFunctionMode):
     """Records the user generators (other than torch's default ones) that torch functions are given
     while active, each with the state it had when first seen: its state before the function drew
     from it. Only those that outlive the call count: a generator made inside the call (the checker's
-    own for tangents, a user's seeded afresh at each call) is gone when it returns."""
+    own for tangents, a user's seeded afresh at each call) is referenced by nothing else once it
+    returns. (Held here, not weakly: a `torch.Generator` takes no weak reference before torch 2.13.)"""
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen: dict[int, weakref.ref[torch.Generator]] = {}
+        self.seen: dict[int, torch.Generator] = {}
         self.start: dict[int, torch.Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Generator) and not _is_default(value):
-                seen = self.seen.get(id(value))
-                if seen is None or seen() is not value:
-                    self.seen[id(value)] = weakref.ref(value)
-                    self.start[id(value)] = value.get_state()
+            if isinstance(value, torch.Generator) and not _is_default(value) and id(value) not in self.seen:
+                self.seen[id(value)] = value
+                self.start[id(value)] = value.get_state()
         return func(*args, **kwargs)
 
     @property
     def generators(self) -> dict[int, torch.Generator]:
-        """The generators seen that are still alive, by id, in the order first seen."""
-        alive = {key: ref() for key, ref in self.seen.items()}
-        return {key: generator for key, generator in alive.items() if generator is not None}
+        """The generators seen that something other than this recorder still holds, by id, in the
+        order first seen."""
+        probe = {0: torch.Generator()}  # held only here: its count is that of a generator nothing else holds
+        alone = _references(probe, 0)
+        return {key: self.seen[key] for key in [key for key in self.seen if _references(self.seen, key) > alone]}
 
     def states(self) -> dict[int, torch.Tensor]:
         """The state of each live generator seen; the state it was first seen in for the others."""
@@ -1152,6 +1153,11 @@ class _UserGenerators(TorchFunctionMode):
     def put_back(self) -> None:
         for key, generator in self.generators.items():
             generator.set_state(self.start[key])
+
+
+def _references(held: dict[int, torch.Generator], key: int) -> int:
+    """How many references the generator `held[key]` has, counted the same way for every one."""
+    return sys.getrefcount(held[key])
 
 
 def _is_default(generator: torch.Generator) -> bool:
