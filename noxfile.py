@@ -1,4 +1,5 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s doctest`, `nox -s soak`, `nox -s bench`, `nox -s docs`.
+"""Developer sessions: `nox -s tests`, `nox -s fast`, `nox -s coverage`, `nox -s lint`, `nox -s doctest`,
+`nox -s soak`, `nox -s bench`, `nox -s docs`.
 
 `nox -s tests` runs the suite on every supported torch release, each in its own venv, and records the
 results in docs/torch-versions.md; `nox -s "tests(torch='2.15.0')"` runs one.
@@ -7,6 +8,7 @@ results in docs/torch-versions.md; `nox -s "tests(torch='2.15.0')"` runs one.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -95,6 +97,56 @@ def _record(torch: str, counts: dict[str, int], seconds: float, installed: float
     )
     body = "\n".join(rows[version] for version in sorted(rows, key=_release))
     _TABLE.write_text(f"{head}{_BEGIN}\n{header}\n{body}\n{_END}{tail}")
+
+
+# The edit-test loop: the suite without the tests marked `slow` (tests/conftest.py says which).
+FAST = ["-m", "not slow"]
+
+
+@nox.session
+def fast(session: nox.Session) -> None:
+    """The fast selection, `python -m pytest -n auto -q -m "not slow"`: about a minute on two cores."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "-n", "auto", "-q", *FAST, *session.posargs)
+
+
+@nox.session
+def coverage(session: nox.Session) -> None:
+    """Line coverage of each module of remat, by the whole suite and by the fast selection.
+
+    Fails where the fast selection covers a module less than half as well as the whole suite does:
+    then a test of that module belongs in the fast selection.
+    """
+    install(session, "test")
+    session.install("pytest-cov")
+    reports = {}
+    for name, selection in (("suite", []), ("fast", FAST)):
+        reports[name] = Path(session.create_tmp()) / f"coverage-{name}.json"
+        session.run(
+            "python", "-m", "pytest", "-n", "auto", "-q", *selection, "--cov=remat",
+            f"--cov-report=json:{reports[name]}", "--cov-report=", *session.posargs,
+        )  # fmt: skip
+    short = compare_coverage(reports["suite"], reports["fast"])
+    if short:
+        session.error(f"the fast selection covers less than half of what the suite covers in: {', '.join(short)}")
+
+
+def compare_coverage(suite: Path, fast: Path) -> list[str]:
+    """Print each module's coverage by both runs; return the modules the fast run covers under half as well."""
+    percent = {
+        name: {
+            module: data["summary"]["percent_covered"] for module, data in json.loads(path.read_text())["files"].items()
+        }
+        for name, path in (("suite", suite), ("fast", fast))
+    }
+    print(f"{'module':<28} {'suite':>6} {'fast':>6}")
+    short = []
+    for module, covered in sorted(percent["suite"].items()):
+        by_fast = percent["fast"].get(module, 0.0)
+        print(f"{module:<28} {covered:5.1f}% {by_fast:5.1f}%")
+        if by_fast < covered / 2:
+            short.append(module)
+    return short
 
 
 @nox.session

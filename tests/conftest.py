@@ -79,6 +79,21 @@ def examples(ci: int, soak: int) -> settings:
 SOAK_FAILURES = os.environ.get("REMAT_SOAK_FAILURES", "soak-failures.txt")
 
 
+# --- the fast selection ------------------------------------------------------------------------------
+
+# `python -m pytest -n auto -q -m "not slow"` is the edit-test loop: it leaves out what is marked `slow`,
+# which is every hypothesis property (marked here: each runs tens of examples) and, marked in their
+# files, the tests that start processes, compile with inductor, sweep OpInfo or train model zoos.
+# `nox -s coverage` checks that it still covers every module of remat at least half as well as the
+# whole suite does.
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if PROFILE != "soak" or not report.failed:
         return

@@ -14,6 +14,8 @@ from benchmarks import harness, heap, render
 from benchmarks.methods import METHODS
 from benchmarks.workloads import SUITES
 
+pytestmark = pytest.mark.slow  # runs the benchmarks, small
+
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:

@@ -82,6 +82,7 @@ def test_accounting_equals_the_partitions_programs_for_any_decisions(data: st.Da
     assert (report.replayed_calls, report.saved_bytes) == (accounting.replayed_calls, accounting.saved_bytes)
 
 
+@pytest.mark.slow
 def test_accounting_equals_the_partitions_programs_on_a_gpt2_block() -> None:
     block, x = _block("softmax")
     trace = _block_trace("softmax")

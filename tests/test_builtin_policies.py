@@ -284,7 +284,10 @@ def decisions(report: remat.Report) -> frozenset[int]:
     return frozenset(row.call.index for row in report.rows if row.decision is remat.SAVE)
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
+# The fast selection checks each case on one attention; the suite, on both.
+@pytest.mark.parametrize(
+    "attention", [ATTENTIONS[0], *(pytest.param(a, marks=pytest.mark.slow) for a in ATTENTIONS[1:])]
+)
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_builtin_policy_saves_what_it_documents(case: Case, attention: str):
     module = block(case.variant, attention)

@@ -119,6 +119,7 @@ def test_a_checkpointed_block_in_a_compiled_model_has_eager_gradients(policy: An
     assert checkpointed.cache_info().traces == 1  # remat's own trace gave the decisions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 def test_the_compiled_program_saves_what_remat_keeps(policy: Any) -> None:
     block = models.GPT2Block()
@@ -142,6 +143,7 @@ def test_the_compiled_program_recomputes_what_remat_replays() -> None:
     assert torch.ops.aten.addmm.default in saved_ops
 
 
+@pytest.mark.slow
 def test_inductor_compiles_a_model_with_a_checkpointed_block() -> None:
     block = models.GPT2Block().float()
     checkpointed = remat.checkpoint(block, policy=policies.dots_saveable)
@@ -154,7 +156,7 @@ def test_inductor_compiles_a_model_with_a_checkpointed_block() -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_a_recomputed_dropout_draws_the_mask_forward_drew(backend: str) -> None:
     dropped = remat.checkpoint(lambda x: torch.nn.functional.dropout(x * 2, p=0.5).exp())
     x = torch.randn(1000, requires_grad=True)
@@ -331,6 +333,7 @@ def test_a_region_that_differs_runs_in_an_uncompiled_model_with_compiled_program
 # --- remat's own programs compiled: remat.checkpoint(..., compile=...) ---------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 def test_compiled_programs_give_eager_gradients_and_keep_what_the_policy_saves(policy: Any) -> None:
     block = models.GPT2Block()
@@ -363,6 +366,7 @@ def test_compiled_programs_write_through_views_and_fill_in_eagers_layout(policy:
     assert counter.frame_count >= 2  # the programs ran compiled
 
 
+@pytest.mark.slow
 def test_inductor_compiles_remat_programs() -> None:
     block = models.GPT2Block().float()
     checkpointed = remat.checkpoint(block, policy=policies.dots_saveable, compile=True)

@@ -24,6 +24,7 @@ import remat
 from remat import policies
 
 pytestmark = [
+    pytest.mark.slow,  # compiles vision models
     # Warnings torch's compiler stack raises about itself.
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),

@@ -17,6 +17,9 @@ import remat
 from remat import policies
 from remat.testing import assert_checkpoint_equivalent
 
+pytestmark = pytest.mark.slow  # chains of hundreds of calls
+
+
 LIMIT = 300  # frames
 DEPTH = 450  # calls in a chain
 

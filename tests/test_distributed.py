@@ -24,6 +24,9 @@ from torch import nn
 import remat
 from remat import policies
 
+pytestmark = pytest.mark.slow  # each test starts a process group of its own
+
+
 WORLD = 2
 STEPS = 3
 DTYPE = torch.float64

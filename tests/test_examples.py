@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import NO_NUMPY_IS_FINE
 
+pytestmark = pytest.mark.slow  # each example runs in a process of its own
+
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 # script -> (arguments, a line its output must contain); "{tmp}" is the test's temporary folder.

@@ -122,6 +122,7 @@ SHARED_TRACES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", models.HF_MODELS)
 def test_default_use_cache_trains_like_the_unwrapped_model_with_one_trace_per_layer_structure(name: str) -> None:
     reference = models.hf_model(name)
@@ -140,6 +141,7 @@ def test_default_use_cache_trains_like_the_unwrapped_model_with_one_trace_per_la
     assert [(info.traces, info.shared, info.hits) for info in infos] == SHARED_TRACES[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", models.HF_MODELS)
 def test_the_cache_the_model_returns_stays_empty_and_the_warning_says_so(name: str) -> None:
     reference = models.hf_model(name)
@@ -155,6 +157,7 @@ def test_the_cache_the_model_returns_stays_empty_and_the_warning_says_so(name: s
     assert _returned_cache(out).get_seq_length() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", models.HF_MODELS)
 def test_use_cache_false_trains_without_a_warning(name: str) -> None:
     reference = models.hf_model(name)
@@ -218,6 +221,7 @@ def test_gpt2_with_dropout_draws_the_same_masks_as_the_unwrapped_model() -> None
     _assert_same_losses_and_grads(model, reference, actual, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", models.HF_MODELS)
 def test_offloading_the_matmuls_trains_like_the_unwrapped_model(name: str) -> None:
     reference = models.hf_model(name)

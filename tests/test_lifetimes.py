@@ -115,6 +115,7 @@ def test_deleting_a_checkpointed_module_frees_its_traces_and_not_the_module() ->
     assert module.weight.shape == (3, 3)  # the module itself is the caller's
 
 
+@pytest.mark.slow
 def test_many_calls_over_many_shapes_keep_memory_flat() -> None:
     checkpointed = remat.checkpoint(lambda x: (x.sin() * x).sum())
     shapes = [(n,) for n in range(1, 51)]

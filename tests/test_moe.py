@@ -76,18 +76,21 @@ def first_alike(layers: Sequence[torch.nn.Module], i: int) -> int:
     return next(j for j, layer in enumerate(layers) if shapes(layer) == shapes(layers[i]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", MOE)
 def test_moe_models_train_like_eager_in_their_default_configuration(name: str, policy: str) -> None:
     assert_trains_like_eager(name, "grouped_mm", torch.float32, POLICIES[policy], steps=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
 @pytest.mark.parametrize("name", MOE)
 def test_moe_models_train_like_eager_in_bfloat16(name: str, experts: str) -> None:
     assert_trains_like_eager(name, experts, torch.bfloat16, policies.save_nothing)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MOE)
 def test_moe_models_with_the_eager_experts_train_like_eager_without_retracing(name: str) -> None:
     """The eager experts loop over the experts the router picked (`nonzero` of the expert mask) and
@@ -96,11 +99,13 @@ def test_moe_models_with_the_eager_experts_train_like_eager_without_retracing(na
     assert_trains_like_eager(name, "eager", torch.float32, policies.save_nothing, steps=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["dots_saveable", "budget"])
 def test_the_eager_experts_under_other_policies(policy: str) -> None:
     assert_trains_like_eager("mixtral", "eager", torch.float32, POLICIES[policy])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
 def test_offloaded_expert_products_train_like_eager(experts: str) -> None:
     """Offloaded values of data-dependent size (the tokens each expert got) make the round trip too."""

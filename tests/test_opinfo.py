@@ -163,6 +163,7 @@ def without_opinfo_seeding(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common_methods_invocations, "wrapper_set_seed", _unseeded)
 
 
+@pytest.mark.slow  # about 500 ops and policies
 @pytest.mark.usefixtures("without_opinfo_seeding")
 @pytest.mark.filterwarnings("ignore")  # the ops' own deprecation warnings, many only once a process
 @POLICIES
@@ -191,6 +192,7 @@ def test_first_float64_sample(name: str, policy: Any) -> None:
         remat.testing.assert_checkpoint_equivalent(fn, *tensors, policy=policy)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("name", SEEDED)
 def test_seeding_inside_is_refused(name: str) -> None:

@@ -197,6 +197,7 @@ def _gpt2_block_case() -> tuple[torch.nn.Module, torch.Tensor]:
     return models.GPT2Block(), models.gpt2_input(batch=4, seq=16)
 
 
+@pytest.mark.slow
 def test_a_peak_budget_keeps_the_measured_peak_within_the_bound() -> None:
     block, x = _gpt2_block_case()
     everything = remat.report(block, x, policy=policies.save_everything)

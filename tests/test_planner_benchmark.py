@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import planner
+
+pytestmark = pytest.mark.slow  # runs the planner benchmark
 
 
 def test_planner_benchmark_on_a_tiny_stack(tmp_path: Path) -> None:

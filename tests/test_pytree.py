@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import optree
 import optree.dataclasses
+import pytest
 import torch
 from conftest import NO_NUMPY_IS_FINE
 
@@ -326,6 +327,7 @@ def test_pytree_structure_keys_the_cache():
 # --- importing remat ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_import_is_quiet_and_pulls_in_no_optional_dependency():
     script = textwrap.dedent(
         """

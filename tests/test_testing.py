@@ -119,6 +119,7 @@ def test_random_functions_under_torch_func_transforms(data: st.DataObject) -> No
     assert_checkpoint_equivalent(fn, *args, policy=policy, transforms=transforms)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", sorted(CATALOG))
 def test_every_catalog_op_checkpoints_equivalently(op: str) -> None:
     fn = RandomFunction((3, 4), 2, (Step(op, 0, 1), Step("sin", 2, 2)), (3,))
@@ -665,6 +666,7 @@ def test_checker_catches_an_output_on_another_device_or_of_another_kind() -> Non
 # --- imports -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_import_remat_does_not_import_hypothesis_but_remat_testing_works() -> None:
     code = (
         "import sys, remat\n"

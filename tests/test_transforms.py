@@ -248,6 +248,7 @@ def check_transform(transform: str, model_name: str, policy: Any) -> None:
     assert checkpointed.cache_info().traces >= 1  # it really ran through remat
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", MODEL_NAMES)
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 @FIXED_POLICIES

@@ -39,6 +39,7 @@ def split_by_counts(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([piece.sin() * (i + 1) for i, piece in enumerate(pieces)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES, ids=repr)
 def test_sizes_that_depend_on_data_trace_once_and_give_eager_gradients(policy: remat.Policy) -> None:
     checkpointed = remat.checkpoint(masked, policy=policy)
@@ -115,6 +116,7 @@ def experts(x: torch.Tensor, expert_weights: torch.Tensor, router: torch.Tensor)
     return out
 
 
+@pytest.mark.slow
 def test_the_documented_experts_loop_traces_once_for_every_routing() -> None:
     weights, router = randn(4, 8, 8, seed=0), randn(8, 4, seed=1).detach()
     checkpointed = remat.checkpoint(experts)
