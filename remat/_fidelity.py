@@ -547,6 +547,16 @@ _CPU_LAYOUT = {
 }
 
 
+# NOTE [fake results from the cache lose their storage offset]
+# FakeTensorMode caches the metadata of an op's outputs, and on a hit makes a
+# new output with `empty_strided`: an output that is no view but sits at an
+# offset in its storage, as `aten.copy`'s does when its destination does (a
+# slice assignment, functionalized), comes back at offset 0, with a smaller
+# storage than eager's. The first trace in a process then counted other bytes
+# than the next one. These ops are dispatched past the cache.
+_CACHE_LOSES_OFFSETS = frozenset({aten.copy.default})
+
+
 class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
     """A fake tensor mode whose outputs have the strides (and dtypes, `FAKE_DTYPE_ERRATA`) eager's kernels give them,
     and that notes the user's generators it draws from (`drawn_generators`), to be put back."""
@@ -562,7 +572,10 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
             if func in STRICT_FAKE_KERNELS and not _on_cuda(args):
                 return run_real_kernel_on_zeros(self, func, args, kwargs)
             self.drawn_generators.note(kwargs.get("generator"))  # tracing with real values draws for real
-            result: Any = super().dispatch(func, types, args, kwargs)
+            if func in _CACHE_LOSES_OFFSETS and self.cache_enabled:
+                result: Any = self._uncached(func, types, args, kwargs)
+            else:
+                result = super().dispatch(func, types, args, kwargs)
         except RuntimeError as error:
             if type(error) is RuntimeError:  # not one of the subclasses that say why tracing cannot go on
                 raise FakeKernelRefused(func, error) from error
@@ -590,6 +603,14 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
             if eager is not None and tuple(output.stride()) != eager:
                 outputs[i] = self._restrided(types, output, eager)
         return tuple(outputs) if isinstance(result, tuple) else outputs[0]
+
+    def _uncached(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """`func` dispatched past the fake tensor cache: NOTE [fake results from the cache lose their storage offset]."""
+        self.cache_enabled = False
+        try:
+            return super().dispatch(func, types, args, kwargs)
+        finally:
+            self.cache_enabled = True
 
     def _restrided(self, types: Any, fake: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
         """`fake` with `strides` (and, traced with values, the same values)."""

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -325,7 +326,7 @@ def _block_calls() -> int:
     return len(remat.trace(*_block()))
 
 
-@settings(max_examples=8, deadline=None, derandomize=True)
+@settings(examples(ci=8, soak=200), derandomize=True)
 @given(st.data())
 def test_report_saved_bytes_equals_measured_bytes_for_random_save_calls(data):
     model, x = _block()
