@@ -96,6 +96,7 @@ def test_accounting_equals_the_partitions_programs_on_a_gpt2_block() -> None:
 # --- never over budget ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 0.25, 0.5, 0.75, 1.0])
 def test_budget_is_never_exceeded_on_a_gpt2_block(fraction: float, exact: bool) -> None:
@@ -148,6 +149,7 @@ def test_the_exact_plan_costs_no_more_than_any_decisions_within_the_budget(data:
     assert remat.report(fn, *args, policy=policies.budget(max_bytes=budget, exact=True)).saved_bytes <= budget
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
 @pytest.mark.parametrize("attention", ["sdpa", "softmax"])
 def test_cost_falls_as_the_budget_grows(attention: str, exact: bool) -> None:

@@ -110,6 +110,7 @@ def _base(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 def test_a_checkpointed_block_in_a_compiled_model_has_eager_gradients(policy: Any) -> None:
     block = models.GPT2Block()
@@ -473,6 +474,7 @@ class _ResidualBN(torch.nn.Module):
         return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [policies.save_nothing, policies.dots_saveable])
 def test_batch_norm_blocks_train_inside_a_compiled_model(policy: Any) -> None:
     # The compiled region runs training-mode batch norm as an allocation and the in-place op; remat's

@@ -282,6 +282,7 @@ def test_regression_in_place_update_of_an_unfold_of_one_window_runs_as_in_eager(
     assert_checkpoint_equivalent(_unfold_of_one_window(update), x, policy=policy, transforms=["grad", "vjp"])
 
 
+@pytest.mark.slow
 @POLICIES
 @pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
 @pytest.mark.parametrize(("length", "size", "step"), [(4, 1, 2), (6, 2, 3), (7, 2, 3), (5, 2, 2), (3, 1, 2)], ids=str)

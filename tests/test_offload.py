@@ -458,6 +458,7 @@ def _long_block() -> tuple[torch.nn.Module, torch.Tensor]:
     return models.GPT2Block(d=512, heads=8).float(), torch.randn(1, 8192, 512, requires_grad=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5])
 def test_budget_offloads_where_the_link_is_hidden_and_keeps_the_device_budget(fraction: float) -> None:
     pytest.importorskip("scipy")

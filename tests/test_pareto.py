@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import models
+import pytest
 import torch
 
 import remat
@@ -51,6 +52,7 @@ def test_points_are_what_the_report_says() -> None:
     assert curve.policies[1].replay_seconds > 0
 
 
+@pytest.mark.slow
 def test_to_dict_is_json_and_plot_draws_every_point(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import matplotlib
 

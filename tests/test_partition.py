@@ -252,6 +252,7 @@ def test_saved_matmuls_are_not_replayed(model_name):
     torch.testing.assert_close(grads, eager_grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 @pytest.mark.parametrize(
     "policy",

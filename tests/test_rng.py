@@ -361,6 +361,7 @@ def test_two_forwards_then_two_backwards(device: torch.device) -> None:
 # --- what replaying costs: remat.report -----------------------------------------------------------
 
 
+@pytest.mark.slow
 @POLICIES
 @pytest.mark.parametrize("name", list(CASES))
 def test_report_keeps_one_generator_state_per_replayed_random_call(

@@ -127,6 +127,7 @@ def test_the_documented_experts_loop_traces_once_for_every_routing() -> None:
     assert checkpointed.cache_info().traces == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", [branches, loops_over_chosen_rows])
 @pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=repr)
 def test_code_reading_values_is_traced_for_them_and_checked(
