@@ -202,6 +202,21 @@ def run_hessian(method: Method) -> Any:
     return hessian(_loss(method.function(mlp)), argnums=1)(*inputs())
 
 
+def run_jacrev_of_jacfwd(method: Method) -> Any:
+    return jacrev(jacfwd(_loss(method.function(mlp)), argnums=1), argnums=1)(*inputs())
+
+
+def run_jacfwd_of_jacfwd(method: Method) -> Any:
+    return jacfwd(jacfwd(_loss(method.function(mlp)), argnums=1), argnums=1)(*inputs())
+
+
+def run_jvp_of_jvp(method: Method) -> Any:
+    primals = inputs()
+    inner = tuple(_randn(*p.shape, seed=10 + i) for i, p in enumerate(primals))
+    outer = tuple(_randn(*p.shape, seed=20 + i) for i, p in enumerate(primals))
+    return jvp(lambda *p: jvp(method.function(mlp), p, inner)[1], primals, outer)
+
+
 def _vmap_then_backward(fn: Fn) -> Any:
     x, *params = inputs()
     params = list(leaves(*params))
@@ -306,6 +321,14 @@ def run_forward_ad_of_vmap(method: Method) -> Any:
         return out.primal, out.tangent
 
 
+def run_backward_of_forward_ad(method: Method) -> Any:
+    x, *params = inputs()
+    params = list(leaves(*params))
+    with fwAD.dual_level():
+        out = fwAD.unpack_dual(method.function(mlp)(fwAD.make_dual(x, _randn(BATCH, IN, seed=7)), *params))
+    return out.tangent, torch.autograd.grad(out.tangent.square().sum() + out.primal.sum(), params)
+
+
 def run_nested(method: Method) -> Any:
     inner = method.function(mlp)
 
@@ -333,6 +356,9 @@ ROWS = (
     Row("`jvp`", "`torch.func.jvp` with a tangent for every argument", run_jvp),
     Row("`jvp(vmap)`", "`torch.func.jvp` of the `vmap` below, a tangent for every argument", run_jvp_of_vmap),
     Row("`hessian`", "`hessian` of the loss with respect to the first weight", run_hessian),
+    Row("`jacrev(jacfwd)`", "the same Hessian, reverse mode over forward mode", run_jacrev_of_jacfwd),
+    Row("`jacfwd(jacfwd)`", "the same Hessian, forward mode over forward mode", run_jacfwd_of_jacfwd),
+    Row("`jvp(jvp)`", "`torch.func.jvp` of the tangent of another, for every argument", run_jvp_of_jvp),
     Row("`vmap`", "`vmap(checkpointed, in_dims=(0, None, ...))`, then `backward` to the weights", run_vmap),
     Row(
         "`checkpoint(vmap)`",
@@ -366,6 +392,11 @@ ROWS = (
     Row("`gradcheck`", "`torch.autograd.gradcheck` of the MLP", run_gradcheck),
     Row("`gradgradcheck`", "`torch.autograd.gradgradcheck` of the MLP", run_gradgradcheck),
     Row("`forward_ad` dual tensors", "`torch.autograd.forward_ad.make_dual` on the input", run_forward_ad),
+    Row(
+        "`forward_ad`, then backward",
+        "`backward` to the weights of a loss of the dual input's output and its tangent",
+        run_backward_of_forward_ad,
+    ),
     Row(
         "`forward_ad` dual tensors through `vmap`",
         "the `vmap` below of the method, called on a dual input",
@@ -518,8 +549,17 @@ checkpointing: they are derivatives of the function itself, not of an approximat
 backward keeps are differentiable outputs of remat's `autograd.Function`; a second-order derivative that
 flows through them is carried to the inputs by differentiating a pure program that recomputes those values
 from the inputs (random calls replayed from their kept generator states, in-place updates of inputs
-skipped). Forward mode (`jvp`, `jacfwd`, `hessian`) takes its tangents from the same program. See NOTE
-[differentiating the forward again] in `remat/_programs.py`.
+skipped). Forward mode (`jvp`, `jacfwd`, `hessian`) takes its tangents from the same program, by the
+forward-mode formulas of its ops (as eager computes tangents), so a transform outside (`jacrev(jacfwd)`, a
+`backward` of a `forward_ad` tangent) differentiates them as it does eager's. See NOTE [differentiating
+the forward again] in `remat/_programs.py`.
+
+Under two levels of forward mode (`jvp(jvp)`, `jacfwd(jacfwd)`, and `grad` of those) the checkpointed
+function runs as it is written, without remat: torch does not differentiate the tangents of a custom
+`autograd.Function`'s jvp rule at an outer forward-mode level (every such derivative comes out zero, for
+any Function: pytorch/pytorch#197867), and forward mode keeps nothing for a backward, so there is nothing
+to leave out. A reverse-mode level inside them keeps what eager keeps. NOTE [forward mode over forward
+mode] in `remat/_execute.py`.
 
 Forward mode sees through `torch.no_grad()`, as in eager (a value computed under `no_grad` still carries
 a tangent), and not through `.detach()`. An input that the function updates in place has its tangent

@@ -24,7 +24,7 @@ from ._dataflow import with_dataflow
 from ._decide import decide_nested
 from ._dynamo import call_under_dynamo, register
 from ._errors import TraceError
-from ._execute import Executable, forward_mode_active, run, unsupported_under
+from ._execute import Executable, forward_mode_active, nested_forward_mode, run, unsupported_under
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import partition
 from ._peak import predict_peak
@@ -103,6 +103,8 @@ class Checkpointed(Generic[P, T]):
             return self.__wrapped__(*args, **kwargs)
         if torch.compiler.is_dynamo_compiling():  # see NOTE [checkpoints inside torch.compile]
             return cast(T, call_under_dynamo(self, args, kwargs))
+        if nested_forward_mode():  # NOTE [forward mode over forward mode]
+            return self.__wrapped__(*args, **kwargs)
         if is_tracing():  # inside another checkpointed function: see NOTE [nested checkpoints]
             with nested_checkpoint(self.policy):
                 return self.__wrapped__(*args, **kwargs)

@@ -19,14 +19,17 @@ from ._torch import (
     apply_without_binding,
     batched_level,
     forward_ad_level,
+    forward_grad_enabled,
     functorch_active,
     functorch_interpreters,
     inplace_requires_grad_allowed,
+    make_dual,
     release_saved_tensors,
+    tangent_of,
     unwrap_batched,
 )
 
-__all__ = ["Executable", "forward_mode_active", "run", "unsupported_under", "vmap_active"]
+__all__ = ["Executable", "forward_mode_active", "nested_forward_mode", "run", "unsupported_under", "vmap_active"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,13 +227,18 @@ def _take_grads(taken: list[tuple[torch.Tensor | None, ...]], grads: tuple[torch
 def _pure_jvp(
     programs: Programs, kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
 ) -> Sequence[torch.Tensor | None]:
-    """Tangents of the pure forward's outputs for tangents on some of its inputs."""
+    """Tangents of the pure forward's outputs for tangents on some of its inputs, by the forward-mode
+    formulas of its ops, as eager computes them: a level outside this one (the `jacrev` of a `jacfwd`,
+    a backward of a forward-mode tangent) differentiates them as it does eager's. (Differentiating a
+    vector-Jacobian product with respect to its vector gives the same tangents, but not the same
+    derivatives of them: backward formulas written with statistics their op returns without a
+    derivative, layer norm's, are exact only to the order they are written for.)"""
     _check_pure_differentiable(programs)
     if not chosen:  # no input the pure forward reads has a tangent (or it reads none)
         return [None] * (len(programs.returned) + programs.n_activations)
-    if _func_jvp_active() and not vmap_active():  # torch.func.jvp nests: forward mode of our own
+    if _func_jvp_active():  # torch.func.jvp nests: forward mode of our own
         return _jvp_in_forward_mode(programs, kept, chosen)
-    return _jvp_as_vjp_of_vjp(programs, kept, chosen)
+    return _jvp_at_the_dual_level(programs, kept, chosen)
 
 
 def _jvp_in_forward_mode(
@@ -248,35 +256,20 @@ def _jvp_in_forward_mode(
     return torch.func.jvp(pure, tuple(kept[i] for i in positions), tuple(t for _, t in chosen))[1]  # type: ignore[no-any-return]
 
 
-def _jvp_as_vjp_of_vjp(
+def _jvp_at_the_dual_level(
     programs: Programs, kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
 ) -> Sequence[torch.Tensor | None]:
-    """The tangents as a vector-Jacobian product differentiated with respect to its (zero) vector, with
-    torch.func's vjp, which (unlike autograd's) also differentiates batched tensors. For
-    torch.autograd.forward_ad, whose levels do not nest, and under vmap: there the rule runs inside the
-    batching, and torch.func.jvp inside vmap meets torch bugs that eager's order does not (a draw
-    followed by a log-sigmoid warns of a deprecated resize of an `out=` tensor)."""
-    positions = [i for i, _ in chosen]
-    constants = [value.detach() for value in kept]  # See `_differentiable`.
-    floats: list[int] = []  # the outputs that have tangents: the floating ones
-
-    def pure(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        values = list(constants)
-        for position, value in zip(positions, inputs, strict=True):
-            values[position] = value
+    """Under torch.autograd.forward_ad, whose levels do not nest: the pure forward run on the kept
+    inputs at the level the rule is called for, where they carry their tangents (autograd turns forward
+    mode off around the rule; it is turned back on for this)."""
+    values = list(kept)
+    with forward_grad_enabled():  # See NOTE [forward-mode tangents under vmap].
+        for i, tangent in chosen:
+            if tangent_of(kept[i]) is None:  # saved without it (a copy of an input)
+                values[i] = make_dual(kept[i], tangent)
         with autocast_disabled():
             outputs = programs.pure.forward(*values)
-        floats[:] = [i for i, o in enumerate(outputs) if o.is_floating_point() or o.is_complex()]
-        return tuple(outputs[i] for i in floats)
-
-    with torch.enable_grad():
-        outputs, pullback = torch.func.vjp(pure, *(constants[i] for i in positions))[:2]
-        pullback_of_pullback = torch.func.vjp(pullback, tuple(torch.zeros_like(o) for o in outputs))[1]
-        (products,) = pullback_of_pullback(tuple(t for _, t in chosen))
-    tangents: list[torch.Tensor | None] = [None] * (len(programs.returned) + programs.n_activations)
-    for i, product in zip(floats, products, strict=True):
-        tangents[i] = product
-    return tangents
+        return [tangent_of(o) for o in outputs]
 
 
 def _activations_vjp(
@@ -409,6 +402,23 @@ def forward_mode_active() -> bool:
 def _func_jvp_active() -> bool:
     """Whether a `torch.func.jvp` (or `jacfwd`, `hessian`) is running."""
     return any(interpreter.key() == TransformType.Jvp for interpreter in functorch_interpreters())
+
+
+# NOTE [forward mode over forward mode]
+# Under two levels of torch.func's forward mode (`jvp` of `jvp`, `jacfwd` of
+# `jacfwd`, and `grad` of those), torch does not differentiate the tangents an
+# autograd.Function's jvp rule returns at the outer level: every derivative
+# through the rule comes out zero, for any Function (pytorch/pytorch#197867).
+# Forward mode keeps nothing for a backward, so there is nothing to leave out:
+# the checkpointed function runs as it is written, and its derivatives are
+# eager's (a reverse-mode level inside, as in `jvp(grad(jvp(f)))`, keeps what
+# eager keeps).
+def nested_forward_mode() -> bool:
+    """Whether two or more levels of torch.func's forward mode are running. See NOTE [forward mode over
+    forward mode]."""
+    if not functorch_active():  # (the common case, without listing the interpreters)
+        return False
+    return sum(interpreter.key() == TransformType.Jvp for interpreter in functorch_interpreters()) > 1
 
 
 def vmap_active() -> bool:

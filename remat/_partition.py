@@ -251,7 +251,8 @@ def _without_tangent(
     def without_derivative(i: int) -> bool:
         if dual is None:
             return True
-        return i < joint.n_user_outputs and joint.outputs[i] not in dual
+        is_new_value = joint.n_user_outputs <= i < joint.n_user_outputs + len(joint.dirty)
+        return not is_new_value and joint.outputs[i] not in dual
 
     return (
         *(not _is_float(joint.outputs[i]) or (i not in requiring_grad and without_derivative(i)) for i in returned),

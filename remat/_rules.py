@@ -62,7 +62,9 @@ def reads_any_value(node: fx.Node) -> set[fx.Node]:
 def returned_outputs(joint: JointGraph) -> tuple[int, ...]:
     """Indices of the outputs the Function returns. The other user outputs are views of
     inputs or of returned outputs, or repeats of them, and are rebuilt by the epilogue;
-    the new values of dirty inputs are always returned (as the inputs themselves)."""
+    the new values of dirty inputs are always returned (as the inputs themselves), and
+    so are the bases of the outputs whose elements may share memory, never returned
+    themselves (NOTE [outputs whose elements may share memory])."""
     final_values = overwritten(joint)
 
     def base_of(node: fx.Node) -> fx.Node:
@@ -70,12 +72,12 @@ def returned_outputs(joint: JointGraph) -> tuple[int, ...]:
         # that functionalization wrote the update with): it is the input, whatever it views.
         return view_base(node, stop_at=final_values)
 
-    user_outputs = joint.outputs[: joint.n_user_outputs]
+    user_outputs = [(i, o) for i, o in enumerate(joint.outputs[: joint.n_user_outputs]) if i not in joint.rebuilt]
     returned: dict[fx.Node, int] = {}
-    for i, output in enumerate(user_outputs):  # first, outputs that own their memory
+    for i, output in user_outputs:  # first, outputs that own their memory
         if output.op != "placeholder" and base_of(output) is output:
             returned.setdefault(output, i)
-    for i, output in enumerate(user_outputs):  # then views of something that is not an output
+    for i, output in user_outputs:  # then views of something that is not an output
         base = base_of(output)
         if base.op != "placeholder" and base not in returned:
             returned.setdefault(output, i)

@@ -105,6 +105,8 @@ __all__ = [
     "default_generator",
     "disable_current_modes",
     "forward_ad_level",
+    "forward_grad_enabled",
+    "make_dual",
     "from_functional",
     "functorch_active",
     "functorch_interpreters",
@@ -130,6 +132,7 @@ __all__ = [
     "tree_map_only",
     "under_torch_func",
     "unset_fake_temporarily",
+    "tangent_of",
     "unwrap_batched",
     "unwrap_level",
     "version_counter",
@@ -549,6 +552,51 @@ def inplace_requires_grad_allowed() -> Iterator[None]:
         yield
     finally:
         torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
+
+
+@contextlib.contextmanager
+def forward_grad_enabled() -> Iterator[None]:
+    """Compute forward-mode tangents (at the current `forward_ad` level) where autograd turned that off:
+    inside a custom Function's jvp rule."""
+    enabled = torch._C._is_fwd_grad_enabled()
+    torch._C._set_fwd_grad_enabled(True)
+    try:
+        yield
+    finally:
+        torch._C._set_fwd_grad_enabled(enabled)
+
+
+# NOTE [forward-mode tangents under vmap]
+# torch.autograd.forward_ad keeps tangents on the tensors under vmap's batch
+# wrappers (vmap's rules run the ops on those), and `make_dual`/`unpack_dual`
+# have no batching rule. Under vmap they are applied to the tensors under every
+# batch wrapper, and the result is batched again as its primal is.
+def tangent_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The forward-mode tangent of `tensor` at the current `forward_ad` level, under vmap too."""
+    if torch._C._functorch.is_batchedtensor(tensor):
+        level, bdim = torch._C._functorch.maybe_get_level(tensor), torch._C._functorch.maybe_get_bdim(tensor)
+        tangent = tangent_of(unwrap_level(tensor))
+        return None if tangent is None else torch._C._functorch._add_batch_dim(tangent, bdim, level)
+    return torch.autograd.forward_ad.unpack_dual(tensor).tangent
+
+
+def make_dual(primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
+    """`primal` with `tangent` at the current `forward_ad` level, under vmap too."""
+    if not (torch._C._functorch.is_batchedtensor(primal) or torch._C._functorch.is_batchedtensor(tangent)):
+        return torch.autograd.forward_ad.make_dual(primal, tangent)
+    # Both batched alike (the same op on the same kinds of batching), so their wrappers match.
+    primal, tangent = primal + torch.zeros_like(tangent), tangent + torch.zeros_like(primal)
+    wrappers = []
+    while torch._C._functorch.is_batchedtensor(primal):
+        wrapper = (torch._C._functorch.maybe_get_level(primal), torch._C._functorch.maybe_get_bdim(primal))
+        if (torch._C._functorch.maybe_get_level(tangent), torch._C._functorch.maybe_get_bdim(tangent)) != wrapper:
+            raise AssertionError(f"remat: a primal and its tangent batched differently under vmap: {wrapper}")
+        wrappers.append(wrapper)
+        primal, tangent = unwrap_level(primal), unwrap_level(tangent)
+    dual = torch.autograd.forward_ad.make_dual(primal, tangent)
+    for level, bdim in reversed(wrappers):
+        dual = torch._C._functorch._add_batch_dim(dual, bdim, level)
+    return dual
 
 
 def import_jvp_decompositions() -> None:

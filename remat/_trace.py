@@ -77,14 +77,15 @@ class JointGraph:
 
     The forward outputs are `fn`'s tensor outputs followed by the new values of
     the differentiable inputs `fn` updates in place (`dirty`): see NOTE [in-place
-    updates of differentiable inputs].
+    updates of differentiable inputs], then the bases of the outputs rebuilt from
+    them (`rebuilt`): see NOTE [outputs whose elements may share memory].
     """
 
     graph: fx.Graph
     constants: dict[str, Any]  # get_attr targets the graph reads
     primals: tuple[fx.Node, ...]
     tangents: tuple[fx.Node, ...]
-    outputs: tuple[fx.Node, ...]  # one per tensor leaf of fn's output, then one per dirty input
+    outputs: tuple[fx.Node, ...]  # one per tensor leaf of fn's output, one per dirty input, then bases
     n_user_outputs: int
     dirty: tuple[int, ...]  # primal indices of differentiable inputs that fn updates in place
     output_spec: optree.PyTreeSpec
@@ -100,6 +101,8 @@ class JointGraph:
     regions: tuple[tuple[Any, tuple[int, ...]], ...]  # (policy, call indices) of nested checkpoints
     under_functorch: bool | None  # traced for calls under a torch.func transform, or not; None: for both
     value_checks: tuple[str, ...] = ()  # what the trace assumes of values Python read: NOTE [values Python reads]
+    # User outputs taken again from their bases: NOTE [outputs whose elements may share memory].
+    rebuilt: tuple[int, ...] = ()
 
     @functools.cached_property
     def generators(self) -> tuple[torch.Generator, ...]:
@@ -257,6 +260,70 @@ class _Discovery:
     output_fakes: tuple[torch.Tensor, ...]
     reached_modules: tuple[torch.nn.Module, ...]
     dirty: tuple[int, ...]  # differentiable arguments updated in place
+    # Output -> the position of its base in `bases`: NOTE [outputs whose elements may share memory].
+    rebuilt: Mapping[int, int]
+    bases: tuple[torch.Tensor, ...]
+
+    def differentiated(self, differentiated_inputs: Sequence[bool]) -> tuple[int, ...]:
+        """The indices of the forward outputs that get a tangent: `fn`'s outputs with a history that the
+        Function returns, the new values of differentiable inputs `fn` updates in place, the bases
+        with a history."""
+        n_outputs, n_dirty = len(self.output_fakes), len(self.dirty)
+        return (
+            *(i for i, o in enumerate(self.output_fakes) if _has_history(o) and i not in self.rebuilt),
+            *(n_outputs + j for j, i in enumerate(self.dirty) if differentiated_inputs[i]),  # others: jvp only
+            *(n_outputs + n_dirty + j for j, base in enumerate(self.bases) if _has_history(base)),
+        )
+
+
+# NOTE [outputs whose elements may share memory]
+# The Function never returns an output some of whose elements may share memory
+# (an `expand`, an `unfold` with overlapping windows): that output is a view,
+# and the Function returns its base (as an extra output) instead, from which
+# the epilogue takes the view again. Autograd gives each output of a Function
+# the tangent of its jvp rule, copied into the output's layout where the two
+# differ, and under torch.func transforms the rule's tangents cannot have the
+# layout (vmap chooses where their batch lies): the copy into memory that
+# elements share fails. Taken outside the Function, the view gets its tangent
+# from the view op's own rule, in its layout, as in eager (and its gradient
+# reaches the base through the view op's backward, also as in eager). An output
+# that is a view of an input or of another output is rebuilt by the epilogue
+# anyway.
+def _bases_to_return(
+    outputs: Sequence[torch.Tensor], owners: Sequence[torch.Tensor]
+) -> tuple[dict[int, int], list[torch.Tensor]]:
+    """The outputs to take again from their bases (-> the position of the base) and the bases, for the
+    `outputs` of `fn`: views whose elements may share memory, of a tensor that is not one of the
+    `owners` (the inputs) nor one of the outputs."""
+    rebuilt_elsewhere = {id(t) for t in (*owners, *outputs)}
+    rebuilt: dict[int, int] = {}
+    bases: list[torch.Tensor] = []
+    for i, output in enumerate(outputs):
+        if not output._is_view() or not _elements_may_share_memory(output):
+            continue
+        base = output._base
+        if base is None or id(base) in rebuilt_elsewhere:
+            continue
+        position = next((j for j, b in enumerate(bases) if b is base), len(bases))
+        if position == len(bases):
+            bases.append(base)
+        rebuilt[i] = position
+    return rebuilt, bases
+
+
+def _elements_may_share_memory(tensor: torch.Tensor) -> bool:
+    """Whether two elements of `tensor` may be one place in memory: unless each stride, in increasing
+    order, steps past every place the smaller ones reach. (A size that depends on data is not looked
+    at: an output of such a size is returned as it is.)"""
+    shape, strides = tensor.shape, tensor.stride()
+    if not all(isinstance(n, int) for n in (*shape, *strides)):
+        return False
+    reach = 0  # the farthest place, from the first element, that the smaller strides reach
+    for stride, size in sorted((stride, size) for size, stride in zip(shape, strides, strict=True) if size > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 # NOTE [in-place updates of differentiable inputs]
@@ -328,6 +395,8 @@ def _discover(
         hook.remove()
     outputs, output_spec = flatten_outputs(out)
     outputs = [mode.record_closed_over(o) for o in outputs]  # a closed-over tensor returned as is
+    closed_over = tuple(mode.closed_over.values())
+    rebuilt, bases = _bases_to_return(outputs, [*fakes, *closed_over])
     # An update autograd does not see (under no_grad, or through `.detach()`) leaves the input's
     # history alone, as in eager: it is written back like an update of an input without grad.
     dirty = tuple(
@@ -336,7 +405,7 @@ def _discover(
         if version_counter(fake) != version
         and ((fake.requires_grad and fake.grad_fn is not history) or (forward_mode and _all_floats(fake)))
     )
-    return _Discovery(tuple(mode.closed_over.values()), output_spec, tuple(outputs), tuple(reached.values()), dirty)
+    return _Discovery(closed_over, output_spec, tuple(outputs), tuple(reached.values()), dirty, rebuilt, tuple(bases))
 
 
 def _tangent_like(fake_mode: FakeTensorMode, output: torch.Tensor) -> torch.Tensor:
@@ -383,9 +452,9 @@ def _trace(
     real_primals = [*flat_args.tensors, *discovery.closed_over]
     fake_primals = [_fake_like(fake_mode, t) for t in real_primals]
     joint = _JointFunction(fn, flat_args, roots, discovery, fake_primals, fake_mode, under_functorch, with_values)
+    outputs = [*discovery.output_fakes, *(fake_primals[i] for i in discovery.dirty), *discovery.bases]
     with fake_mode:
-        fake_tangents = [_tangent_like(fake_mode, o) for o in discovery.output_fakes if _has_history(o)]
-        fake_tangents += [torch.empty_like(fake_primals[i]) for i in discovery.dirty if joint.differentiated[i]]
+        fake_tangents = [_tangent_like(fake_mode, outputs[i]) for i in joint.differentiable]
     gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
     guarded_ints: set[str] = set()
     if with_values:  # See NOTE [values Python reads].
@@ -426,11 +495,7 @@ class _JointFunction:
         self.fake_primals, self.under_functorch, self.with_values = fake_primals, under_functorch, with_values
         self.n_args = len(flat_args.tensors)
         self.differentiated = [_requires_grad(t) for t in [*flat_args.tensors, *discovery.closed_over]]
-        n_user_outputs = len(discovery.output_fakes)
-        self.differentiable = (
-            *(i for i, o in enumerate(discovery.output_fakes) if _has_history(o)),
-            *(n_user_outputs + j for j, i in enumerate(discovery.dirty) if self.differentiated[i]),  # others: jvp only
-        )
+        self.differentiable = discovery.differentiated(self.differentiated)
         self.ran_in_fn: set[fx.Node] = set()  # the graph's nodes when fn returned (some may be dead code later)
         self.detached: set[fx.Node] = set()
         self.grad_of: list[int] = []
@@ -479,7 +544,14 @@ class _JointFunction:
         self.ran_in_fn.update(graph.nodes)
         self.detached.update(mode.detached)
         self.dropout_layout_matters = fidelity.dropout_layout_matters
-        return arguments, [mode.substitute(o) for o in outputs] + [arguments[i] for i in self.discovery.dirty]
+        outputs = [mode.substitute(o) for o in outputs]
+        rebuilt, bases = _bases_to_return(outputs, [*inputs, *arguments])
+        if rebuilt != self.discovery.rebuilt:
+            raise TraceError(
+                "remat.checkpoint: fn returned views that share memory with different tensors when traced "
+                f"({rebuilt}) than when run on fake tensors ({dict(self.discovery.rebuilt)}); please report this."
+            )
+        return arguments, [*outputs, *(arguments[i] for i in self.discovery.dirty), *bases]
 
     @staticmethod
     def _gradients(
@@ -531,7 +603,7 @@ def _joint_graph(
     primals, tangents = tuple(placeholders[:n_primals]), tuple(placeholders[n_primals:])
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     returned = list(output_node.args[0])
-    n_outputs = len(discovery.output_fakes) + len(discovery.dirty)
+    n_outputs = len(discovery.output_fakes) + len(discovery.dirty) + len(discovery.bases)
     outputs, grads = tuple(returned[:n_outputs]), tuple(returned[n_outputs:])
     constants = {n.target: getattr(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
     _check_no_unlifted_parameters(constants)
@@ -571,6 +643,7 @@ def _joint_graph(
         reached_modules=discovery.reached_modules,
         under_functorch=under_functorch if joint.dropout_layout_matters else None,
         value_checks=tuple(str(describe_check(check)) for check in value_checks if check.target is check_value),
+        rebuilt=tuple(discovery.rebuilt),
     )
 
 

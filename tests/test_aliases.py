@@ -176,6 +176,47 @@ def test_regression_detached_outputs_have_no_tangent_in_forward_mode(fn: Callabl
         assert [torch.autograd.forward_ad.unpack_dual(o).tangent is None for o in outputs] == expected
 
 
+SHARED_MEMORY_VIEWS = {
+    "expand of a row of an intermediate": lambda x, w: (x * w)[:1].expand(3, 4),
+    "overlapping windows of an intermediate": lambda x, w: (x * w).flatten().unfold(0, 4, 2),
+    "as_strided of an intermediate onto itself": lambda x, w: (x * w).as_strided((3, 3), (1, 1)),
+    "two expands of one intermediate": lambda x, w: ((y := (x * w)[:1]).expand(3, 4), y.t().expand(4, 4) * 1),
+    "expand of a transposed intermediate's row": lambda x, w: (x.exp().t() * w.t())[0].expand(2, 3),
+    "expand of an intermediate, the intermediate returned too": lambda x, w: ((y := x * w), y[:1].expand(2, 4)),
+    "expand of an intermediate under no_grad": lambda x, w: (
+        (y := x * w),
+        _without_grad(lambda: y.sin()[:1].expand(2, 4)),
+    ),
+}
+
+
+@POLICIES
+@pytest.mark.parametrize("fn", SHARED_MEMORY_VIEWS.values(), ids=SHARED_MEMORY_VIEWS.keys())
+def test_regression_an_output_whose_elements_share_memory_is_a_view_as_in_eager(fn: Callable, policy: Any) -> None:
+    # The Function returned the view itself: under a forward-mode transform over vmap, autograd could not
+    # copy the jvp rule's tangent into memory its elements share (a raw torch error), and the output was
+    # no view. It returns the view's base and the epilogue takes the view again. NOTE [outputs whose
+    # elements may share memory]
+    _assert_as_in_eager(fn, policy, *_inputs())
+    expected = [o.stride() for o in optree.tree_leaves(fn(*_inputs()))]
+    assert [o.stride() for o in optree.tree_leaves(remat.checkpoint(fn, policy=policy)(*_inputs()))] == expected
+    remat.testing.assert_checkpoint_equivalent(fn, *_inputs(), policy=policy)  # every transform
+
+
+# torch's own (eager's too): under vmap, `unfold`'s backward has no batching rule.
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+@pytest.mark.parametrize("fn", SHARED_MEMORY_VIEWS.values(), ids=SHARED_MEMORY_VIEWS.keys())
+def test_second_derivatives_of_outputs_whose_elements_share_memory(fn: Callable) -> None:
+    def weighted(x: torch.Tensor, w: torch.Tensor, fn: Callable = fn) -> torch.Tensor:
+        return sum(((o * (k + 2)) ** 2).sum() for k, o in enumerate(optree.tree_leaves(fn(x, w))))  # type: ignore[return-value]
+
+    x, w = (t.detach() for t in _inputs())
+    for second in (torch.func.hessian, lambda f: torch.func.jacrev(torch.func.jacfwd(f)), torch.func.jacfwd):
+        expected = second(weighted)(x, w)
+        actual = second(lambda x, w: weighted(x, w, remat.checkpoint(fn)))(x, w)
+        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL)
+
+
 def _update_through_a_transposed_slice(x: torch.Tensor) -> torch.Tensor:
     view = x.t()[:, :1]
     view.mul_(0.5).add_(1.0)
