@@ -561,6 +561,10 @@ any Function: pytorch/pytorch#197867), and forward mode keeps nothing for a back
 to leave out. A reverse-mode level inside them keeps what eager keeps. NOTE [forward mode over forward
 mode] in `remat/_execute.py`.
 
+Under `jvp(vmap(f))` (and `jacfwd`), remat's jvp rule runs forward mode inside the batching, the order
+of `vmap(jvp(f))`. There torch warns that it resized an `out=` tensor (a deprecation) for a random draw
+followed by a log-sigmoid, as it does for eager's `vmap(jvp(f))`; the values are eager's.
+
 Forward mode sees through `torch.no_grad()`, as in eager (a value computed under `no_grad` still carries
 a tangent), and not through `.detach()`. An input that the function updates in place has its tangent
 updated in place too, under `torch.autograd.forward_ad`; under `torch.func.jvp` (and `jacfwd`,

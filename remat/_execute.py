@@ -67,6 +67,20 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
     programs = executable.programs
     if executable.not_under_forward_ad is not None and not _func_jvp_active():
         raise NotImplementedError(executable.not_under_forward_ad)  # traced for forward mode: it is on
+    # See NOTE [updated inputs that are views].
+    views = [i for i in executable.dirty if primals[i]._is_view() and primals[i].requires_grad]
+    if views and forward_mode_active():
+        raise NotImplementedError(
+            "remat.checkpoint: under forward mode the function updates in place an input that is a view of "
+            "another tensor (a dual tensor of a tensor that requires grad is one), which autograd does not let "
+            "remat's Function do. Pass a tensor that is not a view (`x.clone()`), or update a copy of the "
+            "input inside the function."
+        )
+    updated = [primals[i] for i in views]
+    if views:
+        primals = list(primals)
+        for i in views:
+            primals[i] = primals[i].clone()
     if functorch_active():
         if executable.unbatchable is not None and vmap_active():
             raise NotImplementedError(executable.unbatchable)
@@ -77,9 +91,27 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
         # positional arguments, so go straight to the C++ apply it ends in.
         results = _apply_without_binding(executable, *primals)
     returned = results[: len(programs.returned)]
+    if views:
+        returned = list(returned)
+        for i, view in zip(views, updated, strict=True):
+            view.copy_(primals[i])
+            returned[programs.returned.index(executable.n_user_outputs + executable.dirty.index(i))] = view
+            primals[i] = view
     if programs.epilogue is None:
         return tuple(returned[: executable.n_user_outputs])
     return tuple(programs.epilogue.forward(*primals, *returned))
+
+
+# NOTE [updated inputs that are views]
+# Autograd lets a Function update in place an input that is a view of another
+# tensor that requires grad only if the Function returns nothing else, and
+# remat's returns its kept values too. Such an input (`x = h[:, 0]`, then `x += mlp(x)` inside
+# the function) is cloned, the Function updates the clone, and the view takes
+# the clone's new value with a `copy_` outside, which autograd records on the
+# view and its base as eager records the update. The clone costs one copy of
+# the input per call. Under forward mode an input is updated in place even
+# where autograd does not record the update (under `no_grad`), and the `copy_`
+# would record it: there remat raises instead.
 
 
 # NOTE [kept activations are outputs]
@@ -335,11 +367,12 @@ def _check_pure_differentiable(programs: Programs) -> None:
 # the tangent its jvp rule returns only where both have one layout (strides,
 # offset, and the size of their storage); otherwise it copies the tangent into
 # the output's strides, which fails an internal assert for an output that is a
-# view, and fails for one whose elements share memory (an `expand`). Eager's
-# ops give their tangents their outputs' layouts; the jvp rule's tangents come
-# from differentiating the pure forward twice, which keeps no layout, so the
-# rule lays each out as its output is. (Under torch.func, autograd sees
-# wrappers, and the tangents of torch.func.jvp already have the layouts.)
+# view (and would fail for one whose elements share memory, which the Function
+# never returns: NOTE [outputs whose elements may share memory]). Eager's ops
+# give their tangents their outputs' layouts; the pure forward's outputs need
+# not have the forward program's, so the rule lays each tangent out as its
+# output is. (Under torch.func, autograd sees wrappers, and the tangents of
+# torch.func.jvp already have the layouts.)
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     shape: tuple[int, ...]

@@ -317,13 +317,29 @@ _SCATTERS = frozenset({aten.slice_scatter.default, aten.select_scatter.default, 
 
 def _scattered_in_base_layout(op: Any, base: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
     """`op(base, *args, **kwargs)`, in the layout of `base`, as eager's write through a view leaves it."""
-    out: torch.Tensor = op(base, *args, **kwargs)
+    scatter = _select_scattered if op is aten.select_scatter.default else op
+    out: torch.Tensor = scatter(base, *args, **kwargs)
     # Under vmap, the layout is that of the batched tensors, the batch dimension's place in memory too.
     layout = memory_layout(base)
     _, shape, stride = layout
     if memory_layout(out) == layout or not is_dense(shape, stride):
         return out
     return torch.empty_like(base).copy_(out)
+
+
+# NOTE [a select scatter runs as a slice scatter]
+# Under vmap, torch's forward-mode derivative of `select_scatter` (what a write
+# through `t[:, 0]` functionalizes into) is wrong to a reverse-mode level
+# outside it: `grad` of a `jvp` of a `vmap` of a function that writes through a
+# selected row differs from the same of eager's in-place write, in torch alone.
+# A `slice_scatter` of the source with the selected dimension put back writes
+# the same elements, and is differentiated right at every order.
+def _select_scattered(base: torch.Tensor, source: torch.Tensor, dim: int, index: int) -> torch.Tensor:
+    """`aten.select_scatter(base, source, dim, index)`, as a `slice_scatter`: see NOTE [a select scatter
+    runs as a slice scatter]."""
+    dim = dim % base.dim()
+    index = index % base.shape[dim]
+    return aten.slice_scatter.default(base, source.unsqueeze(dim), dim, index, index + 1)
 
 
 def _stops_gradient(node: fx.Node, forward_mode: bool) -> bool:

@@ -818,16 +818,28 @@ _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.bfloat16: (2e-2, 2e-2),
     torch.float16: (1e-2, 1e-2),
 }
-TRANSFORMS = ("grad", "vmap", "jvp", "vjp", "jvp_of_vmap", "vmap_of_jvp", "forward_ad")
-_BATCHED = frozenset({"vmap", "jvp_of_vmap", "vmap_of_jvp"})  # transforms of stacked arguments
-_UNDER_FUNC_JVP = frozenset({"jvp", "jvp_of_vmap", "vmap_of_jvp"})
+TRANSFORMS = (
+    "grad",
+    "vmap",
+    "jvp",
+    "vjp",
+    "jvp_of_vmap",
+    "vmap_of_jvp",
+    "forward_ad",
+    "grad_of_jvp_of_vmap",
+    "grad_of_forward_ad",
+)
+_BATCHED = frozenset({"vmap", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp_of_vmap"})  # of stacked arguments
+_UNDER_FUNC_JVP = frozenset({"jvp", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp_of_vmap"})
+_FORWARD_MODE = _UNDER_FUNC_JVP | {"forward_ad", "grad_of_forward_ad"}
 
 
 def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
     """The transforms (of `TRANSFORMS`) that `assert_checkpoint_equivalent` can compare for `fn`.
 
     Left out: `torch.func.jvp` where a catalog op may update an input in place (`REFUSABLE_OPS`: torch.func
-    does not let a Function update the input's tangent in place, which remat says), and the batched
+    does not let a Function update the input's tangent in place, which remat says; nor, under
+    `"grad_of_forward_ad"`, update a dual tensor, a view of a tensor that requires grad), and the batched
     transforms and `forward_ad` for writes through `as_strided` (`AS_STRIDED_WRITES`: remat says it does
     not support them there).
 
@@ -839,9 +851,9 @@ def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
     ops = set(fn.ops)
     left_out: set[str] = set()
     if REFUSABLE_OPS & ops:
-        left_out |= _UNDER_FUNC_JVP
+        left_out |= _UNDER_FUNC_JVP | {"grad_of_forward_ad"}
     if AS_STRIDED_WRITES & ops:
-        left_out |= _BATCHED | {"forward_ad"}
+        left_out |= _BATCHED | {"forward_ad", "grad_of_forward_ad"}
     return tuple(t for t in TRANSFORMS if t not in left_out)
 
 
@@ -962,12 +974,16 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
         return torch.func.grad(_scalar(fn, seed))
     if name == "vmap":
         return torch.func.vmap(fn, randomness="different")
-    if name in ("jvp", "jvp_of_vmap", "vmap_of_jvp", "forward_ad"):
+    if name in _FORWARD_MODE:
         # The first forward-mode AD call in a process imports torch's jvp decompositions, which
         # warn (an error where warnings are errors): import them here, quietly.
         import_jvp_decompositions()
     if name == "jvp_of_vmap":
         return _jvp(torch.func.vmap(fn, randomness="different"), seed)
+    if name == "grad_of_jvp_of_vmap":  # reverse mode over forward mode, as `jacrev(jacfwd(fn))`
+        return torch.func.grad(_scalar(_jvp(torch.func.vmap(fn, randomness="different"), seed), seed))
+    if name == "grad_of_forward_ad":
+        return _backward_of(_forward_ad(fn, seed), seed)
     if name == "vmap_of_jvp":
 
         def jvp_per_example(*primals_and_tangents: Any, **kwargs: Any) -> Any:
@@ -995,6 +1011,22 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
         return outputs, pullback(cotangents)
 
     return vjp
+
+
+def _backward_of(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+    """The gradient, by `torch.autograd.grad`, of a fixed random weighted sum of `fn`'s outputs with respect
+    to its first argument (zeros where they do not depend on it)."""
+
+    def backward(first: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
+        first = first.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = _scalar(fn, seed)(first, *rest, **kwargs)
+            if not loss.requires_grad:
+                return torch.zeros_like(first)
+            (grad,) = torch.autograd.grad(loss, first, allow_unused=True)
+        return torch.zeros_like(first) if grad is None else grad
+
+    return backward
 
 
 def _bound(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -1648,10 +1680,15 @@ def assert_checkpoint_equivalent(
             arguments, with `randomness="different"`), `"jvp"` and `"vjp"`
             (with seeded random tangents and cotangents), their compositions
             `"jvp_of_vmap"` and `"vmap_of_jvp"` (over the stacked arguments,
-            the latter with a tangent per example, as `jacfwd` does), and
+            the latter with a tangent per example, as `jacfwd` does),
             `"forward_ad"` (dual tensors of `torch.autograd.forward_ad`, each
-            output compared as its primal and tangent). Tangents are compared
-            by value, not layout. All but `vmap` take
+            output compared as its primal and tangent), and the derivatives
+            of forward mode's results: `"grad_of_jvp_of_vmap"` (`grad` of a
+            weighted sum of `"jvp_of_vmap"`'s outputs and tangents, as
+            `jacrev(jacfwd(fn))` differentiates) and `"grad_of_forward_ad"`
+            (`torch.autograd.grad` of one of `"forward_ad"`'s). Both
+            differentiate with respect to the first argument. Tangents are
+            compared by value, not layout. All but `vmap` take
             detached copies of the arguments; the `vmap` outputs are also
             backpropagated. Keyword arguments are passed through, neither
             differentiated nor batched.
