@@ -307,7 +307,25 @@ def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.
         copy.target, copy.args = fill_in_eager_layout, (fill, *copy.args)
     elif node.target in _SCATTERS:
         copy.target, copy.args = _scattered_in_base_layout, (node.target, *copy.args)
+    elif node.target is aten.as_strided_scatter.default:
+        copy.target = _as_strided_scattered
     return copy
+
+
+# NOTE [a write through as_strided runs as one]
+# torch's forward-mode derivative of `as_strided_scatter` (what a write through
+# `as_strided` functionalizes into) is wrong to a reverse-mode level outside it:
+# `grad` of a `jvp` of such a write differs from eager's, in torch alone. The
+# op is run as its own definition, a write into a clone through `as_strided`,
+# which eager's write is, and whose derivatives are right at every order.
+def _as_strided_scattered(
+    base: torch.Tensor, source: torch.Tensor, size: Any, stride: Any, storage_offset: Any = None
+) -> torch.Tensor:
+    """`aten.as_strided_scatter(base, source, size, stride, storage_offset)`, as a write into a clone of
+    `base` (the op's definition): see NOTE [a write through as_strided runs as one]."""
+    out = base.clone()
+    out.as_strided(size, stride, storage_offset).copy_(source)
+    return out
 
 
 # The functional forms of writes through views. Eager's write keeps the layout of the tensor written

@@ -826,11 +826,12 @@ TRANSFORMS = (
     "jvp_of_vmap",
     "vmap_of_jvp",
     "forward_ad",
+    "grad_of_jvp",
     "grad_of_jvp_of_vmap",
     "grad_of_forward_ad",
 )
 _BATCHED = frozenset({"vmap", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp_of_vmap"})  # of stacked arguments
-_UNDER_FUNC_JVP = frozenset({"jvp", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp_of_vmap"})
+_UNDER_FUNC_JVP = frozenset({"jvp", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp", "grad_of_jvp_of_vmap"})
 _FORWARD_MODE = _UNDER_FUNC_JVP | {"forward_ad", "grad_of_forward_ad"}
 
 
@@ -980,10 +981,13 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
         import_jvp_decompositions()
     if name == "jvp_of_vmap":
         return _jvp(torch.func.vmap(fn, randomness="different"), seed)
-    if name == "grad_of_jvp_of_vmap":  # reverse mode over forward mode, as `jacrev(jacfwd(fn))`
-        return torch.func.grad(_scalar(_jvp(torch.func.vmap(fn, randomness="different"), seed), seed))
+    # The derivatives of forward mode's results are compared by value, as tangents are: see `_by_value`.
+    if name == "grad_of_jvp":  # reverse mode over forward mode
+        return _valued(torch.func.grad(_scalar(_jvp(fn, seed), seed)))
+    if name == "grad_of_jvp_of_vmap":  # and over a batch, as `jacrev(jacfwd(fn))`
+        return _valued(torch.func.grad(_scalar(_jvp(torch.func.vmap(fn, randomness="different"), seed), seed)))
     if name == "grad_of_forward_ad":
-        return _backward_of(_forward_ad(fn, seed), seed)
+        return _valued(_backward_of(_forward_ad(fn, seed), seed))
     if name == "vmap_of_jvp":
 
         def jvp_per_example(*primals_and_tangents: Any, **kwargs: Any) -> Any:
@@ -1013,6 +1017,10 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
     return vjp
 
 
+def _valued(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *args, **kwargs: _by_value(fn(*args, **kwargs))
+
+
 def _backward_of(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
     """The gradient, by `torch.autograd.grad`, of a fixed random weighted sum of `fn`'s outputs with respect
     to its first argument (zeros where they do not depend on it)."""
@@ -1040,8 +1048,9 @@ def _tangents(primals: Sequence[Any], seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def _by_value(tangents: Any) -> Any:
-    """Tangents to compare by value alone. Their layouts are those of torch's derivative formulas (a zero
-    tangent of an op without a derivative may be a broadcast, under vmap unbatched), not of the program."""
+    """Tangents (and their derivatives) to compare by value alone. Their layouts are those of torch's
+    derivative formulas (a zero tangent of an op without a derivative may be a broadcast, under vmap
+    unbatched), not of the program."""
     return optree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, tangents, none_is_leaf=False)
 
 
@@ -1683,10 +1692,11 @@ def assert_checkpoint_equivalent(
             the latter with a tangent per example, as `jacfwd` does),
             `"forward_ad"` (dual tensors of `torch.autograd.forward_ad`, each
             output compared as its primal and tangent), and the derivatives
-            of forward mode's results: `"grad_of_jvp_of_vmap"` (`grad` of a
-            weighted sum of `"jvp_of_vmap"`'s outputs and tangents, as
+            of forward mode's results: `"grad_of_jvp"` and
+            `"grad_of_jvp_of_vmap"` (`grad` of a weighted sum of `"jvp"`'s or
+            `"jvp_of_vmap"`'s outputs and tangents, the latter as
             `jacrev(jacfwd(fn))` differentiates) and `"grad_of_forward_ad"`
-            (`torch.autograd.grad` of one of `"forward_ad"`'s). Both
+            (`torch.autograd.grad` of one of `"forward_ad"`'s). They
             differentiate with respect to the first argument. Tangents are
             compared by value, not layout. All but `vmap` take
             detached copies of the arguments; the `vmap` outputs are also
