@@ -16,7 +16,7 @@ from torch import fx
 from . import _offload, _rng
 from ._fidelity import fill_in_eager_layout, is_dense, runnable
 from ._torch import BoxedCodeGen, memory_layout
-from ._trace import JointGraph, stops_gradient
+from ._trace import JointGraph, is_free, stops_gradient
 
 __all__ = ["backward_program", "device_of", "epilogue", "forward_program", "pure_forward"]
 
@@ -187,6 +187,8 @@ def epilogue(joint: JointGraph, returned: Sequence[int], overwritten: Mapping[fx
     def emit(node: fx.Node) -> fx.Node:
         chain = []  # views down to something already there, without recursion (a chain may be long)
         while node not in env:
+            if not is_free(node):  # the rules return every output that is not a view of one that is there
+                raise AssertionError(f"remat: the epilogue would compute {node.format_node()}; please report this.")
             chain.append(node)
             node = node.args[0]  # type: ignore[assignment]
         for view in reversed(chain):

@@ -311,6 +311,29 @@ def _bases_to_return(
     return rebuilt, bases
 
 
+def _put_bases_on_their_views(output_node: fx.Node, returned: list[Any], discovery: _Discovery) -> None:
+    """Make each base returned for a view the node its view's chain of views starts from, which the
+    epilogue takes the view from again (in place, in `returned` and the graph's output). The tensor
+    autograd calls the view's base may have been traced as another node of the same value: a second
+    `detach` of one tensor, say."""
+    first_base = len(discovery.output_fakes) + len(discovery.dirty)
+    for output, position in discovery.rebuilt.items():
+        base = returned[first_base + position]
+        chain = [returned[output]]
+        while chain[-1] is not base and chain[-1].op == "call_function" and is_free(chain[-1]):
+            chain.append(chain[-1].args[0])
+        if chain[-1] is base:
+            continue
+        same = [n for n in chain if (n.target, n.args, n.kwargs) == (base.target, base.args, base.kwargs)]
+        if not same:
+            raise TraceError(
+                f"remat.checkpoint: output {output} of fn is a view whose elements share memory, and remat "
+                "could not find the tensor it views among the views it was taken through; please report this."
+            )
+        returned[first_base + position] = same[0]
+        output_node.args = (returned,)
+
+
 def _elements_may_share_memory(tensor: torch.Tensor) -> bool:
     """Whether two elements of `tensor` may be one place in memory: unless each stride, in increasing
     order, steps past every place the smaller ones reach. (A size that depends on data is not looked
@@ -604,6 +627,7 @@ def _joint_graph(
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     returned = list(output_node.args[0])
     n_outputs = len(discovery.output_fakes) + len(discovery.dirty) + len(discovery.bases)
+    _put_bases_on_their_views(output_node, returned, discovery)
     outputs, grads = tuple(returned[:n_outputs]), tuple(returned[n_outputs:])
     constants = {n.target: getattr(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
     _check_no_unlifted_parameters(constants)

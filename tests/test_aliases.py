@@ -187,7 +187,15 @@ SHARED_MEMORY_VIEWS = {
         (y := x * w),
         _without_grad(lambda: y.sin()[:1].expand(2, 4)),
     ),
+    # Its base (the detach) traces as a second detach node beside the view's (found by the soak).
+    "expand of a detach of an intermediate updated under no_grad": lambda x, w: _expand_of_a_detach(x.abs() * w),
 }
+
+
+def _expand_of_a_detach(y: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        y.t()[1:].mul_(0.5)
+    return y.detach()[:1].expand(y.shape)
 
 
 @POLICIES

@@ -298,7 +298,9 @@ def test_regression_a_write_through_an_unfold_with_gaps_leaves_the_gaps_alone(
 
     x = torch.randn(2, length, dtype=torch.float64, requires_grad=True)
     ragged = ((length - size) // step + 1) * step > length  # traced as an as_strided: see the NOTE
-    transforms = ["grad", "vjp", "jvp"] if ragged else list(TRANSFORMS)  # see remat.testing.transforms_for
+    transforms = (
+        ["grad", "vjp", "jvp", "grad_of_jvp"] if ragged else list(TRANSFORMS)
+    )  # see remat.testing.transforms_for
     assert_checkpoint_equivalent(fn, x, policy=policy, transforms=transforms)
 
 
