@@ -311,20 +311,30 @@ def _bases_to_return(
     return rebuilt, bases
 
 
-def _put_bases_on_their_views(output_node: fx.Node, returned: list[Any], discovery: _Discovery) -> None:
+def _put_bases_on_their_views(
+    output_node: fx.Node, returned: list[Any], discovery: _Discovery, inputs: set[fx.Node]
+) -> tuple[int, ...]:
     """Make each base returned for a view the node its view's chain of views starts from, which the
-    epilogue takes the view from again (in place, in `returned` and the graph's output). The tensor
-    autograd calls the view's base may have been traced as another node of the same value: a second
-    `detach` of one tensor, say."""
+    epilogue takes the view from again (in place, in `returned` and the graph's output); the outputs
+    rebuilt from them. The tensor autograd calls the view's base may have been traced as another node of
+    the same value (a second `detach` of one tensor), and a view of a detach of an input (a new tensor to
+    autograd) is a view of the input's memory, which the epilogue rebuilds from the input (`inputs`:
+    the primals and the final values of those `fn` updates)."""
     first_base = len(discovery.output_fakes) + len(discovery.dirty)
+    rebuilt = []
     for output, position in discovery.rebuilt.items():
         base = returned[first_base + position]
         chain = [returned[output]]
-        while chain[-1] is not base and chain[-1].op == "call_function" and is_free(chain[-1]):
+        while chain[-1] is not base and chain[-1] not in inputs and chain[-1].op == "call_function":
+            if not is_free(chain[-1]):
+                break
             chain.append(chain[-1].args[0])
+        if chain[-1] in inputs or chain[-1].op == "placeholder":
+            continue  # a view of an input: rebuilt from it, as any
+        rebuilt.append(output)
         if chain[-1] is base:
             continue
-        same = [n for n in chain if (n.target, n.args, n.kwargs) == (base.target, base.args, base.kwargs)]
+        same = [n for n in chain if _same_view(n, base)]
         if not same:
             raise TraceError(
                 f"remat.checkpoint: output {output} of fn is a view whose elements share memory, and remat "
@@ -332,6 +342,18 @@ def _put_bases_on_their_views(output_node: fx.Node, returned: list[Any], discove
             )
         returned[first_base + position] = same[0]
         output_node.args = (returned,)
+    return tuple(rebuilt)
+
+
+def _same_view(a: fx.Node, b: fx.Node) -> bool:
+    """Whether `a` and `b` are the same chain of views (`detach`es, say) of one node."""
+    while a is not b:
+        if not (a.op == b.op == "call_function" and is_free(a) and (a.target, a.kwargs) == (b.target, b.kwargs)):
+            return False
+        if len(a.args) != len(b.args) or a.args[1:] != b.args[1:]:
+            return False
+        a, b = a.args[0], b.args[0]  # type: ignore[assignment]
+    return True
 
 
 def _elements_may_share_memory(tensor: torch.Tensor) -> bool:
@@ -627,7 +649,12 @@ def _joint_graph(
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     returned = list(output_node.args[0])
     n_outputs = len(discovery.output_fakes) + len(discovery.dirty) + len(discovery.bases)
-    _put_bases_on_their_views(output_node, returned, discovery)
+    final_values = {
+        n.args[1]
+        for n in graph.nodes
+        if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in primals
+    }
+    rebuilt = _put_bases_on_their_views(output_node, returned, discovery, {*primals, *final_values})
     outputs, grads = tuple(returned[:n_outputs]), tuple(returned[n_outputs:])
     constants = {n.target: getattr(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
     _check_no_unlifted_parameters(constants)
@@ -667,7 +694,7 @@ def _joint_graph(
         reached_modules=discovery.reached_modules,
         under_functorch=under_functorch if joint.dropout_layout_matters else None,
         value_checks=tuple(str(describe_check(check)) for check in value_checks if check.target is check_value),
-        rebuilt=tuple(discovery.rebuilt),
+        rebuilt=rebuilt,
     )
 
 
