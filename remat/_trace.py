@@ -263,6 +263,7 @@ class _Discovery:
     # Output -> the position of its base in `bases`: NOTE [outputs whose elements may share memory].
     rebuilt: Mapping[int, int]
     bases: tuple[torch.Tensor, ...]
+    forward_mode: bool  # traced for forward mode: the only traces that return bases (see the NOTE)
 
     def differentiated(self, differentiated_inputs: Sequence[bool]) -> tuple[int, ...]:
         """The indices of the forward outputs that get a tangent: `fn`'s outputs with a history that the
@@ -277,10 +278,10 @@ class _Discovery:
 
 
 # NOTE [outputs whose elements may share memory]
-# The Function never returns an output some of whose elements may share memory
-# (an `expand`, an `unfold` with overlapping windows): that output is a view,
-# and the Function returns its base (as an extra output) instead, from which
-# the epilogue takes the view again. Autograd gives each output of a Function
+# Traced for forward mode, the Function never returns an output some of whose
+# elements may share memory (an `expand`, an `unfold` with overlapping
+# windows): that output is a view, and the Function returns its base (as an
+# extra output) instead, from which the epilogue takes the view again. Autograd gives each output of a Function
 # the tangent of its jvp rule, copied into the output's layout where the two
 # differ, and under torch.func transforms the rule's tangents cannot have the
 # layout (vmap chooses where their batch lies): the copy into memory that
@@ -288,7 +289,9 @@ class _Discovery:
 # from the view op's own rule, in its layout, as in eager (and its gradient
 # reaches the base through the view op's backward, also as in eager). An output
 # that is a view of an input or of another output is rebuilt by the epilogue
-# anyway.
+# anyway. Traced for reverse mode alone, the Function returns the view itself,
+# whose gradient's layout is then eager's under torch.func too (through the
+# base, a gradient under `torch.func.vjp` came out in another layout).
 def _bases_to_return(
     outputs: Sequence[torch.Tensor], owners: Sequence[torch.Tensor]
 ) -> tuple[dict[int, int], list[torch.Tensor]]:
@@ -441,7 +444,7 @@ def _discover(
     outputs, output_spec = flatten_outputs(out)
     outputs = [mode.record_closed_over(o) for o in outputs]  # a closed-over tensor returned as is
     closed_over = tuple(mode.closed_over.values())
-    rebuilt, bases = _bases_to_return(outputs, [*fakes, *closed_over])
+    rebuilt, bases = _bases_to_return(outputs, [*fakes, *closed_over]) if forward_mode else ({}, [])
     # An update autograd does not see (under no_grad, or through `.detach()`) leaves the input's
     # history alone, as in eager: it is written back like an update of an input without grad.
     dirty = tuple(
@@ -450,17 +453,20 @@ def _discover(
         if version_counter(fake) != version
         and ((fake.requires_grad and fake.grad_fn is not history) or (forward_mode and _all_floats(fake)))
     )
-    return _Discovery(closed_over, output_spec, tuple(outputs), tuple(reached.values()), dirty, rebuilt, tuple(bases))
+    return _Discovery(
+        closed_over, output_spec, tuple(outputs), tuple(reached.values()), dirty, rebuilt, tuple(bases), forward_mode
+    )
 
 
-def _tangent_like(fake_mode: FakeTensorMode, output: torch.Tensor) -> torch.Tensor:
-    """The fake gradient of an output. Traced with values, an output whose size depends on data gets
+def _tangent_like(fake_mode: FakeTensorMode, output: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:
+    """The fake gradient of an output (`contiguous`, or in its layout). Traced with values, an output whose size depends on data gets
     a gradient of the size it has in this call: torch cannot carry real data beside a fake whose
     size is a symbol, so the trace specializes on that size (and checks it). NOTE [values Python reads]"""
+    layout = torch.contiguous_format if contiguous else torch.preserve_format
     real = getattr(output, "real_tensor", None)
     if real is not None and any(isinstance(size, torch.SymInt) for size in output.shape):
-        return fake_mode.from_tensor(torch.empty_like(real))
-    return torch.empty_like(output)
+        return fake_mode.from_tensor(torch.empty_like(real, memory_format=layout))
+    return torch.empty_like(output, memory_format=layout)
 
 
 def _is_detached(output: torch.Tensor) -> bool:
@@ -498,8 +504,11 @@ def _trace(
     fake_primals = [_fake_like(fake_mode, t) for t in real_primals]
     joint = _JointFunction(fn, flat_args, roots, discovery, fake_primals, fake_mode, under_functorch, with_values)
     outputs = [*discovery.output_fakes, *(fake_primals[i] for i in discovery.dirty), *discovery.bases]
+    first_base = len(outputs) - len(discovery.bases)
     with fake_mode:
-        fake_tangents = [_tangent_like(fake_mode, outputs[i]) for i in joint.differentiable]
+        # A base's gradient comes from the backward of the views taken of it (a sum, for an `expand`),
+        # contiguous, whatever the base's layout: the backward is traced for the layout it will get.
+        fake_tangents = [_tangent_like(fake_mode, outputs[i], contiguous=i >= first_base) for i in joint.differentiable]
     gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
     guarded_ints: set[str] = set()
     if with_values:  # See NOTE [values Python reads].
@@ -590,7 +599,7 @@ class _JointFunction:
         self.detached.update(mode.detached)
         self.dropout_layout_matters = fidelity.dropout_layout_matters
         outputs = [mode.substitute(o) for o in outputs]
-        rebuilt, bases = _bases_to_return(outputs, [*inputs, *arguments])
+        rebuilt, bases = _bases_to_return(outputs, [*inputs, *arguments]) if self.discovery.forward_mode else ({}, [])
         if rebuilt != self.discovery.rebuilt:
             raise TraceError(
                 "remat.checkpoint: fn returned views that share memory with different tensors when traced "
