@@ -105,11 +105,11 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
 # NOTE [updated inputs that are views]
 # Autograd lets a Function update in place an input that is a view of another
 # tensor that requires grad only if the Function returns nothing else, and
-# remat's returns its kept values too. Such an input (`x = h[:, 0]`, then `x += mlp(x)` inside
-# the function) is cloned, the Function updates the clone, and the view takes
-# the clone's new value with a `copy_` outside, which autograd records on the
-# view and its base as eager records the update. The clone costs one copy of
-# the input per call. Under forward mode an input is updated in place even
+# remat's returns its kept values too. Such an input (`x = h[:, 0]`, then
+# `x += mlp(x)` inside the function) is cloned, the Function updates the
+# clone, and the view takes the clone's new value with a `copy_` outside,
+# which autograd records on the view and its base as eager records the update.
+# The clone costs one copy of the input per call. Under forward mode an input is updated in place even
 # where autograd does not record the update (under `no_grad`), and the `copy_`
 # would record it: there remat raises instead.
 

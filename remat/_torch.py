@@ -106,7 +106,6 @@ __all__ = [
     "disable_current_modes",
     "forward_ad_level",
     "forward_grad_enabled",
-    "make_dual",
     "from_functional",
     "functorch_active",
     "functorch_interpreters",
@@ -117,6 +116,7 @@ __all__ = [
     "innermost",
     "is_user_code",
     "is_functorch_wrapped",
+    "make_dual",
     "make_fx",
     "memory_layout",
     "op_schema",
@@ -126,13 +126,13 @@ __all__ = [
     "saved_tensors_hooks_tracing",
     "source_and_scope",
     "sync",
+    "tangent_of",
     "temporarily_clear_interpreter_stack",
     "random_calls_traced",
     "trace_call",
     "tree_map_only",
     "under_torch_func",
     "unset_fake_temporarily",
-    "tangent_of",
     "unwrap_batched",
     "unwrap_level",
     "version_counter",
@@ -573,23 +573,22 @@ def forward_grad_enabled() -> Iterator[None]:
 # batch wrapper, and the result is batched again as its primal is.
 def tangent_of(tensor: torch.Tensor) -> torch.Tensor | None:
     """The forward-mode tangent of `tensor` at the current `forward_ad` level, under vmap too."""
-    if torch._C._functorch.is_batchedtensor(tensor):
-        level, bdim = torch._C._functorch.maybe_get_level(tensor), torch._C._functorch.maybe_get_bdim(tensor)
-        tangent = tangent_of(unwrap_level(tensor))
-        return None if tangent is None else torch._C._functorch._add_batch_dim(tangent, bdim, level)
-    return torch.autograd.forward_ad.unpack_dual(tensor).tangent
+    wrapper = _batch_wrapper(tensor)
+    if wrapper is None:
+        return torch.autograd.forward_ad.unpack_dual(tensor).tangent
+    tangent = tangent_of(unwrap_level(tensor))
+    return None if tangent is None else torch._C._functorch._add_batch_dim(tangent, wrapper[1], wrapper[0])
 
 
 def make_dual(primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
     """`primal` with `tangent` at the current `forward_ad` level, under vmap too."""
-    if not (torch._C._functorch.is_batchedtensor(primal) or torch._C._functorch.is_batchedtensor(tangent)):
+    if _batch_wrapper(primal) is None and _batch_wrapper(tangent) is None:
         return torch.autograd.forward_ad.make_dual(primal, tangent)
     # Both batched alike (the same op on the same kinds of batching), so their wrappers match.
     primal, tangent = primal + torch.zeros_like(tangent), tangent + torch.zeros_like(primal)
     wrappers = []
-    while torch._C._functorch.is_batchedtensor(primal):
-        wrapper = (torch._C._functorch.maybe_get_level(primal), torch._C._functorch.maybe_get_bdim(primal))
-        if (torch._C._functorch.maybe_get_level(tangent), torch._C._functorch.maybe_get_bdim(tangent)) != wrapper:
+    while (wrapper := _batch_wrapper(primal)) is not None:
+        if _batch_wrapper(tangent) != wrapper:
             raise AssertionError(f"remat: a primal and its tangent batched differently under vmap: {wrapper}")
         wrappers.append(wrapper)
         primal, tangent = unwrap_level(primal), unwrap_level(tangent)
@@ -597,6 +596,13 @@ def make_dual(primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
     for level, bdim in reversed(wrappers):
         dual = torch._C._functorch._add_batch_dim(dual, bdim, level)
     return dual
+
+
+def _batch_wrapper(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The (level, batch dimension) of the vmap wrapper around `tensor`, or None if it has none."""
+    if not torch._C._functorch.is_batchedtensor(tensor):
+        return None
+    return torch._C._functorch.maybe_get_level(tensor), torch._C._functorch.maybe_get_bdim(tensor)
 
 
 def import_jvp_decompositions() -> None:

@@ -281,9 +281,9 @@ class _Discovery:
 # Traced for forward mode, the Function never returns an output some of whose
 # elements may share memory (an `expand`, an `unfold` with overlapping
 # windows): that output is a view, and the Function returns its base (as an
-# extra output) instead, from which the epilogue takes the view again. Autograd gives each output of a Function
-# the tangent of its jvp rule, copied into the output's layout where the two
-# differ, and under torch.func transforms the rule's tangents cannot have the
+# extra output) instead, from which the epilogue takes the view again.
+# Autograd gives each output of a Function the tangent of its jvp rule, copied
+# into the output's layout where the two differ, and under torch.func transforms the rule's tangents cannot have the
 # layout (vmap chooses where their batch lies): the copy into memory that
 # elements share fails. Taken outside the Function, the view gets its tangent
 # from the view op's own rule, in its layout, as in eager (and its gradient
@@ -322,17 +322,17 @@ def _put_bases_on_their_views(
     rebuilt from them. The tensor autograd calls the view's base may have been traced as another node of
     the same value (a second `detach` of one tensor), and a view of a detach of an input (a new tensor to
     autograd) is a view of the input's memory, which the epilogue rebuilds from the input (`inputs`:
-    the primals and the final values of those `fn` updates)."""
+    the primals and the final values of those `fn` updates; its base stays an output nothing reads)."""
     first_base = len(discovery.output_fakes) + len(discovery.dirty)
     rebuilt = []
     for output, position in discovery.rebuilt.items():
         base = returned[first_base + position]
         chain = [returned[output]]
-        while chain[-1] is not base and chain[-1] not in inputs and chain[-1].op == "call_function":
-            if not is_free(chain[-1]):
-                break
+        while (
+            chain[-1] is not base and chain[-1] not in inputs and chain[-1].op == "call_function" and is_free(chain[-1])
+        ):
             chain.append(chain[-1].args[0])
-        if chain[-1] in inputs or chain[-1].op == "placeholder":
+        if chain[-1] in inputs:
             continue  # a view of an input: rebuilt from it, as any
         rebuilt.append(output)
         if chain[-1] is base:
@@ -459,9 +459,10 @@ def _discover(
 
 
 def _tangent_like(fake_mode: FakeTensorMode, output: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:
-    """The fake gradient of an output (`contiguous`, or in its layout). Traced with values, an output whose size depends on data gets
-    a gradient of the size it has in this call: torch cannot carry real data beside a fake whose
-    size is a symbol, so the trace specializes on that size (and checks it). NOTE [values Python reads]"""
+    """The fake gradient of an output (`contiguous`, or in the output's layout). Traced with values, an
+    output whose size depends on data gets a gradient of the size it has in this call: torch cannot carry
+    real data beside a fake whose size is a symbol, so the trace specializes on that size (and checks
+    it). NOTE [values Python reads]"""
     layout = torch.contiguous_format if contiguous else torch.preserve_format
     real = getattr(output, "real_tensor", None)
     if real is not None and any(isinstance(size, torch.SymInt) for size in output.shape):
@@ -658,19 +659,15 @@ def _joint_graph(
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     returned = list(output_node.args[0])
     n_outputs = len(discovery.output_fakes) + len(discovery.dirty) + len(discovery.bases)
-    final_values = {
-        n.args[1]
-        for n in graph.nodes
-        if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in primals
-    }
+    mutations = tuple(
+        n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in primals
+    )
+    final_values = {mutation.args[1] for mutation in mutations}
     rebuilt = _put_bases_on_their_views(output_node, returned, discovery, {*primals, *final_values})
     outputs, grads = tuple(returned[:n_outputs]), tuple(returned[n_outputs:])
     constants = {n.target: getattr(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
     _check_no_unlifted_parameters(constants)
 
-    mutations = tuple(
-        n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in primals
-    )
     value_checks = checks_of(graph)
     forward_nodes = _forward_nodes(graph, joint.ran_in_fn, tangents, [*outputs, *mutations, *value_checks])
     user_outputs = dict(zip(outputs[: len(discovery.output_fakes)], discovery.output_fakes, strict=True))
