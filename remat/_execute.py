@@ -215,7 +215,7 @@ class _CheckpointFunction(torch.autograd.Function):
                 "autograd.Function to do. Update a copy of the input (`x = x.clone()` first), or use "
                 "torch.autograd.forward_ad, where this works."
             )
-        output_tangents = list(_pure_jvp(programs, ctx.saved_tensors, chosen))
+        output_tangents = list(_pure_jvp(programs, ctx.saved_tensors, chosen, ctx.needs_input_grad[1:]))
         # An input the forward updated in place keeps its tangent tensor, updated in place too (as
         # autograd asks of a Function that marks an input dirty).
         for j, primal in enumerate(executable.dirty):
@@ -257,7 +257,10 @@ def _take_grads(taken: list[tuple[torch.Tensor | None, ...]], grads: tuple[torch
 
 
 def _pure_jvp(
-    programs: Programs, kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
+    programs: Programs,
+    kept: Sequence[torch.Tensor],
+    chosen: Sequence[tuple[int, torch.Tensor]],
+    needs_grad: Sequence[bool],
 ) -> Sequence[torch.Tensor | None]:
     """Tangents of the pure forward's outputs for tangents on some of its inputs, by the forward-mode
     formulas of its ops, as eager computes them: a level outside this one (the `jacrev` of a `jacfwd`,
@@ -270,7 +273,7 @@ def _pure_jvp(
         return [None] * (len(programs.returned) + programs.n_activations)
     if _func_jvp_active():  # torch.func.jvp nests: forward mode of our own
         return _jvp_in_forward_mode(programs, kept, chosen)
-    return _jvp_at_the_dual_level(programs, kept, chosen)
+    return _jvp_at_the_dual_level(programs, kept, chosen, needs_grad)
 
 
 def _jvp_in_forward_mode(
@@ -289,16 +292,32 @@ def _jvp_in_forward_mode(
 
 
 def _jvp_at_the_dual_level(
-    programs: Programs, kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
+    programs: Programs,
+    kept: Sequence[torch.Tensor],
+    chosen: Sequence[tuple[int, torch.Tensor]],
+    needs_grad: Sequence[bool],
 ) -> Sequence[torch.Tensor | None]:
     """Under torch.autograd.forward_ad, whose levels do not nest: the pure forward run on the kept
     inputs at the level the rule is called for, where they carry their tangents (autograd turns forward
-    mode off around the rule; it is turned back on for this)."""
+    mode off around the rule; it is turned back on for this).
+
+    Autograd records the tangents' formulas where a primal requires grad, as in eager. An input the
+    Function also returns is kept as that output, which requires grad whenever any input does: it is
+    detached where the input does not require grad, so that autograd records exactly what eager
+    records (recording more differentiates formulas eager never differentiates, some of which torch
+    cannot: log_softmax's tangent updates a saved exp in place)."""
     values = list(kept)
+    tangents = dict(chosen)
     with forward_grad_enabled():  # See NOTE [forward-mode tangents under vmap].
-        for i, tangent in chosen:
-            if tangent_of(kept[i]) is None:  # saved without it (a copy of an input)
-                values[i] = make_dual(kept[i], tangent)
+        for i, primal in programs.pure_inputs:
+            own = tangent_of(kept[i])  # None where it was saved without it (a copy of an input)
+            tangent = tangents.get(i) if own is None else own
+            if not needs_grad[primal]:  # (under vmap, `requires_grad` does not show through the batching)
+                values[i] = kept[i].detach()  # (without its tangent too)
+            elif own is not None:
+                continue
+            if tangent is not None:
+                values[i] = make_dual(values[i], tangent)
         with autocast_disabled():
             outputs = programs.pure.forward(*values)
         return [tangent_of(o) for o in outputs]

@@ -345,6 +345,34 @@ def test_regression_backward_of_a_forward_ad_tangent(fn: str, batched: bool, pol
     assert_trees_close(_backward_of_forward_ad(remat.checkpoint(f, policy=policy), x, s, batched=batched), expected)
 
 
+def _log_softmax_of_a_returned_constant(x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.log_softmax(x, 1) + s, x
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "under_vmap"])
+@SEVERAL_POLICIES
+def test_regression_backward_of_a_forward_ad_tangent_through_an_input_without_grad(batched: bool, policy: Any) -> None:
+    # `x` carries a tangent but does not require grad, and is returned: remat kept it as the Function's
+    # output, which requires grad because `s` does, so autograd recorded log_softmax's tangent formula,
+    # which eager never records and torch cannot differentiate (it updates a saved `exp` in place).
+    x, s = models.randn(3, 5, seed=10, requires_grad=False), models.randn(5, seed=11)
+    if batched:
+        x = torch.stack([x, x.flip(0).cos()])
+    f = _log_softmax_of_a_returned_constant
+
+    def backward_of_forward_ad(fn: Callable) -> Any:
+        return _backward_of_forward_ad(lambda x, s: fn(x, s)[0], x, s, batched=batched)
+
+    expected = backward_of_forward_ad(f)
+    assert expected[1][0].abs().max() > 1e-3
+    assert_trees_close(backward_of_forward_ad(remat.checkpoint(f, policy=policy)), expected)
+    fn = remat.testing.RandomFunction(
+        (1, 2), 2, (remat.testing.Step("log_softmax", 1, 1), remat.testing.Step("add", 2, 0)), (3, 1)
+    )
+    args = models.randn(1, 2, seed=12), models.randn(1, 2, seed=13, requires_grad=False)
+    assert_checkpoint_equivalent(fn, *args, policy=policy, transforms=["grad_of_forward_ad"])
+
+
 def _write_through_a_row(x: torch.Tensor) -> torch.Tensor:
     t = x.clone()
     t[:, 0].mul_(2.0)
