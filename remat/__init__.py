@@ -14,6 +14,10 @@ from ._calls import TensorMeta as TensorMeta
 from ._calls import Trace as Trace
 from ._checkpoint import checkpoint as checkpoint
 from ._errors import TraceError as TraceError
+from ._fit import BlockPlan as BlockPlan
+from ._fit import Fit as Fit
+from ._fit import StepReport as StepReport
+from ._fit import fit as fit
 from ._module import CheckpointedModule as CheckpointedModule
 from ._offload import limit_pinned_memory as limit_pinned_memory
 from ._pareto import Pareto as Pareto
@@ -32,20 +36,24 @@ __all__ = [
     "OFFLOAD",
     "RECOMPUTE",
     "SAVE",
+    "BlockPlan",
     "CacheInfo",
     "Call",
     "Checkpointed",
     "CheckpointedModule",
     "Dataflow",
     "Decision",
+    "Fit",
     "Report",
     "TensorMeta",
     "Trace",
     "TraceError",
     "Pareto",
     "Peak",
+    "StepReport",
     "checkpoint",
     "checkpoint_modules",
+    "fit",
     "limit_pinned_memory",
     "pareto",
     "policies",

@@ -14,7 +14,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, cast
 import optree
 import torch
 
-from . import _rng
+from . import _rng, _step
 from ._accounting import account, offloaded_calls, saved_calls
 from ._cache import CacheInfo, LRUCache, SignatureKey, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
@@ -112,6 +112,8 @@ class Checkpointed(Generic[P, T]):
         tried: list[_Entry] = []  # traces whose checks of values failed on these arguments
         while True:
             key, entry, lifted, traced = self._lookup(flat, tried)
+            if _step.recorder is not None:  # a probe step of `remat.fit`: see NOTE [a step's timeline]
+                _step.recorder.forward_traced(entry.joint)
             if not entry.joint.value_checks:
                 outputs = run(entry.executable, [*flat.tensors, *lifted])
                 break
@@ -201,7 +203,7 @@ class Checkpointed(Generic[P, T]):
         with recording as attribute_reads:
             joint = with_dataflow(trace_joint(self.__wrapped__, flat, roots, forward_mode=forward_mode))
         lifted = [slot.fetch() for slot in joint.lifted]
-        executable = _executable(joint, self.policy, forward_mode, self._compile_options)
+        executable = _executable(joint, self.policy, forward_mode, self._compile_options, self._shared)
         entry = _Entry(joint, executable, _guard(joint, lifted))
         if logger.isEnabledFor(logging.DEBUG):
             signature = describe_signature(flat, key.tensors)
@@ -211,7 +213,7 @@ class Checkpointed(Generic[P, T]):
         self._cache.put(key, [entry, *entries][:_VARIANTS_PER_KEY])
         reads = attribute_reads()
         if self._shared is not None and reads is not None:
-            self._shared.publish(shared_key, entry, roots, reads)
+            self._shared.publish(shared_key, entry, roots, reads, self.policy)
         return key, entry, lifted, True
 
     def _take_shared(
@@ -228,11 +230,29 @@ class Checkpointed(Generic[P, T]):
                 lifted=tuple(rebase(slot, moved) for slot in shared.entry.joint.lifted),
                 reached_modules=tuple(moved.get(id(module), module) for module in shared.entry.joint.reached_modules),
             )
-            entry = _Entry(joint, shared.entry.executable, shared.entry.guard)
+            executable = shared.entry.executable
+            if shared.policy is not self.policy:  # blocks `remat.fit` planned apart
+                executable = self._rebuilt(joint, executable)
+            entry = _Entry(joint, executable, shared.entry.guard)
             lifted = entry.fetch_if_valid()  # the same metadata and `training` flags as the block that traced
             if lifted is not None:
                 return entry, lifted
         return None
+
+    def replan(self) -> None:
+        """Build the programs of every cached trace again, from what the policy decides now (a planner
+        whose decisions changed: `remat.fit`)."""
+
+        def rebuilt(entries: list[_Entry]) -> list[_Entry]:
+            return [dataclasses.replace(e, executable=self._rebuilt(e.joint, e.executable)) for e in entries]
+
+        for key, _ in self._cache.items():
+            self._cache.update(key, rebuilt)
+
+    def _rebuilt(self, joint: JointGraph, executable: Executable) -> Executable:
+        """The programs of `joint` under this checkpoint's policy, for the mode `executable` was built for."""
+        forward_mode = executable.programs.pure_returns_outputs  # traced for forward mode
+        return _executable(joint, self.policy, forward_mode, self._compile_options, self._shared)
 
     def _prefer(self, key: SignatureKey, entry: _Entry) -> None:
         """Try `entry` first for `key` from now on (it is a trace specialized on values that held)."""
@@ -249,7 +269,24 @@ def _values_differ_between_runs(checkpointed: Checkpointed[Any, Any], changed: V
 
 
 def _executable(
-    joint: JointGraph, policy: Any, forward_mode: bool, compile_options: dict[str, Any] | None
+    joint: JointGraph,
+    policy: Any,
+    forward_mode: bool,
+    compile_options: dict[str, Any] | None,
+    shared: SharedTraces | None = None,
+) -> Executable:
+    """The programs of `joint` under `policy`; blocks sharing traces share them per decisions."""
+    decisions = decide_nested(policy, joint.trace, joint.regions)
+    if shared is None:
+        return _build_executable(joint, decisions, forward_mode, compile_options)
+    return shared.executable(  # type: ignore[no-any-return]
+        (joint.trace, decisions, forward_mode),
+        lambda: _build_executable(joint, decisions, forward_mode, compile_options),
+    )
+
+
+def _build_executable(
+    joint: JointGraph, decisions: tuple[Any, ...], forward_mode: bool, compile_options: dict[str, Any] | None
 ) -> Executable:
     if compile_options is not None and joint.value_checks:
         raise TraceError(
@@ -257,7 +294,7 @@ def _executable(
             "trace holds for the values it read and checks them as it runs, which compiled programs cannot "
             "do. Checkpoint it without `compile=`, or use `torch.compile` around the checkpointed model."
         )
-    programs = partition(joint, decide_nested(policy, joint.trace, joint.regions), forward_mode=forward_mode)
+    programs = partition(joint, decisions, forward_mode=forward_mode)
     return Executable(
         programs=programs,
         differentiable_outputs=joint.differentiable_outputs,

@@ -15,18 +15,27 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from . import _step
 from ._api import DEFAULT_CACHE_SIZE, Checkpointed, DelegatesToCheckpointed
 from ._kv_caches import without_kv_caches
 from ._sharing import SharedTraces
 
-__all__ = ["checkpoint_modules", "uncheckpoint_modules"]
+__all__ = [
+    "NOTHING",
+    "CheckpointedForward",
+    "InstalledForward",
+    "Which",
+    "checkpoint_modules",
+    "checkpoint_selected",
+    "uncheckpoint_modules",
+]
 
 M = TypeVar("M", bound=nn.Module)
 
 Which = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
 # NOTE [checkpointing a module in place]
-# A matched module gets an instance attribute `forward`: a `_CheckpointedForward`
+# A matched module gets an instance attribute `forward`: a `CheckpointedForward`
 # that calls `remat.checkpoint` of the module's original bound `forward`. The
 # module keeps its class, parameters, buffers, submodules and names, and
 # `nn.Module.__call__` still runs around the checkpointed forward, so:
@@ -46,7 +55,7 @@ Which = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module
 # tensors, as with any `remat.checkpoint`: their hooks run at trace time (once
 # per input signature), not on every call, and cannot see real values.
 #
-# The `_CheckpointedForward` is also the record of what was there before: the
+# The `CheckpointedForward` is also the record of what was there before: the
 # instance attribute `forward` it replaced (usually none), which
 # `uncheckpoint_modules` puts back. Nothing else is added to the module.
 #
@@ -57,25 +66,39 @@ Which = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module
 # off, or the layer would be checkpointed a second time inside remat's trace.
 
 
-class _CheckpointedForward(DelegatesToCheckpointed):
+class InstalledForward:
+    """An instance attribute `forward` remat installed on a module, which `uncheckpoint_modules` takes
+    away: `replaced` is what was there before (`NOTHING` if none)."""
+
+    replaced: Any
+
+
+class CheckpointedForward(DelegatesToCheckpointed, InstalledForward):
     """The instance attribute `forward` of a module checkpointed by `checkpoint_modules`."""
 
     def __init__(self, name: str, module: nn.Module, policy: Any, cache_size: int, compile: Any, shared: SharedTraces):
         self.name = name  # in the model passed to `checkpoint_modules`, for messages
         self.module = module
-        self.replaced: Any = module.__dict__.get("forward", _NOTHING)  # an instance `forward` set before us
+        self.replaced: Any = module.__dict__.get("forward", NOTHING)  # an instance `forward` set before us
         self.checkpointed: Checkpointed[..., Any] = Checkpointed(module.forward, policy, cache_size, compile, shared)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():  # remat checkpoints the call (without gradients, it runs as written)
-            _refuse_transformers_checkpointing(self.name, self.module)
-            args, kwargs = without_kv_caches(self.name, self.module, args, kwargs)
-        return self.checkpointed(*args, **kwargs)
+        if not torch.is_grad_enabled():  # remat checkpoints the call (without gradients, it runs as written)
+            return self.checkpointed(*args, **kwargs)
+        _refuse_transformers_checkpointing(self.name, self.module)
+        args, kwargs = without_kv_caches(self.name, self.module, args, kwargs)
+        probe = _step.recorder
+        if probe is None:
+            return self.checkpointed(*args, **kwargs)
+        call = probe.forward_started(self.name, self.module)  # See NOTE [a step's timeline].
+        outputs = self.checkpointed(*args, **kwargs)
+        probe.forward_ended(call)
+        return outputs
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward:
+    def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointedForward:
         # A deep copy of a checkpointed model is checkpointed too, with the copy's own
         # forward and a fresh trace cache (traces refer to the original's tensors).
-        new = _CheckpointedForward.__new__(_CheckpointedForward)
+        new = CheckpointedForward.__new__(CheckpointedForward)
         memo[id(self)] = new
         new.name = self.name
         new.module = copy.deepcopy(self.module, memo)
@@ -94,7 +117,7 @@ class _CheckpointedForward(DelegatesToCheckpointed):
         return f"<checkpointed forward, policy={self.policy!r}>"
 
 
-_NOTHING = object()
+NOTHING = object()  # no instance attribute `forward` was there
 
 
 def checkpoint_modules(
@@ -162,16 +185,23 @@ def checkpoint_modules(
     >>> model is uncheckpoint_modules(model)
     True
     """
+    return checkpoint_selected(model, which, lambda name: policy, cache_size, compile, "remat.checkpoint_modules")
+
+
+def checkpoint_selected(
+    model: M, which: Which, policy_of: Callable[[str], Any], cache_size: int, compile: Any, api: str
+) -> M:
+    """`checkpoint_modules` with a policy per selected module (by its qualified name); errors name `api`."""
     if not isinstance(model, nn.Module):
         raise TypeError(
-            f"remat.checkpoint_modules: expected an nn.Module as `model`, but got {model!r} of type "
+            f"{api}: expected an nn.Module as `model`, but got {model!r} of type "
             f"{type(model).__qualname__}. To checkpoint a function, use `remat.checkpoint(fn, policy=...)`."
         )
-    matches = _matcher(which)
+    matches = _matcher(which, api)
     already = [name or "<model>" for name, _ in _checkpointed(model)]
     if already:
         raise ValueError(
-            f"remat.checkpoint_modules: `model` already has checkpointed modules ({', '.join(already)}). "
+            f"{api}: `model` already has checkpointed modules ({', '.join(already)}). "
             "Call `remat.uncheckpoint_modules(model)` first to checkpoint it differently."
         )
     selected = list(_select(model, "", matches, set()))
@@ -179,13 +209,13 @@ def checkpoint_modules(
         _refuse_transformers_checkpointing(name, module)
     if not selected:
         raise ValueError(
-            f"remat.checkpoint_modules: no module of {type(model).__name__} matches `which`={which!r}. "
+            f"{api}: no module of {type(model).__name__} matches `which`={which!r}. "
             "Check the class (the type of a block, such as `type(model.layers[0])`) or, for a predicate, the "
             f"qualified names it is given, which are those of `model.named_modules()`, e.g. {_some_names(model)}."
         )
     shared = SharedTraces(cache_size)  # see NOTE [sharing traces between identical blocks]
     for name, module in selected:
-        module.__dict__["forward"] = _CheckpointedForward(name, module, policy, cache_size, compile, shared)
+        module.__dict__["forward"] = CheckpointedForward(name, module, policy_of(name), cache_size, compile, shared)
     return model
 
 
@@ -216,16 +246,16 @@ def uncheckpoint_modules(model: M) -> M:
             f"remat.uncheckpoint_modules: expected an nn.Module as `model`, but got {model!r} of type "
             f"{type(model).__qualname__}."
         )
-    for _, module in list(_checkpointed(model)):
-        wrapper = module.__dict__["forward"]
-        if wrapper.replaced is _NOTHING:
-            del module.__dict__["forward"]
-        else:
-            module.__dict__["forward"] = wrapper.replaced
+    for _, module in list(model.named_modules()):
+        while isinstance(wrapper := module.__dict__.get("forward"), InstalledForward):
+            if wrapper.replaced is NOTHING:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = wrapper.replaced
     return model
 
 
-def _matcher(which: Any) -> Callable[[str, nn.Module], bool]:
+def _matcher(which: Any, api: str) -> Callable[[str, nn.Module], bool]:
     """The predicate `which` stands for, or a TypeError that says what is accepted."""
     accepted = (
         "a subclass of nn.Module (such as `type(model.layers[0])`), a non-empty tuple of them, or a predicate "
@@ -237,12 +267,12 @@ def _matcher(which: Any) -> Callable[[str, nn.Module], bool]:
         return lambda name, module: isinstance(module, which)
     if isinstance(which, nn.Module):
         raise TypeError(
-            f"remat.checkpoint_modules: `which` must be {accepted}, but got the module instance "
+            f"{api}: `which` must be {accepted}, but got the module instance "
             f"{type(which).__name__}. To select this very module, pass `lambda name, m: m is module`."
         )
     if callable(which) and not isinstance(which, type):
         return which  # type: ignore[no-any-return]
-    raise TypeError(f"remat.checkpoint_modules: `which` must be {accepted}, but got {which!r}.")
+    raise TypeError(f"{api}: `which` must be {accepted}, but got {which!r}.")
 
 
 def _select(
@@ -277,7 +307,7 @@ def _refuse_transformers_checkpointing(name: str, module: nn.Module) -> None:
 
 def _checkpointed(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
-        if isinstance(module.__dict__.get("forward"), _CheckpointedForward):
+        if isinstance(module.__dict__.get("forward"), CheckpointedForward):
             yield name, module
 
 

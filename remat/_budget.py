@@ -24,7 +24,17 @@ from ._calls import Dataflow, Decision, Trace, Value
 from ._decide import is_collective
 from .costs import estimate_seconds, resolve_device
 
-__all__ = ["HostLink", "InfeasibleBudget", "InfeasiblePeak", "Plan", "minimum_bytes", "solve", "solve_peak"]
+__all__ = [
+    "HostLink",
+    "InfeasibleBudget",
+    "InfeasiblePeak",
+    "Plan",
+    "call_costs",
+    "minimum_bytes",
+    "replay_cost",
+    "solve",
+    "solve_peak",
+]
 
 # NOTE [the budget problem]
 # Choose SAVE (s_c = 1) or RECOMPUTE per call. Backward reads some values; a value
@@ -413,7 +423,7 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
     for decisions in candidates:
         accounting = account(trace, saved_calls(decisions), offloaded_calls(decisions))
         if accounting.saved_bytes <= budget:
-            total = _cost(accounting, costs, link)
+            total = replay_cost(accounting, costs, link)
             scored.append((total, sum(d.keeps for d in decisions), decisions, accounting))
     if not scored:
         raise InfeasibleBudget(minimum_bytes(trace, link))
@@ -440,29 +450,29 @@ def _round_and_repair(trace: Trace, costs: Sequence[float], fractions: np.ndarra
     for threshold in sorted({0.5, *(float(f) for f in fractions if f > 1e-6)}, reverse=True):
         saved = {c for c, f in enumerate(fractions) if f >= threshold - 1e-9}
         kept = account(trace, saved)
-        if kept.saved_bytes <= budget and _cost(kept, costs) < best_cost:
-            best, best_cost = saved, _cost(kept, costs)
+        if kept.saved_bytes <= budget and replay_cost(kept, costs) < best_cost:
+            best, best_cost = saved, replay_cost(kept, costs)
     if best is None:
         best = set()
         kept = account(trace, best)
         if kept.saved_bytes > budget:
             raise InfeasibleBudget(kept.saved_bytes)
-        best_cost = _cost(kept, costs)
+        best_cost = replay_cost(kept, costs)
     improved = True
     while improved:  # one more save at a time, the best cost per byte first
         improved = False
         options = []
         for c in account(trace, best).replayed_calls:
             candidate = account(trace, best | {c})
-            if candidate.saved_bytes <= budget and _cost(candidate, costs) < best_cost:
-                options.append((_cost(candidate, costs), candidate.saved_bytes, c))
+            if candidate.saved_bytes <= budget and replay_cost(candidate, costs) < best_cost:
+                options.append((replay_cost(candidate, costs), candidate.saved_bytes, c))
         if options:
             cost, _, c = min(options)
             best, best_cost, improved = best | {c}, cost, True
     return best
 
 
-def _cost(accounting: Accounting, costs: Sequence[float], link: HostLink | None = None) -> float:
+def replay_cost(accounting: Accounting, costs: Sequence[float], link: HostLink | None = None) -> float:
     """The replay cost of the calls `accounting` replays, and the copy time it leaves exposed."""
     replay = sum(costs[c] for c in accounting.replayed_calls)
     if link is None or not accounting.offloaded_bytes:
@@ -544,7 +554,7 @@ def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool, offload: b
 
 def _plan_of(trace: Trace, costs: Sequence[float], saved: set[int]) -> Plan:
     kept = account(trace, saved)
-    total = _cost(kept, costs)
+    total = replay_cost(kept, costs)
     return Plan(_saving(saved, len(costs)), kept.saved_bytes, total, lower_bound=total, seconds=0.0)
 
 

@@ -134,6 +134,11 @@ class LRUCache(Generic[V]):
             if key in self._entries:
                 self._entries[key] = change(self._entries[key])
 
+    def items(self) -> list[tuple[Any, V]]:
+        """The keys and entries, least recently used first (a copy)."""
+        with self._lock:
+            return list(self._entries.items())
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from . import _step
 from ._calls import TensorMeta
 from ._compiled import CompiledPrograms
 from ._contexts import autocast_disabled
@@ -158,6 +159,8 @@ class _CheckpointFunction(torch.autograd.Function):
         if non_differentiable:
             ctx.mark_non_differentiable(*_as_seen_by_autograd(ctx, non_differentiable))
         ctx.set_materialize_grads(False)
+        if _step.recorder is not None:  # a probe step of `remat.fit`: see NOTE [a step's timeline]
+            ctx.remat_step_call = _step.recorder.function_applied()
         if not functorch_active():  # See NOTE [the backward owns its gradients].
             taken: list[tuple[torch.Tensor | None, ...]] = []
             ctx.remat_taken_grads = taken
@@ -165,6 +168,17 @@ class _CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        probe, call = _step.recorder, getattr(ctx, "remat_step_call", None)
+        if probe is None or call is None:
+            return _CheckpointFunction._backward(ctx, *grads)
+        probe.backward_started(call)
+        try:
+            return _CheckpointFunction._backward(ctx, *grads)
+        finally:
+            probe.backward_ended(call)
+
+    @staticmethod
+    def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         executable: Executable = ctx.executable
         programs = executable.programs
         n_returned = len(programs.returned)

@@ -219,6 +219,7 @@ class _Shared:
     entry: Any  # the tracing block's `_Entry`
     modules: tuple[nn.Module, ...]  # the tracing block's `ModuleRoots.modules`
     reads: AttributeReads
+    policy: Any  # the tracing block's (its entry's programs are those of its decisions)
 
 
 _VARIANTS = 8  # traces kept per structure and signature (Gemma's sliding and full layers make two)
@@ -231,15 +232,27 @@ class SharedTraces:
 
     def __init__(self, maxsize: int):
         self._traces: LRUCache[list[_Shared]] = LRUCache(maxsize)
+        # Programs by (trace, decisions, forward mode), for blocks that share a trace under policies of
+        # their own (`remat.fit` plans each block); bounded like the traces.
+        self._executables: LRUCache[Any] = LRUCache(maxsize * _VARIANTS)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SharedTraces:
         return SharedTraces(self._traces.maxsize)
 
     def clear(self) -> None:
         self._traces.clear()
+        self._executables.clear()
 
-    def publish(self, key: Hashable, entry: Any, roots: ModuleRoots, reads: AttributeReads) -> None:
-        shared = _Shared(entry, roots.modules, reads)
+    def executable(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The programs at `key`, built once."""
+        found = self._executables.get(key)
+        if found is None:
+            found = build()
+            self._executables.put(key, found)
+        return found
+
+    def publish(self, key: Hashable, entry: Any, roots: ModuleRoots, reads: AttributeReads, policy: Any) -> None:
+        shared = _Shared(entry, roots.modules, reads, policy)
         self._traces.put(key, [shared, *(self._traces.get(key) or [])][:_VARIANTS])
 
     def find(self, key: Hashable, modules: Sequence[nn.Module], skip: Callable[[Any], bool]) -> Iterator[_Shared]:

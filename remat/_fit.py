@@ -1,0 +1,789 @@
+"""`remat.fit`: decisions for every checkpointed block of a model, so that a whole training step fits a
+memory target, replaying as little as possible. See NOTE [planning a step].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+from . import _step
+from ._accounting import account, saved_calls
+from ._api import DEFAULT_CACHE_SIZE
+from ._apply import NOTHING, CheckpointedForward, InstalledForward, Which, checkpoint_selected, uncheckpoint_modules
+from ._cache import LRUCache, tensor_key
+from ._calls import Decision, Trace, format_bytes
+from ._decide import decide, decide_nested
+from .report import Peak
+
+__all__ = ["BlockPlan", "Fit", "StepReport", "fit"]
+
+
+# NOTE [planning a step]
+# A step's peak is decided by every block at once: block i's forward runs while
+# blocks 0..i-1 hold what they keep, its backward while they still do, and the
+# head, the loss and the parameter gradients lie outside all of them. `fit`
+# measures one probe step with every block keeping the least (save nothing; see
+# NOTE [a step's timeline]), then, for each block's trace, makes candidate
+# plans: every built-in policy without arguments, `budget` at fractions 0.1 to
+# 0.9 and at byte budgets spread from the fewest bytes to all of them (those
+# `budget(peak_bytes=...)` chooses among). Each candidate's forward and backward
+# peaks and kept bytes are predicted from its programs (`remat.Peak`). The
+# step's predicted peak under one candidate per block is the probe's segments
+# moved by the candidates' differences from the probe's plan; the choice is a
+# 0-1 program: one candidate per block call, every segment within the target,
+# the least replay cost. A stack of blocks called once each, backward in reverse,
+# is a chain, solved exactly by dynamic programming over the calls in order
+# (`_solve_chain`); any other step by scipy's HiGHS. A single policy applied to
+# every block is one of the program's solutions, so `fit` is never costlier than
+# the best uniform plan that fits. Blocks that share a trace may be given
+# different candidates.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    label: str
+    decisions: tuple[Decision, ...]
+    cost: float  # replay cost, in the `cost` model's unit
+    peak: Peak  # predicted forward, after-forward and backward bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """What `remat.fit` chose for one checkpointed block at one input signature.
+
+    Attributes:
+        name: the block's qualified name in the model.
+        label: the candidate plan it took (a built-in policy, or a budget).
+        decisions: one per call of the block's trace.
+        kept_bytes: bytes it keeps for its backward beyond what saving nothing keeps (its inputs and
+            generator states), predicted.
+        replay_cost: what its backward replays, in `fit`'s cost model (FLOPs, or estimated seconds).
+    """
+
+    name: str
+    label: str
+    decisions: tuple[Decision, ...]
+    kept_bytes: int
+    replay_cost: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """A training step's memory, predicted for `remat.fit`'s plan (bytes above what was live before).
+
+    Attributes:
+        parameters: bytes of the model's parameters (live before the step; not in the peak).
+        gradients: bytes of the parameter gradients the step leaves in `.grad`.
+        optimizer_state: bytes of optimizer state its step allocates (on a first step, all of it; 0
+            without `optimizer=`).
+        kept: per block, the bytes it keeps from its forward to its backward under the plan, beyond what
+            saving nothing keeps.
+        peak: the step's predicted peak.
+        where: where the peak happens (in a block call's forward or backward, or outside the blocks), with
+            the op that reached it in the probe step.
+        peak_keeping_everything: the predicted peak with every block saving everything.
+        peak_keeping_nothing: the predicted peak with every block saving nothing.
+        activations: bytes of activations at the peak, at least: the peak less all the step's gradients.
+        measured_peak: the probe step's measured peak (its blocks saving nothing).
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    kept: dict[str, int]
+    peak: int
+    where: str
+    peak_keeping_everything: int
+    peak_keeping_nothing: int
+    activations: int
+    measured_peak: int
+
+    def __str__(self) -> str:
+        share = self.activations / self.peak if self.peak else 0.0
+        lines = [
+            f"step peak {format_bytes(self.peak)} (predicted), {self.where}: activations are {share:.0%} of it; "
+            f"keeping everything it would be {format_bytes(self.peak_keeping_everything)}, keeping nothing "
+            f"{format_bytes(self.peak_keeping_nothing)}",
+            f"  parameters  {format_bytes(self.parameters):>12}  (live before the step)",
+            f"  gradients   {format_bytes(self.gradients):>12}",
+            f"  optimizer   {format_bytes(self.optimizer_state):>12}  (state its step allocates)",
+            f"  kept        {format_bytes(sum(self.kept.values())):>12}  by {len(self.kept)} blocks",
+        ]
+        for name, kept in self.kept.items():
+            lines.append(f"    {name:<24}  {format_bytes(kept):>12}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """What `remat.fit` planned: the target, the predicted peak, each block's plan and the step report.
+
+    Attributes:
+        peak_bytes: the target.
+        predicted_peak: the step's predicted peak under the plan (at most `peak_bytes`).
+        blocks: one `BlockPlan` per checkpointed block call, in the order they ran.
+        replay_cost: the sum of the blocks' replay costs.
+        report: the `StepReport`.
+        seconds: how long planning took (the probe step included).
+    """
+
+    peak_bytes: int
+    predicted_peak: int
+    blocks: tuple[BlockPlan, ...]
+    replay_cost: float
+    report: StepReport
+    seconds: float
+
+    def __str__(self) -> str:
+        rows = [f"remat.fit: predicted peak {format_bytes(self.predicted_peak)} of {format_bytes(self.peak_bytes)}"]
+        for block in self.blocks:
+            rows.append(
+                f"  {block.name:<24} keeps {format_bytes(block.kept_bytes):>10}  replays {block.replay_cost:,.0f}  "
+                f"{block.label}"
+            )
+        return "\n".join([*rows, str(self.report)])
+
+
+class _Planned:
+    """A block's policy under `remat.fit`: the decisions planned for each of its traces; nothing saved
+    for a trace not planned yet (the probe step's plan)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._chosen: weakref.WeakKeyDictionary[Trace, tuple[Decision, ...]] = weakref.WeakKeyDictionary()
+
+    def plan(self, trace: Trace) -> tuple[Decision, ...]:
+        chosen = self._chosen.get(trace)
+        return chosen if chosen is not None else (Decision.RECOMPUTE,) * len(trace)
+
+    def choose(self, trace: Trace, decisions: tuple[Decision, ...]) -> None:
+        self._chosen[trace] = decisions
+
+    def __repr__(self) -> str:
+        return f"remat.fit plan of {self.name!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fixed:
+    decisions: tuple[Decision, ...]
+
+    def plan(self, trace: Trace) -> tuple[Decision, ...]:
+        return self.decisions
+
+
+# --- candidates ------------------------------------------------------------------------------------------
+
+FRACTIONS = tuple(k / 10 for k in range(1, 10))
+BYTE_BUDGETS = 16  # as `budget(peak_bytes=...)` spreads them: see NOTE [planning for a peak]
+
+
+def candidates(trace: Trace, regions: Any, cost: str, exact: bool) -> list[_Candidate]:
+    """The plans `fit` chooses among for one block's trace, each once (the first label it was found by).
+    The first is saving nothing, the probe step's plan."""
+    from . import policies
+    from ._budget import call_costs, minimum_bytes, replay_cost
+
+    assert trace.peak_of is not None, "a block's trace carries its peak predictions"
+    costs = call_costs(trace, cost)
+    found: dict[tuple[Decision, ...], _Candidate] = {}
+
+    def add(label: str, planned: Sequence[Decision]) -> None:
+        decisions = decide_nested(_Fixed(tuple(planned)), trace, regions)  # as the block will run them
+        if decisions not in found:
+            replay = replay_cost(account(trace, saved_calls(decisions)), costs)
+            found[decisions] = _Candidate(label, decisions, replay, trace.peak_of(decisions))  # type: ignore[misc]
+
+    builtins = {
+        "save_nothing": policies.save_nothing,
+        "save_everything": policies.save_everything,
+        "dots_saveable": policies.dots_saveable,
+        "dots_with_no_batch_dims_saveable": policies.dots_with_no_batch_dims_saveable,
+    }
+    for label, policy in builtins.items():
+        add(label, decide(policy, trace))
+    budgets = [policies.budget(fraction=f, cost=cost, exact=exact) for f in FRACTIONS]
+    low, high = minimum_bytes(trace), account(trace, range(len(trace))).saved_bytes
+    budgets += [
+        policies.budget(max_bytes=low + (high - low) * i // (BYTE_BUDGETS - 1), cost=cost, exact=exact)
+        for i in range(BYTE_BUDGETS)
+    ]
+    for budget in budgets:
+        try:
+            add(repr(budget), budget.plan(trace))
+        except ValueError:  # below the fewest bytes any decisions keep
+            continue
+    return list(found.values())
+
+
+# --- the step's 0-1 program ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """One choice of the program: a block module at one of its traces (its calls at that trace share it)."""
+
+    name: str
+    policy: _Planned
+    trace: Trace
+    options: tuple[_Candidate, ...]  # options[0] is the probe step's plan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """A segment of the probe step as a function of the choices: its peak is `measured` plus, for each
+    (group, option) chosen, `terms[(group, option)]`."""
+
+    segment: _step.Segment
+    terms: dict[tuple[int, int], int]
+
+    def peak(self, choice: Sequence[int]) -> int:
+        return self.segment.peak + sum(self.terms.get((g, k), 0) for g, k in enumerate(choice))
+
+
+def _rows(timeline: _step.Timeline, group_of: Sequence[int], groups: Sequence[_Group]) -> list[_Row]:
+    """Each segment's peak as a function of the choices: see NOTE [a step's timeline]."""
+
+    def move(terms: dict[tuple[int, int], int], call: int, by: Callable[[Peak], int]) -> None:
+        g = group_of[call]
+        base = by(groups[g].options[0].peak)
+        for k, option in enumerate(groups[g].options):
+            terms[(g, k)] = terms.get((g, k), 0) + by(option.peak) - base
+
+    rows = []
+    for segment in timeline.segments:
+        terms: dict[tuple[int, int], int] = {}
+        for call in segment.alive:
+            move(terms, call, lambda peak: peak.after_forward)
+        if segment.phase is _step.Phase.FORWARD and segment.call is not None:
+            move(terms, segment.call, lambda peak: peak.forward)
+        elif segment.phase is _step.Phase.BACKWARD and segment.call is not None:
+            move(terms, segment.call, lambda peak: peak.backward)
+        rows.append(_Row(segment, terms))
+    return rows
+
+
+def _predicted_peak(rows: Sequence[_Row], choice: Sequence[int]) -> tuple[int, _Row | None]:
+    best: tuple[int, _Row | None] = (0, None)
+    for row in rows:
+        peak = row.peak(choice)
+        if best[1] is None or peak > best[0]:
+            best = (peak, row)
+    return best
+
+
+def _solve_chain(
+    groups: Sequence[_Group], rows: Sequence[_Row], group_of: Sequence[int], target: int
+) -> tuple[list[int] | None, bool]:
+    """The cheapest choice whose predicted peak is at most `target`, by dynamic programming over the block
+    calls in order, where the step is a chain: each block call its own choice, and every segment holds the
+    kept values of the calls before one call and lies in that call (or between it and the one before).
+    Returns (choice or None if none fits, whether the step was a chain: if not, nothing was solved).
+
+    The states after k calls are the Pareto front of (bytes the first k calls keep beyond saving nothing,
+    replay cost); exact, as the 0-1 program is, and fast where HiGHS branches long on identical blocks."""
+    import numpy as np
+
+    n = len(group_of)
+    if sorted(group_of) != list(range(n)) or list(group_of) != sorted(group_of):
+        return None, False
+    before: list[int] = [target] * (n + 1)  # before[k]: the most the first k calls may keep beyond saving nothing
+    inside: list[np.ndarray] = [np.full(len(groups[k].options), target, dtype=np.int64) for k in range(n)]
+    for row in rows:
+        segment = row.segment
+        m = len(segment.alive)
+        if segment.alive != frozenset(range(m)):
+            return None, False
+        room = target - segment.peak
+        if segment.call is None:
+            before[m] = min(before[m], room)
+        elif segment.call != m:
+            return None, False
+        else:  # inside call m: its own peak's change, for each of its options
+            own = np.array([row.terms.get((m, o), 0) for o in range(len(groups[m].options))], dtype=np.int64)
+            inside[m] = np.minimum(inside[m], room - own)
+    kept = [np.array([o.peak.after_forward - g.options[0].peak.after_forward for o in g.options]) for g in groups]
+    costs = [np.array([o.cost for o in g.options], dtype=np.float64) for g in groups]
+    front_kept, front_cost = np.zeros(1, dtype=np.int64), np.zeros(1)
+    parents: list[tuple[np.ndarray, np.ndarray]] = []
+    for k in range(n):
+        fits = front_kept <= before[k]
+        states = np.flatnonzero(fits)
+        new_kept, new_cost, parent, option = [], [], [], []
+        for o in range(len(groups[k].options)):
+            ok = states[front_kept[states] <= inside[k][o]]
+            new_kept.append(front_kept[ok] + kept[k][o])
+            new_cost.append(front_cost[ok] + costs[k][o])
+            parent.append(ok)
+            option.append(np.full(len(ok), o))
+        all_kept, all_cost = np.concatenate(new_kept), np.concatenate(new_cost)
+        if not len(all_kept):
+            return None, True
+        order = np.lexsort((all_cost, all_kept))
+        all_kept, all_cost = all_kept[order], all_cost[order]
+        best_so_far = np.minimum.accumulate(all_cost)
+        keep = np.ones(len(all_cost), dtype=bool)
+        keep[1:] = all_cost[1:] < best_so_far[:-1]  # strictly cheaper than every state keeping less
+        chosen = order[keep]
+        front_kept, front_cost = all_kept[keep], all_cost[keep]
+        parents.append((np.concatenate(parent)[chosen], np.concatenate(option)[chosen]))
+    final = np.flatnonzero(front_kept <= before[n])
+    if not len(final):
+        return None, True
+    state = int(final[np.argmin(front_cost[final])])
+    choice = [0] * n
+    for k in range(n - 1, -1, -1):
+        parent_of, option_of = parents[k]
+        choice[k] = int(option_of[state])
+        state = int(parent_of[state])
+    return choice, True
+
+
+def _solve(
+    groups: Sequence[_Group], rows: Sequence[_Row], target: int | None, exact: bool
+) -> tuple[list[int] | None, float]:
+    """The cheapest choice (an option per group) whose predicted peak is at most `target`; with
+    `target=None`, the choice of the lowest predicted peak. (None if none fits, and the optimum.)"""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    from ._budget import HIGHS_DEBUG_LINE, stdout_without
+
+    offsets = [0]
+    for group in groups:
+        offsets.append(offsets[-1] + len(group.options))
+    n = offsets[-1] + (1 if target is None else 0)  # the lowest-peak program has the peak as a variable
+    unit = 1024.0  # bytes in KiB, to keep HiGHS's numbers moderate
+    scale = max((o.cost for g in groups for o in g.options), default=0.0) or 1.0
+    objective = np.zeros(n)
+    if target is None:
+        objective[-1] = 1.0
+    else:
+        for g, group in enumerate(groups):
+            for k, option in enumerate(group.options):
+                objective[offsets[g] + k] = option.cost / scale
+    one_each = np.zeros((len(groups), n))
+    for g in range(len(groups)):
+        one_each[g, offsets[g] : offsets[g + 1]] = 1.0
+    constraints = [LinearConstraint(one_each, 1.0, 1.0)]
+    matrix = np.zeros((len(rows), n))
+    upper = np.zeros(len(rows))
+    for r, row in enumerate(rows):
+        for (g, k), term in row.terms.items():
+            matrix[r, offsets[g] + k] = term / unit
+        if target is None:
+            matrix[r, -1] = -1.0
+            upper[r] = -row.segment.peak / unit
+        else:
+            upper[r] = (target - row.segment.peak) / unit
+    if len(rows):
+        constraints.append(LinearConstraint(matrix, -np.inf, upper))
+    integrality = np.ones(n)
+    bounds_upper = np.ones(n)
+    if target is None:
+        integrality[-1], bounds_upper[-1] = 0, np.inf
+    options: dict[str, Any] = {"presolve": True}
+    if not exact:
+        options["time_limit"] = 5.0
+    with stdout_without(HIGHS_DEBUG_LINE):
+        result = milp(
+            objective, constraints=constraints, integrality=integrality, bounds=Bounds(0, bounds_upper), options=options
+        )
+    if result.x is None:
+        return None, math.inf
+    choice = [int(np.argmax(result.x[offsets[g] : offsets[g + 1]])) for g in range(len(groups))]
+    return choice, float(result.fun)
+
+
+# --- fit -------------------------------------------------------------------------------------------------
+
+
+def fit(
+    model: nn.Module,
+    which: Which,
+    /,
+    *args: Any,
+    peak_bytes: int,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    cost: str = "flops",
+    exact: bool = False,
+) -> Fit:
+    """Checkpoint the blocks of `model` that `which` selects, in place, with decisions chosen for the whole
+    training step, so that its peak stays within `peak_bytes`, replaying as little as possible.
+
+    The step is the model's forward on the example batch (`model(*args, **kwargs)`), `loss` of its output,
+    and the backward of that loss. Its peak is everything allocated above what was live before it (starting
+    with no parameter gradients, as after `optimizer.zero_grad(set_to_none=True)`): every block's kept values,
+    the embeddings, the head, the logits and the loss, and the parameter gradients as they accumulate.
+    `fit` runs the step once as a probe, with every block saving nothing, measuring the memory outside the
+    blocks; the blocks' own memory under every other plan is predicted from their programs (`remat.Peak`).
+    Then it chooses, for each block, one of the plans the budget planner makes for it (`budget` at fractions
+    and byte budgets, and the built-in policies), so that the predicted peak of the step fits and the
+    replay cost is the least: blocks of one structure may be given different plans. See docs/fit.md.
+
+    The probe step puts back what it changes: the parameters' `.grad`, the buffers (batch norm's running
+    statistics) and the random number generators.
+
+    Args:
+        model: the `nn.Module` to change in place.
+        which: the blocks, as for `remat.checkpoint_modules` (a module class, a tuple of them, or a
+            predicate over qualified names and modules).
+        *args: an example batch, as the model is called.
+        peak_bytes: the target: the most bytes the step may have live at once.
+        loss: a function of the model's output giving the scalar the step backpropagates; by default the
+            output's `.loss` (a Hugging Face model given labels), or the sum of its tensors.
+        kwargs: the model's keyword arguments for the example batch (a dict: they never collide with
+            `fit`'s own options).
+        cost: what to replay least of, as for `remat.policies.budget`: `"flops"` or `"roofline:<device>"`.
+        optimizer: the optimizer whose `step()` ends the step: its state (on a first step) and its
+            temporaries count, measured on meta copies of its parameters.
+        exact: solve every planning problem to optimality (slower); by default the solvers have time limits
+            and keep the best plan found.
+
+    Returns:
+        A `remat.Fit`: the predicted peak, the plan of each block call, the step report.
+
+    Raises:
+        ValueError: no plan fits `peak_bytes` (the message names the lowest peak any plan reaches and what
+            makes it up); or, as for `checkpoint_modules`, nothing matches `which` or `model` already has
+            checkpointed modules.
+        TypeError: a bad argument.
+
+    >>> import torch, remat
+    >>> blocks = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(4)]
+    >>> model = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 10))
+    >>> plan = remat.fit(model, lambda name, module: module in blocks, torch.randn(512, 64), peak_bytes=3 * 2**20)
+    >>> plan.predicted_peak <= 3 * 2**20
+    True
+    >>> [block.name for block in plan.blocks]
+    ['0', '1', '2', '3']
+    """
+    _check_arguments(model, peak_bytes, loss, kwargs, optimizer, cost, exact)
+    checkpoint_selected(model, which, _Planned, DEFAULT_CACHE_SIZE, False, "remat.fit")
+    planner = _Planner(model, peak_bytes, loss or _default_loss, optimizer, cost, exact)
+    model.__dict__["forward"] = _FittedForward(model, planner)
+    try:
+        return planner.fit(args, dict(kwargs or {}))
+    except BaseException:
+        uncheckpoint_modules(model)
+        raise
+
+
+class _Planner:
+    """A fitted model's target and options, and its plans by input signature (see `_FittedForward`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        target: int,
+        loss: Callable[[Any], Any],
+        optimizer: torch.optim.Optimizer | None,
+        cost: str,
+        exact: bool,
+    ):
+        self.model, self.target, self.loss, self.optimizer = model, target, loss, optimizer
+        self.cost, self.exact = cost, exact
+        self.fits: LRUCache[Fit] = LRUCache(DEFAULT_CACHE_SIZE)
+
+    def fit(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Fit:
+        """The plan at the signature of `(args, kwargs)`: planned (a probe step) the first time."""
+        key = _signature(args, kwargs)
+        found = self.fits.get(key)
+        if found is None:
+            found = _plan(self.model, args, kwargs, self.loss, self.optimizer, self.target, self.cost, self.exact)
+            self.fits.put(key, found)
+        return found
+
+
+class _FittedForward(InstalledForward):
+    """The fitted model's own instance `forward`: at an input signature not planned yet (with gradients
+    on), it plans the step again for the same target, then runs the model's forward."""
+
+    def __init__(self, model: nn.Module, planner: _Planner):
+        self.replaced = model.__dict__.get("forward", NOTHING)
+        self.forward = model.forward  # its class's, or the block forward installed on it
+        self.planner = planner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and _step.recorder is None:  # not in the probe step itself
+            self.planner.fit(args, kwargs)
+        return self.forward(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<remat.fit forward, peak_bytes={self.planner.target:,}>"
+
+
+def _signature(args: Sequence[Any], kwargs: dict[str, Any]) -> Hashable:
+    """What tells one batch's step from another's: the tensors' metadata, the other leaves' values
+    (their types, where they cannot be hashed), the structure."""
+    tree: Any = (tuple(args), kwargs)
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    key: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            key.append(tensor_key(leaf))
+            continue
+        try:
+            hash(leaf)
+            key.append(leaf)
+        except TypeError:
+            key.append(type(leaf))
+    return spec, tuple(key)
+
+
+def _check_arguments(
+    model: Any, peak_bytes: Any, loss: Any, kwargs: Any, optimizer: Any, cost: Any, exact: Any
+) -> None:
+    from . import policies
+
+    if isinstance(peak_bytes, bool) or not isinstance(peak_bytes, int) or peak_bytes <= 0:
+        raise ValueError(f"remat.fit: `peak_bytes` must be a positive integer (bytes), but got {peak_bytes!r}.")
+    if loss is not None and not callable(loss):
+        raise TypeError(f"remat.fit: `loss` must be a function of the model's output, but got {loss!r}.")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(
+            f"remat.fit: `kwargs` must be a dict of the model's keyword arguments, but got {type(kwargs).__name__}."
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"remat.fit: `optimizer` must be a torch.optim.Optimizer, but got {optimizer!r}.")
+    if not isinstance(exact, bool):
+        raise TypeError(f"remat.fit: `exact` must be True or False, but got {exact!r}.")
+    try:
+        policies.budget(max_bytes=0, cost=cost)
+    except ValueError as error:
+        raise ValueError(str(error).replace("remat.policies.budget", "remat.fit")) from None
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    value = getattr(output, "loss", None)
+    if isinstance(value, torch.Tensor):
+        return value
+    tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
+        raise ValueError(
+            "remat.fit: the model's output has no `.loss` and no tensor that requires grad, so there is no step "
+            "to plan. Pass `loss=` (a function of the output giving the scalar to backpropagate)."
+        )
+    return sum((t.sum() for t in tensors), torch.zeros((), device=tensors[0].device, dtype=tensors[0].dtype))
+
+
+def _blocks(model: nn.Module) -> dict[nn.Module, CheckpointedForward]:
+    found = {}
+    for _, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, CheckpointedForward) and isinstance(forward.policy, _Planned):
+            found[module] = forward
+    return found
+
+
+@contextlib.contextmanager
+def _put_back(model: nn.Module) -> Iterator[None]:
+    """Run the probe step, then put back the parameters' gradients, the buffers and the generators."""
+    parameters = list(model.parameters())
+    grads = [p.grad for p in parameters]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({p.device.index or 0 for p in parameters if p.device.type == "cuda"})
+    for p in parameters:
+        p.grad = None
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        for p, grad in zip(parameters, grads, strict=True):
+            p.grad = grad
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+
+
+def _probe(
+    model: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    loss: Callable[[Any], Any],
+    optimizer: torch.optim.Optimizer | None,
+) -> tuple[_step.Timeline, int]:
+    """The probe step's timeline, with the optimizer's step after it, and the bytes of new optimizer state."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    with _put_back(model):
+
+        def step() -> None:
+            value = loss(model(*args, **kwargs))
+            if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
+                raise ValueError(
+                    "remat.fit: `loss` must give a scalar tensor that requires grad (the value the step "
+                    f"backpropagates), but gave {value!r}."
+                )
+            value.backward()
+
+        recorder, _ = _step.run_step(step)
+        gradients = sum(p.grad.untyped_storage().nbytes() for p in parameters if p.grad is not None)
+        timeline = _step.timeline_of(recorder, gradients)
+    if optimizer is None:
+        return timeline, 0
+    step_peak, state = _optimizer_step(optimizer)
+    last = timeline.segments[-1]
+    after = _step.Segment(_step.Phase.OUTSIDE, None, last.alive, timeline.end + step_peak, "optimizer.step")
+    return dataclasses.replace(timeline, segments=(*timeline.segments, after)), state
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(peak bytes, bytes of new state) of one `optimizer.step()`, measured on meta copies of its
+    parameters and gradients (nothing real is touched). State it already holds was live before the step
+    and is not counted; a first step allocates its state."""
+    copies: dict[int, torch.Tensor] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            meta = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            if p.requires_grad:
+                meta.grad = torch.empty_like(meta)
+            copies[id(p)] = meta
+            params.append(meta)
+        options = {k: v for k, v in group.items() if k != "params"}
+        if options.get("foreach") is None and any(p.is_cuda for p in group["params"]):
+            options["foreach"] = True  # what torch chooses on CUDA; on meta it would loop over the tensors
+        groups.append({**options, "params": params})
+    kind: Any = type(optimizer)
+    try:
+        replica = kind(groups)
+    except TypeError as error:
+        raise TypeError(
+            f"remat.fit: cannot make a copy of the optimizer {type(optimizer).__name__} on the meta device to "
+            f"measure its step ({error}); plan without `optimizer=` and leave room for its state."
+        ) from None
+    for p, state in optimizer.state.items():
+        if id(p) in copies:
+            replica.state[copies[id(p)]] = {
+                k: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) and v.dim() else v
+                for k, v in state.items()
+            }
+    recorder, _ = _step.run_step(replica.step)
+    return recorder.peak, recorder.total
+
+
+def _plan(
+    model: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    loss: Callable[[Any], Any],
+    optimizer: torch.optim.Optimizer | None,
+    target: int,
+    cost: str,
+    exact: bool,
+) -> Fit:
+    started = time.perf_counter()
+    timeline, optimizer_state = _probe(model, args, kwargs, loss, optimizer)
+    blocks = _blocks(model)
+    keys: dict[tuple[int, int], int] = {}
+    options: dict[int, tuple[_Candidate, ...]] = {}  # by trace: blocks that share one share its candidates
+    groups: list[_Group] = []
+    group_of: list[int] = []
+    for call in timeline.calls:
+        policy = blocks[call.module].policy
+        if call.trace is None:
+            raise ValueError(f"remat.fit: the block {call.name!r} ran without a trace (it was called without grad).")
+        key = (id(policy), id(call.trace))
+        if key not in keys:
+            keys[key] = len(groups)
+            if id(call.trace) not in options:
+                options[id(call.trace)] = tuple(candidates(call.trace, call.regions, cost, exact))
+            groups.append(_Group(call.name, policy, call.trace, options[id(call.trace)]))
+        group_of.append(keys[key])
+    rows = _rows(timeline, group_of, groups)
+    choice, chain = _solve_chain(groups, rows, group_of, target)
+    if not chain:
+        choice, _ = _solve(groups, rows, target, exact)
+    if choice is not None:
+        peak, _ = _predicted_peak(rows, choice)
+        if peak > target:  # the solver's tolerance: shave what it let through, once
+            choice, _ = _solve(groups, rows, target - (peak - target), exact)
+    if choice is None or _predicted_peak(rows, choice)[0] > target:
+        raise _infeasible(groups, rows, timeline, target, exact)
+    for group, k in zip(groups, choice, strict=True):
+        group.policy.choose(group.trace, group.options[k].decisions)
+    for forward in blocks.values():
+        forward.checkpointed.replan()
+    return _record(
+        model, timeline, optimizer_state, groups, group_of, rows, choice, target, time.perf_counter() - started
+    )
+
+
+def _where(row: _Row, timeline: _step.Timeline) -> str:
+    segment = row.segment
+    op = f" ({segment.op})" if segment.op else ""
+    if segment.call is None:
+        return f"outside the blocks{op}"
+    return f"in the {segment.phase.value} of {timeline.calls[segment.call].name!r}{op}"
+
+
+def _infeasible(
+    groups: Sequence[_Group], rows: Sequence[_Row], timeline: _step.Timeline, target: int, exact: bool
+) -> ValueError:
+    lowest_choice, _ = _solve(groups, rows, None, exact)
+    assert lowest_choice is not None
+    lowest, row = _predicted_peak(rows, lowest_choice)
+    assert row is not None
+    kept = sum(row.terms.get((g, k), 0) for g, k in enumerate(lowest_choice))
+    return ValueError(
+        f"remat.fit: no plan fits the step in {format_bytes(target)} ({target:,} bytes): the lowest predicted "
+        f"peak is {format_bytes(lowest)} ({lowest:,} bytes), {_where(row, timeline)}, where "
+        f"{format_bytes(row.segment.peak)} are live when every block saves nothing"
+        f"{'' if not kept else f' and {format_bytes(kept)} more under that plan'}. "
+        "Raise `peak_bytes` to at least that, use a smaller batch, or checkpoint more of the model "
+        "(what lies outside the blocks is not checkpointed)."
+    )
+
+
+def _record(
+    model: nn.Module,
+    timeline: _step.Timeline,
+    optimizer_state: int,
+    groups: Sequence[_Group],
+    group_of: Sequence[int],
+    rows: Sequence[_Row],
+    choice: Sequence[int],
+    target: int,
+    seconds: float,
+) -> Fit:
+    peak, row = _predicted_peak(rows, choice)
+    assert row is not None
+    plans = []
+    kept: dict[str, int] = {}
+    for call in timeline.calls:
+        g = group_of[call.index]
+        option = groups[g].options[choice[g]]
+        nothing = groups[g].options[0]
+        extra = option.peak.after_forward - nothing.peak.after_forward
+        plans.append(BlockPlan(call.name, option.label, option.decisions, extra, option.cost))
+        kept[call.name] = kept.get(call.name, 0) + extra
+
+    def uniform(label: str) -> int:
+        picks = [next((k for k, o in enumerate(g.options) if o.label == label), 0) for g in groups]
+        return _predicted_peak(rows, picks)[0]
+
+    report = StepReport(
+        parameters=sum(p.untyped_storage().nbytes() for p in model.parameters()),
+        gradients=timeline.gradients,
+        optimizer_state=optimizer_state,
+        kept=kept,
+        peak=peak,
+        where=_where(row, timeline),
+        peak_keeping_everything=uniform("save_everything"),
+        peak_keeping_nothing=uniform("save_nothing"),
+        activations=max(0, peak - timeline.gradients),
+        measured_peak=timeline.peak,
+    )
+    return Fit(target, peak, tuple(plans), sum(p.replay_cost for p in plans), report, seconds)

@@ -1,0 +1,213 @@
+"""One training step, measured: the bytes live along forward, loss and backward, split at the calls of
+checkpointed blocks. `remat.fit` plans on it. See NOTE [a step's timeline].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ._measure import storage_key
+from ._torch import FakeTensor, TorchDispatchMode
+
+__all__ = ["BlockCall", "Phase", "Segment", "Timeline", "recorder", "recording"]
+
+
+# NOTE [a step's timeline]
+# `remat.fit` runs one probe step (forward, loss, backward) with every block
+# checkpointed under one plan, and records the bytes live along it: every
+# storage an op allocates counts from its allocation until it is freed, as
+# MemTracker counts (the memory live before the step is not counted). The step
+# is cut into segments at the start and end of each block call's forward and
+# of its backward, and each segment keeps the most bytes live in it. Under
+# another plan, a segment's peak moves by what the plans' predictions differ
+# by: for a segment inside a block call's forward (or backward), the change of
+# that call's predicted forward (backward) peak; for every block call whose
+# kept values are live across the segment (its forward done, its backward not
+# begun), the change of what it keeps. Outside the blocks nothing changes: the
+# embeddings, the head, the loss and the parameter gradients are measured, not
+# predicted.
+
+
+class Phase(enum.Enum):
+    """Where a segment of the step lies: in a block call's forward or backward, or outside the blocks."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OUTSIDE = "outside"
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCall:
+    """One call of a checkpointed block during the probe step."""
+
+    index: int
+    name: str  # the module's qualified name in the model
+    module: torch.nn.Module
+    trace: Any  # the `remat.Trace` its call ran (set when the call has looked it up)
+    regions: Any  # the nested checkpoints of the trace, which decide their own calls
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A stretch of the step between two block events: its peak bytes, the op that reached it, which
+    block call it lies in (if any) and which block calls' kept values are live across it."""
+
+    phase: Phase
+    call: int | None  # the `BlockCall.index` of the block call it lies in, for FORWARD and BACKWARD
+    alive: frozenset[int]
+    peak: int
+    op: str  # the op whose output reached the peak ("" if the peak is where the segment starts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """The probe step, measured."""
+
+    calls: tuple[BlockCall, ...]
+    segments: tuple[Segment, ...]
+    peak: int  # the most bytes live at once
+    gradients: int  # bytes of the parameter gradients the step left in `.grad`
+    end: int  # bytes live at the end (the gradients, the loss, whatever the caller holds)
+
+
+class _Recorder:
+    """What the probe step's block calls report, while it runs (module global `recorder`)."""
+
+    def __init__(self) -> None:
+        self.calls: list[BlockCall] = []
+        self.segments: list[Segment] = []
+        self.live: dict[Any, int] = {}
+        self.total = 0
+        self.peak = 0
+        self.segment_peak = 0
+        self.segment_op = ""
+        self.phase: Phase = Phase.OUTSIDE
+        self.in_call: int | None = None  # the block call the current segment lies in
+        self.alive: set[int] = set()
+        self.applied: set[int] = set()
+        self.current: int | None = None  # the block call whose forward runs
+
+    # --- bytes -----------------------------------------------------------------------------------------
+    def allocated(self, tensor: torch.Tensor, op: Any) -> None:
+        key = storage_key(tensor)
+        if key in self.live:
+            return
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        self.live[key] = nbytes
+        self.total += nbytes
+        weakref.finalize(storage, self._freed, key)
+        if self.total > self.segment_peak:
+            self.segment_peak, self.segment_op = self.total, str(op)
+        self.peak = max(self.peak, self.total)
+
+    def _freed(self, key: Any) -> None:
+        self.total -= self.live.pop(key, 0)
+
+    # --- events ----------------------------------------------------------------------------------------
+    def _cut(self, phase: Phase, call: int | None) -> None:
+        self.segments.append(
+            Segment(self.phase, self.in_call, frozenset(self.alive), self.segment_peak, self.segment_op)
+        )
+        self.phase, self.in_call = phase, call
+        self.segment_peak, self.segment_op = self.total, ""
+
+    def forward_started(self, name: str, module: torch.nn.Module) -> int:
+        index = len(self.calls)
+        self.calls.append(BlockCall(index, name, module, None, ()))
+        self._cut(Phase.FORWARD, index)
+        self.current = index
+        return index
+
+    def forward_traced(self, joint: Any) -> None:
+        if self.current is not None:
+            call = self.calls[self.current]
+            self.calls[self.current] = dataclasses.replace(call, trace=joint.trace, regions=joint.regions)
+
+    def function_applied(self) -> int | None:
+        """The block call whose forward applied remat's Function (its backward will report as it)."""
+        if self.current is not None:
+            self.applied.add(self.current)
+        return self.current
+
+    def forward_ended(self, index: int) -> None:
+        self._cut(Phase.OUTSIDE, None)
+        self.current = None
+        if index in self.applied:  # it keeps values for a backward
+            self.alive.add(index)
+
+    def backward_started(self, index: int) -> None:
+        self._cut(Phase.BACKWARD, index)
+        self.alive.discard(index)  # its kept values are the backward's now
+
+    def backward_ended(self, index: int) -> None:
+        self._cut(Phase.OUTSIDE, None)
+
+
+recorder: _Recorder | None = None  # set while a probe step runs (one at a time)
+
+
+class _Allocations(TorchDispatchMode):
+    """Reports every real tensor an op allocates (fake tensors of remat's tracing are not memory)."""
+
+    def __init__(self, into: _Recorder):
+        super().__init__()
+        self.into = into
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # An output in the memory of an input (a view, an in-place update) is no allocation; the memory
+        # of a tensor that existed before the step is not counted.
+        fresh = func is torch.ops.aten.lift_fresh.default  # `torch.tensor(data)`: made outside the dispatcher
+        read = set() if fresh else {storage_key(t) for t in _tensors((args, tuple(kwargs.values()))) if _real(t)}
+        for tensor in _tensors(out):
+            if _real(tensor) and storage_key(tensor) not in read:
+                self.into.allocated(tensor, func)
+        return out
+
+
+def _real(tensor: torch.Tensor) -> bool:
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and not isinstance(tensor, FakeTensor)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+
+
+@contextmanager
+def recording() -> Iterator[_Recorder]:
+    """Record the step run inside: `Timeline` of it from `timeline_of` once it ends."""
+    global recorder
+    if recorder is not None:
+        raise RuntimeError("remat.fit: a probe step is already running (plan one model at a time).")
+    recorder = _Recorder()
+    try:
+        with _Allocations(recorder):
+            yield recorder
+    finally:
+        recorder = None
+
+
+def timeline_of(done: _Recorder, gradients: int) -> Timeline:
+    """The `Timeline` of a finished recording, its last segment closed."""
+    done._cut(Phase.OUTSIDE, None)
+    return Timeline(tuple(done.calls), tuple(done.segments), done.peak, gradients, done.total)
+
+
+def run_step(step: Callable[[], Any]) -> tuple[_Recorder, Any]:
+    """Run `step()` while recording it; the recorder and what the step returned."""
+    with recording() as active:
+        result = step()
+    return active, result
