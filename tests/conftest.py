@@ -44,7 +44,7 @@ import_jvp_decompositions()
 
 settings.register_profile(
     "ci",
-    max_examples=20,
+    max_examples=10,
     deadline=None,
     # No "explain" phase: its line tracing makes every shrink step of a failure several times slower.
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],

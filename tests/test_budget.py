@@ -68,7 +68,7 @@ def _programs_figures(fn: Any, args: Any, saved: set[int]) -> tuple[set[int], in
 # --- the accounting is the partitioner's ----------------------------------------------------------
 
 
-@examples(ci=60, soak=2_000)
+@examples(ci=15, soak=2_000)
 @given(st.data())
 def test_accounting_equals_the_partitions_programs_for_any_decisions(data: st.DataObject) -> None:
     """What planners, `remat.report` and the log count is what the programs keep and replay."""
@@ -112,7 +112,7 @@ def test_budget_is_never_exceeded_on_a_gpt2_block(fraction: float, exact: bool) 
     assert_checkpoint_equivalent(block, x, checkpointed=checkpointed)
 
 
-@examples(ci=30, soak=1_000)
+@examples(ci=8, soak=1_000)
 @given(st.data())
 def test_budget_is_never_exceeded_on_random_functions(data: st.DataObject) -> None:
     fn = data.draw(functions(), label="fn")
@@ -134,7 +134,7 @@ def test_budget_is_never_exceeded_on_random_functions(data: st.DataObject) -> No
 # --- optimal, and monotone ---------------------------------------------------------------------------
 
 
-@examples(ci=30, soak=1_000)
+@examples(ci=8, soak=1_000)
 @given(st.data())
 def test_the_exact_plan_costs_no_more_than_any_decisions_within_the_budget(data: st.DataObject) -> None:
     fn = data.draw(functions(), label="fn")

@@ -231,7 +231,7 @@ def test_inside_torch_compile_offload_keeps_on_the_device() -> None:
 # over vmap warns of a resized `out=` tensor (torch's): see test_testing.py.
 @pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
 @pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
-@examples(ci=40, soak=3_000)
+@examples(ci=20, soak=3_000)
 @given(st.data())
 def test_random_functions_and_three_way_policies(data: st.DataObject) -> None:
     fn = data.draw(functions(max_ops=5), label="fn")

@@ -176,7 +176,7 @@ _TOLERANCE = 1.6
 _GRADIENT_COPIES = 2
 
 
-@examples(ci=30, soak=1_000)
+@examples(ci=8, soak=1_000)
 @given(st.data())
 def test_the_predicted_peak_is_near_the_measured_one_on_random_functions(data: st.DataObject) -> None:
     fn = data.draw(rt.functions(return_inputs=False, random_ops=False), label="fn")
@@ -256,7 +256,7 @@ def test_a_peak_budget_plan_records_its_peak() -> None:
     assert plan.lower_bound <= plan.cost
 
 
-@examples(ci=15, soak=500)
+@examples(ci=8, soak=500)
 @given(st.data())
 def test_a_peak_budget_never_predicts_over_its_bound_on_random_functions(data: st.DataObject) -> None:
     fn = data.draw(rt.functions(return_inputs=False), label="fn")

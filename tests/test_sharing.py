@@ -241,7 +241,7 @@ def test_recording_leaves_no_class_patched_even_when_tracing_fails() -> None:
 _KINDS = st.tuples(st.sampled_from([8, 16]), st.sampled_from([None, 2]), st.integers(0, 3))  # hidden, window, unread
 
 
-@examples(ci=10, soak=200)
+@examples(ci=5, soak=200)
 @given(kinds=st.lists(_KINDS, min_size=2, max_size=5), policy=st.sampled_from(sorted(POLICIES)))
 def test_random_stacks_share_exactly_between_identical_blocks(
     kinds: list[tuple[int, int | None, int]], policy: str

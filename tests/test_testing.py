@@ -54,7 +54,7 @@ def test_catalog_has_at_least_40_behaviours() -> None:
 
 
 # The soak counts (`nox -s soak`) sum to well over 10,000 random functions.
-@examples(ci=60, soak=10_000)
+@examples(ci=30, soak=10_000)
 @given(st.data())
 def test_random_functions_and_policies_checkpoint_equivalently(data: st.DataObject) -> None:
     fn = data.draw(functions(refusable=True, stateful=True), label="fn")
@@ -66,7 +66,7 @@ def test_random_functions_and_policies_checkpoint_equivalently(data: st.DataObje
     assert_checkpoint_equivalent(fn, *args, policy=policy, seed=seed, calls=calls)
 
 
-@examples(ci=30, soak=2_000)
+@examples(ci=15, soak=2_000)
 @given(st.data())
 def test_random_functions_with_pytree_inputs(data: st.DataObject) -> None:
     fn = data.draw(functions(max_inputs=3, refusable=True), label="fn")
@@ -76,7 +76,7 @@ def test_random_functions_with_pytree_inputs(data: st.DataObject) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@examples(ci=30, soak=2_000)
+@examples(ci=15, soak=2_000)
 @given(st.data())
 def test_random_functions_in_float32(device: str, data: st.DataObject) -> None:
     fn = data.draw(functions(max_ops=4, refusable=True), label="fn")
@@ -86,7 +86,7 @@ def test_random_functions_in_float32(device: str, data: st.DataObject) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@examples(ci=15, soak=1_000)
+@examples(ci=8, soak=1_000)
 @given(st.data())
 def test_random_functions_in_bfloat16(device: str, data: st.DataObject) -> None:
     fn = data.draw(functions(max_ops=3, refusable=True), label="fn")
@@ -96,7 +96,7 @@ def test_random_functions_in_bfloat16(device: str, data: st.DataObject) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@examples(ci=30, soak=2_000)
+@examples(ci=15, soak=2_000)
 @given(st.data())
 def test_random_functions_in_float64_on_cuda(data: st.DataObject) -> None:
     fn = data.draw(functions(refusable=True), label="fn")
@@ -112,7 +112,7 @@ def test_random_functions_in_float64_on_cuda(data: st.DataObject) -> None:
 # resized `out=` tensor (eager does under vmap of jvp; docs/torch-func.md): compared too.
 @pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
 @pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
-@examples(ci=30, soak=2_000)
+@examples(ci=15, soak=2_000)
 @given(st.data())
 def test_random_functions_under_torch_func_transforms(data: st.DataObject) -> None:
     fn = data.draw(functions(max_ops=4, refusable=True), label="fn")
@@ -186,7 +186,7 @@ def test_the_new_ops_are_sorted_into_the_catalogs_sets() -> None:
     assert "scale_transposed_slice_without_grad_" in REFUSABLE_OPS
 
 
-@examples(ci=10, soak=200)
+@examples(ci=5, soak=200)
 @given(st.data())
 def test_stateful_ops_are_drawn_only_when_asked_for(data: st.DataObject) -> None:
     assert not set(data.draw(functions(max_ops=8), label="fn").ops) & STATEFUL_OPS
