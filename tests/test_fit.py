@@ -92,7 +92,9 @@ def eager_and_lowest(model: nn.Module, block: type[nn.Module], x: torch.Tensor) 
 @pytest.mark.parametrize(
     ("build", "share"),
     [
-        *((mlp_stack, share) for share in (0.05, 0.3, 0.6, 0.9)),
+        pytest.param(mlp_stack, 0.05, marks=pytest.mark.slow),
+        (mlp_stack, 0.3),
+        *(pytest.param(mlp_stack, share, marks=pytest.mark.slow) for share in (0.6, 0.9)),
         *(pytest.param(gpt_stack, share, marks=pytest.mark.slow) for share in (0.05, 0.6)),
     ],
     ids=["mlp-0.05", "mlp-0.3", "mlp-0.6", "mlp-0.9", "gpt-0.05", "gpt-0.6"],
@@ -113,6 +115,7 @@ def test_the_measured_peak_stays_within_the_target_and_is_predicted(build: Calla
     assert plan.report.peak_keeping_everything >= plan.predicted_peak
 
 
+@pytest.mark.slow
 def test_a_looser_target_replays_less() -> None:
     model, x = mlp_stack(), torch.randn(256, 32)
     eager, lowest = eager_and_lowest(model, MLPBlock, x)
@@ -182,6 +185,7 @@ def test_gradients_match_eager_in_float64() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
+@pytest.mark.slow
 def test_blocks_of_one_structure_may_get_different_plans() -> None:
     model, x = mlp_stack(n=6), torch.randn(256, 32)
     eager, lowest = eager_and_lowest(model, MLPBlock, x)
@@ -206,6 +210,7 @@ def test_a_target_below_the_lowest_peak_says_what_the_lowest_is() -> None:
     remat.fit(model, MLPBlock, x, peak_bytes=stated, loss=square_loss)  # the lowest stated is reachable
 
 
+@pytest.mark.slow
 def test_a_new_input_signature_plans_again_for_the_same_target() -> None:
     model, x = mlp_stack(), torch.randn(256, 32)
     eager, lowest = eager_and_lowest(model, MLPBlock, x)
@@ -255,6 +260,7 @@ def test_the_probe_step_puts_back_gradients_buffers_and_generators() -> None:
     assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_keyword_arguments_and_the_default_loss() -> None:
     model, x = mlp_stack(n=2), torch.randn(64, 32)
     plan = remat.fit(model, MLPBlock, x, peak_bytes=10**9, kwargs={"scale": 0.5})
@@ -353,6 +359,7 @@ class WideFirst(nn.Module):
         return self.inner(x + wide[:, :32])
 
 
+@pytest.mark.slow
 def test_a_peak_before_the_first_block_counts() -> None:
     model, x = WideFirst(), torch.randn(64, 32)
     _, lowest = eager_and_lowest(model, MLPBlock, x)
