@@ -501,7 +501,7 @@ class _Planner:
         key = _signature(args, kwargs)
         found = self.fits.get(key)
         if found is None:
-            found = _plan(self.model, args, kwargs, self.loss, self.optimizer, self.target, self.cost, self.exact)
+            found = _plan(self, args, kwargs)
             self.fits.put(key, found)
         return found
 
@@ -607,14 +607,9 @@ def _put_back(model: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-def _probe(
-    model: nn.Module,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    loss: Callable[[Any], Any],
-    optimizer: torch.optim.Optimizer | None,
-) -> tuple[_step.Timeline, int]:
+def _probe(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[_step.Timeline, int]:
     """The probe step's timeline, with the optimizer's step after it, and the bytes of new optimizer state."""
+    model, loss, optimizer = planner.model, planner.loss, planner.optimizer
     parameters = [p for p in model.parameters() if p.requires_grad]
     with _put_back(model):
 
@@ -627,7 +622,7 @@ def _probe(
                 )
             value.backward()
 
-        recorder, _ = _step.run_step(step)
+        recorder = _step.run_step(step)
         gradients = sum(p.grad.untyped_storage().nbytes() for p in parameters if p.grad is not None)
         timeline = _step.timeline_of(recorder, gradients)
     if optimizer is None:
@@ -670,22 +665,15 @@ def _optimizer_step(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
                 k: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) and v.dim() else v
                 for k, v in state.items()
             }
-    recorder, _ = _step.run_step(replica.step)
+    recorder = _step.run_step(replica.step)
     return recorder.peak, recorder.total
 
 
-def _plan(
-    model: nn.Module,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    loss: Callable[[Any], Any],
-    optimizer: torch.optim.Optimizer | None,
-    target: int,
-    cost: str,
-    exact: bool,
-) -> Fit:
+def _plan(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> Fit:
+    """Probe the step at these arguments, choose every block's plan for the planner's target, and apply it."""
     started = time.perf_counter()
-    timeline, optimizer_state = _probe(model, args, kwargs, loss, optimizer)
+    model, target, cost, exact = planner.model, planner.target, planner.cost, planner.exact
+    timeline, optimizer_state = _probe(planner, args, kwargs)
     blocks = _blocks(model)
     keys: dict[tuple[int, int], int] = {}
     options: dict[int, tuple[_Candidate, ...]] = {}  # by trace: blocks that share one share its candidates

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ._measure import storage_key
-from ._torch import FakeTensor, TorchDispatchMode
+from ._measure import storage_key, tensors_in
+from ._torch import TorchDispatchMode
 
-__all__ = ["BlockCall", "Phase", "Segment", "Timeline", "recorder", "recording"]
+__all__ = ["BlockCall", "Phase", "Segment", "Timeline", "recorder", "recording", "run_step", "timeline_of"]
 
 
 # NOTE [a step's timeline]
@@ -167,23 +167,16 @@ class _Allocations(TorchDispatchMode):
         # An output in the memory of an input (a view, an in-place update) is no allocation; the memory
         # of a tensor that existed before the step is not counted.
         fresh = func is torch.ops.aten.lift_fresh.default  # `torch.tensor(data)`: made outside the dispatcher
-        read = set() if fresh else {storage_key(t) for t in _tensors((args, tuple(kwargs.values()))) if _real(t)}
-        for tensor in _tensors(out):
+        read = set() if fresh else {storage_key(t) for t in tensors_in([*args, *kwargs.values()]) if _real(t)}
+        for tensor in tensors_in(out):
             if _real(tensor) and storage_key(tensor) not in read:
                 self.into.allocated(tensor, func)
         return out
 
 
 def _real(tensor: torch.Tensor) -> bool:
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and not isinstance(tensor, FakeTensor)
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
+    """A plain tensor: not one of tracing's fake tensors, nor any other subclass."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter)
 
 
 @contextmanager
@@ -206,8 +199,8 @@ def timeline_of(done: _Recorder, gradients: int) -> Timeline:
     return Timeline(tuple(done.calls), tuple(done.segments), done.peak, gradients, done.total)
 
 
-def run_step(step: Callable[[], Any]) -> tuple[_Recorder, Any]:
-    """Run `step()` while recording it; the recorder and what the step returned."""
+def run_step(step: Callable[[], Any]) -> _Recorder:
+    """Run `step()` while recording it."""
     with recording() as active:
-        result = step()
-    return active, result
+        step()
+    return active
