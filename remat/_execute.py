@@ -77,6 +77,8 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
             "remat's Function do. Pass a tensor that is not a view (`x.clone()`), or update a copy of the "
             "input inside the function."
         )
+    # See NOTE [where views of inputs are rebuilt].
+    taken_before = () if programs.prologue is None else tuple(programs.prologue.forward(*primals))
     updated = [primals[i] for i in views]
     if views:
         primals = list(primals)
@@ -100,7 +102,7 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
             primals[i] = view
     if programs.epilogue is None:
         return tuple(returned[: executable.n_user_outputs])
-    return tuple(programs.epilogue.forward(*primals, *returned))
+    return tuple(programs.epilogue.forward(*primals, *taken_before, *returned))
 
 
 # NOTE [updated inputs that are views]

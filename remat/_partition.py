@@ -5,8 +5,9 @@ returns the user's outputs followed by what backward keeps. The backward
 program takes the kept values and the incoming gradients, replays the
 discarded calls that the gradient formulas read, each just before its first
 use, and returns the gradients. Outputs that are views of inputs or of other
-outputs are rebuilt outside the autograd.Function by a small epilogue, so that
-autograd tracks them as the views they are (as eager does). A pure copy of the
+outputs are rebuilt outside the autograd.Function, by a small epilogue (or a
+prologue, for views of inputs taken before another read), so that autograd tracks
+them as the views they are (as eager does). A pure copy of the
 forward serves higher-order derivatives and forward mode.
 """
 
@@ -21,7 +22,7 @@ from torch import fx
 
 from . import _rng
 from ._calls import Decision
-from ._programs import backward_program, epilogue, forward_program, pure_forward
+from ._programs import backward_program, forward_program, pure_forward, views_of_inputs
 from ._rules import (
     backward_nodes_of,
     differentiable,
@@ -31,6 +32,7 @@ from ._rules import (
     reads_any_value,
     returned_outputs,
     varying,
+    views_taken_before_a_read,
 )
 from ._trace import JointGraph, stops_gradient
 
@@ -74,7 +76,9 @@ class Programs:
     pure: fx.GraphModule  # *kept -> (*returned outputs if pure_returns_outputs, *activations), from the inputs
     pure_returns_outputs: bool
     pure_inputs: tuple[tuple[int, int], ...]  # (position in kept, primal index) of each input pure reads
-    epilogue: fx.GraphModule | None  # (*primals, *returned outputs) -> user outputs; None if all returned
+    # primals -> views of them taken before the Function: NOTE [where views of inputs are rebuilt]
+    prologue: fx.GraphModule | None
+    epilogue: fx.GraphModule | None  # (*primals, *prologue's, *returned outputs) -> user outputs; None: all returned
     returned: tuple[int, ...]  # indices of the outputs the Function returns
     n_activations: int
     without_tangent: tuple[bool, ...]  # per Function output: marked non-differentiable
@@ -123,6 +127,11 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
     kept_pairs = [(k.node, k.rng_state) for k in kept]
     holder = {k.node: i for i, k in enumerate(kept) if k.node.op == "placeholder" and not k.rng_state}
     returned = split.returned
+    prologue, epilogue = None, None
+    if returned[: joint.n_user_outputs] != tuple(range(joint.n_user_outputs)):
+        prologue, epilogue = views_of_inputs(
+            joint, returned, overwritten(joint), views_taken_before_a_read(joint, returned)
+        )
     return Programs(
         forward=forward_program(
             joint, _dirty_as_inputs(joint, split.returned_nodes), activations, copied, random_states, offloaded
@@ -138,9 +147,8 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         ),
         pure_returns_outputs=forward_mode,
         pure_inputs=tuple((i, primal_index[node]) for node, i in holder.items()),
-        epilogue=epilogue(joint, returned, overwritten(joint))
-        if returned[: joint.n_user_outputs] != tuple(range(joint.n_user_outputs))
-        else None,
+        prologue=prologue,
+        epilogue=epilogue,
         returned=returned,
         n_activations=len(activations),
         pure_unsupported=_pure_unsupported(joint, split),

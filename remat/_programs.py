@@ -1,4 +1,4 @@
-"""The FX programs one partition runs: forward, backward, epilogue and the differentiable forward.
+"""The FX programs one partition runs: forward, backward, the views around them and the differentiable forward.
 
 Each is built from nodes of the joint graph and knows nothing of how it is
 called; `_partition` decides what goes in them, `_execute` runs them.
@@ -18,7 +18,7 @@ from ._fidelity import fill_in_eager_layout, is_dense, runnable
 from ._torch import BoxedCodeGen, memory_layout
 from ._trace import JointGraph, is_free, stops_gradient
 
-__all__ = ["backward_program", "device_of", "epilogue", "forward_program", "pure_forward"]
+__all__ = ["backward_program", "device_of", "forward_program", "pure_forward", "views_of_inputs"]
 
 aten = torch.ops.aten
 
@@ -170,35 +170,48 @@ def pure_forward(
 # saved values are exactly what a second derivative must see through.
 
 
-def epilogue(joint: JointGraph, returned: Sequence[int], overwritten: Mapping[fx.Node, fx.Node]) -> fx.GraphModule:
-    """(*primals, *returned outputs) -> the user's outputs, rebuilding the views among them.
+def views_of_inputs(
+    joint: JointGraph, returned: Sequence[int], overwritten: Mapping[fx.Node, fx.Node], first: Sequence[int]
+) -> tuple[fx.GraphModule | None, fx.GraphModule]:
+    """The prologue, primals -> the user outputs in `first` (views of inputs taken before the
+    Function, None if there are none), and the epilogue, (*primals, *the prologue's outputs,
+    *returned outputs) -> the user's outputs, rebuilding the other views among them.
 
     `overwritten` maps the final value of each input updated in place to that
     input, which holds the value after forward.
     """
+    prologue = None
+    if first:
+        graph = fx.Graph()
+        env = {primal: graph.placeholder(primal.name) for primal in joint.primals}
+        graph.output(tuple(_emit_views(graph, env, joint.outputs[i]) for i in first))
+        prologue = _module(joint, graph)
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {primal: graph.placeholder(primal.name) for primal in joint.primals}
+    env = {primal: graph.placeholder(primal.name) for primal in joint.primals}
+    for i in first:
+        env.setdefault(joint.outputs[i], graph.placeholder(f"view_{i}"))
     for i in returned:
         placeholder = graph.placeholder(f"output_{i}")
         env.setdefault(joint.outputs[i], placeholder)
     for value, primal in overwritten.items():
         env.setdefault(value, env[primal])
+    graph.output(tuple(_emit_views(graph, env, output) for output in joint.outputs[: joint.n_user_outputs]))
+    return prologue, _module(joint, graph)
 
-    def emit(node: fx.Node) -> fx.Node:
-        chain = []  # views down to something already there, without recursion (a chain may be long)
-        while node not in env:
-            if not is_free(node):  # the rules return every output that is not a view of one that is there
-                raise AssertionError(f"remat: the epilogue would compute {node.format_node()}; please report this.")
-            chain.append(node)
-            node = node.args[0]  # type: ignore[assignment]
-        for view in reversed(chain):
-            env[view] = graph.node_copy(view, lambda n: env[n])
-            if view.meta.get("remat_stops_gradient") == "no_grad":  # a view `fn` took under no_grad
-                env[view].target, env[view].args = _without_grad, (view.target, *env[view].args)  # type: ignore[arg-type]
-        return env[chain[0] if chain else node]
 
-    graph.output(tuple(emit(output) for output in joint.outputs[: joint.n_user_outputs]))
-    return _module(joint, graph)
+def _emit_views(graph: fx.Graph, env: dict[fx.Node, fx.Node], node: fx.Node) -> fx.Node:
+    """Copy into `graph` the views from `node` down to a node already in `env`."""
+    chain = []  # without recursion: a chain may be long
+    while node not in env:
+        if not is_free(node):  # the rules return every output that is not a view of one that is there
+            raise AssertionError(f"remat: rebuilding the views would compute {node.format_node()}; please report this.")
+        chain.append(node)
+        node = node.args[0]  # type: ignore[assignment]
+    for view in reversed(chain):
+        env[view] = graph.node_copy(view, lambda n: env[n])
+        if view.meta.get("remat_stops_gradient") == "no_grad":  # a view `fn` took under no_grad
+            env[view].target, env[view].args = _without_grad, (view.target, *env[view].args)  # type: ignore[arg-type]
+    return env[chain[0] if chain else node]
 
 
 def _copied(destination: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
@@ -208,7 +221,7 @@ def _copied(destination: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 
 
 def _without_grad(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`op` run as `fn` ran it, under `torch.no_grad()` (in the epilogue, outside the Function)."""
+    """`op` run as `fn` ran it, under `torch.no_grad()` (in a view rebuilt outside the Function)."""
     with torch.no_grad():
         return op(*args, **kwargs)
 

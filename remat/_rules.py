@@ -28,6 +28,7 @@ __all__ = [
     "overwritten",
     "reads_any_value",
     "returned_outputs",
+    "views_taken_before_a_read",
     "varying",
     "view_base",
 ]
@@ -94,6 +95,47 @@ def view_base(node: fx.Node, stop_at: Mapping[fx.Node, fx.Node] | None = None) -
             break
         node = node.args[0]  # type: ignore[assignment]
     return stop_at.get(node, node)
+
+
+def views_taken_before_a_read(joint: JointGraph, returned: Sequence[int]) -> tuple[int, ...]:
+    """The user outputs rebuilt as views of an input that `fn` took before it read that input again
+    with a derivative: they are rebuilt before the Function. See NOTE [where views of inputs are rebuilt]."""
+    final_values = overwritten(joint)
+    candidates = []
+    for i in range(joint.n_user_outputs):
+        output = joint.outputs[i]
+        base = view_base(output, stop_at=final_values)
+        if i in returned or output is base or base.op != "placeholder" or base in final_values.values():
+            continue
+        first = output
+        while first.args[0] is not base:
+            first = first.args[0]  # type: ignore[assignment]
+        candidates.append((i, base, first))
+    if not candidates:
+        return ()
+    position = {node: k for k, node in enumerate(joint.graph.nodes)}
+    has_derivative = varying(joint, forward_mode=False)
+
+    def read_after(base: fx.Node, view: fx.Node) -> bool:
+        return any(
+            position[user] > position[view]
+            and user in has_derivative
+            and any(t.is_floating_point() or t.is_complex() for t in tensors_in(user.meta.get("val")))
+            for user in base.users
+        )
+
+    return tuple(i for i, base, first in candidates if read_after(base, first))
+
+
+# NOTE [where views of inputs are rebuilt]
+# Under `torch.func.grad`, and for an input that is not a leaf, an input's
+# gradient is the sum of its contributions in the order they arrive, laid out
+# as the first one is; autograd runs the node recorded last first. An output
+# rebuilt as a view of an input after the Function sends its contribution
+# before the Function's; eager's view, taken before `fn` read the input again,
+# sent it after. Such views are taken before the Function instead, in eager's
+# order; a view `fn` took after its last read of the input stays after it.
+# (Inputs `fn` updates in place keep their views after the update.)
 
 
 def overwritten(joint: JointGraph) -> dict[fx.Node, fx.Node]:
