@@ -15,7 +15,7 @@ from torch import fx
 
 from . import _offload, _rng
 from ._fidelity import fill_in_eager_layout, is_dense, runnable
-from ._torch import BoxedCodeGen, memory_layout
+from ._torch import BoxedCodeGen, LazyGraphModule, memory_layout
 from ._trace import JointGraph, is_free, stops_gradient
 
 __all__ = ["backward_program", "device_of", "forward_program", "pure_forward", "views_of_inputs"]
@@ -386,4 +386,4 @@ def _stops_gradient(node: fx.Node, forward_mode: bool) -> bool:
 def _module(joint: JointGraph, graph: fx.Graph) -> fx.GraphModule:
     constants = {n.target: joint.constants[n.target] for n in graph.nodes if n.op == "get_attr"}
     graph.lint()
-    return fx.GraphModule(constants, graph)
+    return LazyGraphModule(constants, graph)  # its code is built on its first call

@@ -56,6 +56,8 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv, free_unbacked_symbols
 from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
@@ -118,6 +120,8 @@ __all__ = [
     "is_functorch_wrapped",
     "make_dual",
     "make_fx",
+    "LazyGraphModule",
+    "lazy_graph_modules",
     "memory_layout",
     "op_schema",
     "overload_name",
@@ -163,6 +167,16 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d
 
 
 # --- make_fx -------------------------------------------------------------------------------------------
+
+# A GraphModule generates and compiles its Python code as it is built; a lazy one, when first called
+# (or its code read). remat never calls the joint graph make_fx records, and calls a pure forward only
+# for higher-order derivatives and forward mode: building their code took a tenth of a small trace.
+
+
+def lazy_graph_modules() -> contextlib.AbstractContextManager[None]:
+    """Inside this context make_fx builds `LazyGraphModule`s."""
+    return _use_lazy_graph_module(True)
+
 
 # Since torch 2.13 make_fx records a `torch.Generator` argument as a `get_attr` constant of the
 # graph (an "opaque reference"); before, it raises NotImplementedError. On those releases the call

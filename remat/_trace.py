@@ -48,6 +48,7 @@ from ._torch import (
     has_data_mutation,
     insert_value_checks,
     is_functorch_wrapped,
+    lazy_graph_modules,
     make_fx,
     op_schema,
     real_values_traced,
@@ -510,7 +511,8 @@ def _trace(
         # A base's gradient comes from the backward of the views taken of it (a sum, for an `expand`),
         # contiguous, whatever the base's layout: the backward is traced for the layout it will get.
         fake_tangents = [_tangent_like(fake_mode, outputs[i], contiguous=i >= first_base) for i in joint.differentiable]
-    gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
+    with lazy_graph_modules():  # never called: only its graph is read
+        gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
     guarded_ints: set[str] = set()
     if with_values:  # See NOTE [values Python reads].
         assert fake_mode.shape_env is not None
