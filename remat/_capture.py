@@ -14,18 +14,30 @@ See NOTE [lifting closed-over tensors].
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import optree
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ._torch import FakeTensor, get_proxy_mode, innermost, source_and_scope, tree_map_only
+from ._torch import FakeTensor, get_proxy_mode, innermost, node_behind, source_and_scope, tree_map_only
 
-__all__ = ["CallSite", "ModuleRoots", "StateSlot", "capture_mode", "find_module_roots", "has_hooks", "variable_slots"]
+__all__ = [
+    "CallSite",
+    "DetachedViews",
+    "ModuleRoots",
+    "StateSlot",
+    "capture_mode",
+    "find_module_roots",
+    "has_hooks",
+    "variable_slots",
+]
 
 # NOTE [lifting closed-over tensors]
 # make_fx turns real tensors that `fn` closes over into `get_attr` constants,
@@ -189,8 +201,10 @@ class _CaptureMode(TorchFunctionMode):
         roots: ModuleRoots,
         substitutes: dict[int, torch.Tensor] | None,
         fakeify: Callable[[torch.Tensor], torch.Tensor] | None,
+        detached_views: DetachedViews | None,
     ):
         super().__init__()
+        self.detached_views = detached_views
         self.roots = roots
         self.substitutes = substitutes
         self.fakeify = fakeify
@@ -226,6 +240,8 @@ class _CaptureMode(TorchFunctionMode):
                     node.meta["remat_stops_gradient"] = stops_gradient
                 if stops_gradient == "detach" and node.target in _ALIASES:
                     self.detached.add(node.args[0])
+            if self.detached_views is not None:
+                self.detached_views.called((args, kwargs), result, detach=stops_gradient == "detach")
         return result
 
     def record_closed_over(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -249,6 +265,87 @@ class _CaptureMode(TorchFunctionMode):
         return self.roots.paths.get(id(self.module_stack[-1]))
 
 
+class DetachedViews:
+    """The tensors `fn` detached and the views it took of them, each with where its detaches lie in its
+    chain of views (0: its own node; k: k views above it), to mark the detaches functionalization replays.
+    See NOTE [detaches functionalization replays]."""
+
+    def __init__(self) -> None:
+        self._tracked: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
+
+    def called(self, inputs: Any, result: Any, *, detach: bool) -> None:
+        """After a call of `fn` that recorded nodes: track what it detached or viewed, then mark."""
+        outputs = [t for t in optree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        if detach:
+            for output in outputs:
+                self._track(output, frozenset({0}))
+        elif self._tracked:
+            for tensor in optree.tree_leaves(inputs):
+                depths = self._depths(tensor)
+                below = node_behind(tensor) if depths else None
+                for output in outputs if below is not None else ():
+                    steps = _views_between(node_behind(output), below)
+                    if steps is not None:
+                        self._track(output, frozenset(d + steps for d in depths))  # type: ignore[union-attr]
+        self.mark_replayed()
+
+    def mark_replayed(self) -> None:
+        """Mark as `fn`'s detaches the detach nodes in the chains behind the tracked tensors' current values
+        (functionalization's replays among them)."""
+        for key, (ref, depths) in list(self._tracked.items()):
+            tensor = ref()
+            if tensor is None:
+                del self._tracked[key]
+                continue
+            for depth in depths:
+                node = _views_below(node_behind(tensor), depth)
+                if node is not None and node.target in _ALIASES and "remat_stops_gradient" not in node.meta:
+                    node.meta["remat_stops_gradient"] = "detach"
+
+    def _depths(self, tensor: Any) -> frozenset[int] | None:
+        found = self._tracked.get(id(tensor))
+        return found[1] if found is not None and found[0]() is tensor else None
+
+    def _track(self, tensor: torch.Tensor, depths: frozenset[int]) -> None:
+        self._tracked[id(tensor)] = (weakref.ref(tensor), depths | (self._depths(tensor) or frozenset()))
+
+
+def _is_view_node(node: Any) -> bool:
+    return node.op == "call_function" and (node.target is operator.getitem or getattr(node.target, "is_view", False))
+
+
+def _views_below(node: Any, steps: int) -> Any:
+    """The node `steps` views below `node` (following each view's first argument), or None."""
+    for _ in range(steps):
+        if node is None or not _is_view_node(node):
+            return None
+        node = node.args[0]
+    return node
+
+
+def _views_between(node: Any, below: Any, most: int = 64) -> int | None:
+    """How many views lead down from `node` to `below` (None if none do, within `most`)."""
+    for steps in range(most):
+        if node is below:
+            return steps
+        if node is None or not _is_view_node(node):
+            return None
+        node = node.args[0]
+    return None
+
+
+# NOTE [detaches functionalization replays]
+# A view of a tensor updated in place is recorded again from the tensor's new
+# value when it is next read: functionalization replays the view's chain (a
+# detach included) during whichever call reads it, even after `fn` returned
+# (in backward). The replayed detach is a new node, which `fn`'s call did not
+# record; unmarked, it would look like one of autograd's own detaches, which
+# the pure forward sees through, and forward mode and double backward would
+# differentiate through what `fn` detached. So the tensors `fn` detached, and
+# the views taken of them, are followed, and after every call (and after the
+# trace) the detaches in the chains behind their current values are marked.
+
+
 _DETACHES = (torch.Tensor.detach, torch.detach, torch.Tensor.detach_)
 _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)  # what a detach traces as
 
@@ -266,11 +363,12 @@ def capture_mode(
     roots: ModuleRoots,
     substitutes: dict[int, torch.Tensor] | None,
     fakeify: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    detached_views: DetachedViews | None = None,
 ) -> Iterator[_CaptureMode]:
     """Run `fn` under a mode that records closed-over tensors, running on fake
     copies made by `fakeify` (when `substitutes` is None), or that replaces them
     by `substitutes` and labels every new graph node with its `CallSite`."""
-    mode = _CaptureMode(roots, substitutes, fakeify)
+    mode = _CaptureMode(roots, substitutes, fakeify, detached_views)
 
     tracing_thread = threading.get_ident()  # module hooks are global: ignore other threads' modules
 

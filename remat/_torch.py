@@ -58,7 +58,7 @@ from torch._subclasses.fake_tensor import (
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv, free_unbacked_symbols
 from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
 from torch.utils import _pytree as pytree
@@ -120,6 +120,7 @@ __all__ = [
     "is_functorch_wrapped",
     "make_dual",
     "make_fx",
+    "node_behind",
     "LazyGraphModule",
     "lazy_graph_modules",
     "memory_layout",
@@ -477,6 +478,16 @@ def sync(functional: torch.Tensor) -> None:
 def has_data_mutation(functional: Any) -> bool:
     """Whether the data of a FunctionalTensor was updated in place since it was wrapped."""
     return bool(torch._functionalize_has_data_mutation(functional.elem))  # type: ignore[attr-defined]
+
+
+def node_behind(functional: Any) -> Any:
+    """The graph node make_fx recorded for the current value of a FunctionalTensor (before its pending
+    updates are applied: no sync), or None where it recorded none."""
+    mode = get_proxy_mode()
+    if mode is None or not isinstance(functional, FunctionalTensor):
+        return None
+    proxy = get_proxy_slot(torch._from_functional_tensor(functional.elem), mode.tracer, None)
+    return None if proxy is None else proxy.proxy.node
 
 
 def from_functional(functional: Any) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import fx
 from . import _rng
 from ._cache import requires_grad_at_any_level
 from ._calls import Call, TensorMeta, Trace
-from ._capture import CallSite, ModuleRoots, StateSlot, capture_mode, has_hooks, variable_slots
+from ._capture import CallSite, DetachedViews, ModuleRoots, StateSlot, capture_mode, has_hooks, variable_slots
 from ._contexts import autocast_disabled, outside_functorch, without_saved_tensors_hooks
 from ._errors import TraceError, explain_tracing_errors
 from ._fidelity import EagerLayoutFakeMode, FunctionalModeKeepingChecks, eager_fidelity, kept_as_dead_code
@@ -555,6 +555,7 @@ class _JointFunction:
         self.differentiable = discovery.differentiated(self.differentiated)
         self.ran_in_fn: set[fx.Node] = set()  # the graph's nodes when fn returned (some may be dead code later)
         self.detached: set[fx.Node] = set()
+        self.detached_views = DetachedViews()  # NOTE [detaches functionalization replays]
         self.grad_of: list[int] = []
         self.copies: list[fx.Node] = []  # the non-leaf copies of dirty inputs
         self.dropout_layout_matters = False
@@ -578,8 +579,10 @@ class _JointFunction:
                     primal.copy_(_unwrap(value))
             for i in dirty:
                 primals[i].copy_(_unwrap(arguments[i]))
+            unwrapped = [_unwrap(o) for o in outputs], [_unwrap(g) for g in grads if g is not None]
+            self.detached_views.mark_replayed()  # replays in backward, and of the outputs
             self.grad_of.extend(i for i, g in zip(wrt, grads, strict=True) if g is not None)
-            return [_unwrap(o) for o in outputs], [_unwrap(g) for g in grads if g is not None]
+            return unwrapped
 
     def _run_fn(self, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
         """Run `fn` on the functional inputs (dirty ones copied, so that autograd sees the update);
@@ -593,7 +596,7 @@ class _JointFunction:
             self.copies.append(next(iter(reversed(graph.nodes))))
         substitutes = {id(real): inputs[self.n_args + i] for i, real in enumerate(self.discovery.closed_over)}
         with (
-            capture_mode(self.roots, substitutes) as mode,
+            capture_mode(self.roots, substitutes, detached_views=self.detached_views) as mode,
             eager_fidelity(self.under_functorch, self.fake_mode) as fidelity,
         ):
             args, kwargs = self.flat_args.rebuild(arguments)

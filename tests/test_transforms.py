@@ -1265,6 +1265,83 @@ def test_an_input_s_gradient_is_laid_out_as_eager_s_whichever_read_comes_first(f
     assert strides[0] == strides[1]
 
 
+# `fn` detaches (a view of) a tensor it updated in place, or updates it after detaching: functionalization
+# records the detach again where the detached tensor is next read. NOTE [detaches functionalization replays]
+def _detach_after_update(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin()
+    t.mul_(2.0)
+    return (t.detach() * x).sin()
+
+
+def _detach_a_split_after_update(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin()
+    t.mul_(2.0)
+    return t.split(2, 1)[0].detach()
+
+
+def _detach_a_slice_after_a_sliced_update(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin()
+    t[:, :1].mul_(2.0)
+    return (t.t().detach() * x.t()).sin()
+
+
+def _detach_then_update(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    t = x.sin()
+    t.mul_(2.0)
+    u = t.detach()
+    t.mul_(3.0)
+    return (u * x).sin(), t
+
+
+def _view_of_a_detach_then_update(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin()
+    t.mul_(2.0)
+    v = t.detach()[:, :1]
+    t.mul_(3.0)
+    return (v * x).sin()
+
+
+DETACHES_AFTER_UPDATES = [
+    _detach_after_update,
+    _detach_a_split_after_update,
+    _detach_a_slice_after_a_sliced_update,
+    _detach_then_update,
+    _view_of_a_detach_then_update,
+]
+
+
+@pytest.mark.parametrize("fn", DETACHES_AFTER_UPDATES)
+def test_regression_a_detach_functionalization_records_again_stops_forward_mode_and_double_backward(
+    fn: Any,
+) -> None:
+    x = models.randn(1, 2, seed=3)
+    assert_checkpoint_equivalent(fn, x, transforms=["jvp", "grad_of_jvp", "forward_ad"])
+
+    def second_order(f: Any) -> torch.Tensor:
+        leaf = x.clone().requires_grad_()
+        loss = sum((out.square() * leaf.sin()).sum() for out in optree.tree_leaves(f(leaf)))  # detached ones too
+        (grad,) = torch.autograd.grad(loss, leaf, create_graph=True)
+        (second,) = torch.autograd.grad(grad.sin().sum(), leaf)
+        return second
+
+    torch.testing.assert_close(second_order(remat.checkpoint(fn)), second_order(fn), rtol=1e-10, atol=1e-12)
+
+
+def test_regression_jvp_of_a_detached_split_of_an_updated_intermediate() -> None:
+    fn = remat.testing.RandomFunction(
+        (1, 2),
+        1,
+        (
+            remat.testing.Step("mul_as_strided_of_view_", 0, 0),
+            remat.testing.Step("split_view", 1, 1),
+            remat.testing.Step("detach", 2, 2),
+        ),
+        (3,),
+    )
+    x = torch.tensor([[1.5410, -0.2934]], dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, transforms=["jvp"])
+
+
 def test_a_view_of_an_input_updated_in_place_is_rebuilt_after_the_update() -> None:
     def fn(x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         view = x[1:]
