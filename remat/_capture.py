@@ -275,11 +275,13 @@ class DetachedViews:
 
     def called(self, inputs: Any, result: Any, *, detach: bool) -> None:
         """After a call of `fn` that recorded nodes: track what it detached or viewed, then mark."""
+        if not detach and not self._tracked:  # nothing detached yet: the common case, at every call
+            return
         outputs = [t for t in optree.tree_leaves(result) if isinstance(t, torch.Tensor)]
         if detach:
             for output in outputs:
                 self._track(output, frozenset({0}))
-        elif self._tracked:
+        else:
             for tensor in optree.tree_leaves(inputs):
                 depths = self._depths(tensor)
                 below = node_behind(tensor) if depths else None
