@@ -214,10 +214,14 @@ def _emit_views(graph: fx.Graph, env: dict[fx.Node, fx.Node], node: fx.Node) -> 
     return env[chain[0] if chain else node]
 
 
-def _copied(destination: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """`aten.copy(destination, source)` (what a slice assignment functionalizes into) as ops that
-    forward-mode AD differentiates: `source`, cast and broadcast to `destination`."""
-    return source.to(dtype=destination.dtype, device=destination.device).expand(destination.shape).clone()
+def _copied(destination: torch.Tensor, source: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    """`aten.copy(destination, source)` (what a slice assignment functionalizes into, in `fn` and in
+    the gradient formulas of one) as ops that autograd and forward-mode AD differentiate, which they
+    do not `aten.copy`: `source`, cast and broadcast, copied into a new tensor laid out as
+    `aten.copy`'s result was when traced (`stride`). The new tensor is made from `source`, so that
+    under a torch.func transform it lives at `source`'s level: the result depends on `source` alone."""
+    source = source.to(dtype=destination.dtype, device=destination.device).expand(destination.shape)
+    return source.new_empty_strided(destination.shape, stride).copy_(source)
 
 
 def _without_grad(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -273,8 +277,9 @@ def _emitter(
             copy.meta = dict(node.meta)
         elif node.target is aten.detach.default and not stops_gradient(node):
             copy = env[node.args[0]]  # type: ignore[index]  # autograd's own detach of a saved value
-        elif node.target is aten.copy.default and forward_mode:  # no forward-mode derivative of its own
-            copy = graph.call_function(_copied, (env[node.args[0]], env[node.args[1]]))  # type: ignore[index]
+        elif node.target is aten.copy.default:  # no derivative of its own, in either mode
+            stride = tuple(node.meta["val"].stride())
+            copy = graph.call_function(_copied, (env[node.args[0]], env[node.args[1]], stride))  # type: ignore[index]
             copy.meta = dict(node.meta)
         else:
             copy = _copy(graph, node, env)

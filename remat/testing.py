@@ -829,6 +829,7 @@ TRANSFORMS = (
     "grad_of_jvp",
     "grad_of_jvp_of_vmap",
     "grad_of_forward_ad",
+    "grad_of_grad",
 )
 _BATCHED = frozenset({"vmap", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp_of_vmap"})  # of stacked arguments
 _UNDER_FUNC_JVP = frozenset({"jvp", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp", "grad_of_jvp_of_vmap"})
@@ -973,6 +974,8 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
     positional ones); keyword arguments are passed through, neither differentiated nor batched."""
     if name == "grad":
         return torch.func.grad(_scalar(fn, seed))
+    if name == "grad_of_grad":  # reverse mode over reverse mode, as `hessian` by `jacrev(jacrev(fn))`
+        return torch.func.grad(_scalar(torch.func.grad(_scalar(fn, seed)), seed + 4))
     if name == "vmap":
         return torch.func.vmap(fn, randomness="different")
     if name in _FORWARD_MODE:
@@ -1696,7 +1699,9 @@ def assert_checkpoint_equivalent(
             `"grad_of_jvp_of_vmap"` (`grad` of a weighted sum of `"jvp"`'s or
             `"jvp_of_vmap"`'s outputs and tangents, the latter as
             `jacrev(jacfwd(fn))` differentiates) and `"grad_of_forward_ad"`
-            (`torch.autograd.grad` of one of `"forward_ad"`'s). They
+            (`torch.autograd.grad` of one of `"forward_ad"`'s), and
+            `"grad_of_grad"` (`grad` of a weighted sum of `"grad"`'s
+            gradient: reverse mode twice, as a Hessian-vector product). They
             differentiate with respect to the first argument. Tangents are
             compared by value, not layout. All but `vmap` take
             detached copies of the arguments; the `vmap` outputs are also

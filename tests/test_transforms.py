@@ -1185,6 +1185,35 @@ def test_regression_forward_mode_through_a_slice_assignment(fn: Callable) -> Non
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
+def _slice_assigned_into_a_transposed_clone(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    t = x.t().clone()  # keeps the transposed strides, which the view below needs
+    t[1:] = y.t()[1:].sin()
+    return t.t().view(-1) * y.view(-1)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [_slice_assigned, _slice_filled, _slice_assigned_into_a_transposed_clone],
+    ids=["assigned", "filled", "transposed"],
+)
+@pytest.mark.parametrize("policy", [remat.policies.save_nothing, remat.policies.save_everything])
+def test_regression_double_backward_through_a_slice_assignment(fn: Callable, policy: Any) -> None:
+    # A slice assignment's gradient formula is itself a slice assignment, one more `aten.copy`, which
+    # has no derivative: a second derivative (autograd's create_graph=True, grad of grad) failed with a
+    # raw "derivative for aten::copy is not implemented" where eager runs.
+    generator = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(3, 2, dtype=torch.float64, generator=generator, requires_grad=True) for _ in range(2))
+    assert_checkpoint_equivalent(fn, x, y, policy=policy, transforms=["grad_of_grad"])
+
+    def second_derivative(f: Callable) -> tuple[torch.Tensor, ...]:
+        (gx,) = torch.autograd.grad((f(x, y) ** 2).sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.sin().sum(), (x, y))
+
+    expected = second_derivative(fn)
+    for actual, wanted in zip(second_derivative(remat.checkpoint(fn, policy=policy)), expected, strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-12)
+
+
 def test_regression_forward_ad_of_an_intermediate_updated_through_a_transposed_view() -> None:
     # The checkpoint's output is a view (of its transposed update) and its tangent came from
     # differentiating the pure forward twice, in another layout: torch.autograd.forward_ad failed an
