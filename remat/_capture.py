@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ._torch import FakeTensor, get_proxy_mode, innermost, node_behind, source_and_scope, tree_map_only
+from ._torch import FakeTensor, get_proxy_mode, innermost, node_behind, source_and_scope, sync, tree_map_only
 
 __all__ = [
     "CallSite",
@@ -227,13 +227,16 @@ class _CaptureMode(TorchFunctionMode):
             return func(*args, **kwargs)
         graph = proxy_mode.tracer.graph
         nodes_before = len(graph.nodes)
-        result = func(*args, **kwargs)
+        # What autograd must not see through when the graph is differentiated
+        # again: see NOTE [differentiating the forward again].
+        stops_gradient = "detach" if func in _DETACHES else None if torch.is_grad_enabled() else _no_grad_kind(func)
+        if stops_gradient == "no_grad_update" and args:
+            result = _keeping_histories(func, args, kwargs)
+        else:
+            result = func(*args, **kwargs)
         new_nodes = len(graph.nodes) - nodes_before
         if new_nodes > 0:
             site = CallSite(self._module_path(), *source_and_scope(1))
-            # What autograd must not see through when the graph is differentiated
-            # again: see NOTE [differentiating the forward again].
-            stops_gradient = "detach" if func in _DETACHES else None if torch.is_grad_enabled() else _no_grad_kind(func)
             for node, _ in zip(reversed(graph.nodes), range(new_nodes), strict=False):
                 node.meta.setdefault("remat_site", site)
                 if stops_gradient:
@@ -263,6 +266,37 @@ class _CaptureMode(TorchFunctionMode):
         if not self.module_stack:
             return self.roots.own_path
         return self.roots.paths.get(id(self.module_stack[-1]))
+
+
+# NOTE [updates under no_grad keep their tensors' histories]
+# In eager, an in-place update under `torch.no_grad()` of a tensor that
+# requires grad is invisible to autograd: the tensor keeps its history, and a
+# derivative taken later flows through its new value as if it were the old one.
+# Functionalization records the update as new values (the op's result, and its
+# base's scattered from it), computed under no_grad; differentiated again as
+# they are (a second derivative, through the pure forward or the backward
+# program), they would stop the derivative. So after such an update, the node
+# of each updated tensor that requires grad (the tensor itself, and its base
+# where it is a view) notes the node of the value it replaced
+# (`remat_history_of`), and the programs that autograd differentiates give
+# the new value the old one's history (`_programs._with_history_of`).
+
+
+def _keeping_histories(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """`func(*args, **kwargs)`, an in-place update under no_grad, noting the histories it leaves."""
+    updated = args[0]
+    tensors = [t for t in (updated, getattr(updated, "_base", None)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    before = []
+    for tensor in tensors:
+        sync(tensor)
+        before.append(node_behind(tensor))
+    result = func(*args, **kwargs)
+    for tensor, old in zip(tensors, before, strict=True):
+        sync(tensor)
+        new = node_behind(tensor)
+        if new is not None and old is not None and new is not old:
+            new.meta["remat_history_of"] = old
+    return result
 
 
 class DetachedViews:

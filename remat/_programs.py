@@ -224,6 +224,47 @@ def _copied(destination: torch.Tensor, source: torch.Tensor, stride: Sequence[in
     return source.new_empty_strided(destination.shape, stride).copy_(source)
 
 
+class _WithHistoryOf(torch.autograd.Function):
+    """`value` with `tensor`'s history: what autograd sees of a tensor updated in place under no_grad (its
+    new `value`, its old history). See NOTE [updates under no_grad keep their tensors' histories]."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(value: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        return value.clone()  # a new tensor: a Function's output may not be one of its inputs
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad
+
+    @staticmethod
+    def jvp(ctx: Any, value_tangent: torch.Tensor | None, tensor_tangent: torch.Tensor | None) -> torch.Tensor | None:
+        return value_tangent  # forward-mode AD sees the update, no_grad or not
+
+
+def _computable(node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> bool:
+    """Whether a program with the values in `env` can compute `node` (no input it reads is missing)."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in env or current in seen:
+            continue
+        if current.op == "placeholder":
+            return False
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return True
+
+
+def _with_history_of(value: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    return _WithHistoryOf.apply(value, tensor)  # type: ignore[no-any-return]
+
+
 def _without_grad(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`op` run as `fn` ran it, under `torch.no_grad()` (in a view rebuilt outside the Function)."""
     with torch.no_grad():
@@ -285,6 +326,11 @@ def _emitter(
             copy = _copy(graph, node, env)
             if _stops_gradient(node, forward_mode):
                 copy = graph.call_function(aten.detach.default, (copy,))
+            history = node.meta.get("remat_history_of")
+            if history is not None and not forward_mode and _computable(history, env):
+                # See NOTE [updates under no_grad keep their tensors' histories].
+                copy = graph.call_function(_with_history_of, (copy, emit(history)))
+                copy.meta = dict(node.meta)
         env[node] = copy
 
     def emit(target: fx.Node) -> fx.Node:

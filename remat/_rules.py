@@ -165,7 +165,8 @@ def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = Fals
 
     Differentiable inputs are those requiring grad (any floating input under forward
     mode). Derivatives stop at detaches and no_grad regions of `fn` (forward mode sees
-    through the latter), and at random draws, whose outputs have none; `through_draws`
+    through the latter; the new value of a tensor updated in place under no_grad keeps the
+    old one's history), and at random draws, whose outputs have none; `through_draws`
     follows autograd instead, which gives a draw from a differentiable mean or
     probability a derivative of zero (only a draw of a new tensor, `rand_like`, has none).
     """
@@ -174,7 +175,12 @@ def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = Fals
     else:
         found = {joint.primals[i] for i in joint.grad_of}
     for node in joint.graph.nodes:
-        if node not in joint.forward_nodes or stops_gradient(node, forward_mode=forward_mode):
+        if node not in joint.forward_nodes:
+            continue
+        if not forward_mode and node.meta.get("remat_history_of") in found:
+            found.add(node)  # see NOTE [updates under no_grad keep their tensors' histories]
+            continue
+        if stops_gradient(node, forward_mode=forward_mode):
             continue
         if node.target is operator.getitem and (node.args[0] not in found or not differentiable(node)):
             continue

@@ -841,9 +841,10 @@ def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
 
     Left out: `torch.func.jvp` where a catalog op may update an input in place (`REFUSABLE_OPS`: torch.func
     does not let a Function update the input's tangent in place, which remat says; nor, under
-    `"grad_of_forward_ad"`, update a dual tensor, a view of a tensor that requires grad), and the batched
+    `"grad_of_forward_ad"`, update a dual tensor, a view of a tensor that requires grad), the batched
     transforms and `forward_ad` for writes through `as_strided` (`AS_STRIDED_WRITES`: remat says it does
-    not support them there).
+    not support them there), and `"grad_of_grad"` for an update under no_grad through a view (a second
+    derivative through it is not yet exact where the update's scattered base is kept).
 
     >>> import remat.testing
     >>> fn = remat.testing.RandomFunction((2, 3), 1, (remat.testing.Step("sin", 0, 0),), (1,))
@@ -856,8 +857,14 @@ def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
         left_out |= _UNDER_FUNC_JVP | {"grad_of_forward_ad"}
     if AS_STRIDED_WRITES & ops:
         left_out |= _BATCHED | {"forward_ad", "grad_of_forward_ad"}
+    if _NO_GRAD_VIEW_UPDATES & ops:  # an open case: see tests/test_transforms.py, _KEPT_SCATTER
+        left_out.add("grad_of_grad")
     return tuple(t for t in TRANSFORMS if t not in left_out)
 
+
+# An update under no_grad through a view: a second derivative is zero where the update's scattered base is
+# kept (an open case, a wrong result: left out of `"grad_of_grad"` until it is fixed).
+_NO_GRAD_VIEW_UPDATES = frozenset({"scale_transposed_slice_without_grad_"})
 
 _API = "remat.testing.assert_checkpoint_equivalent"
 
