@@ -8,5 +8,6 @@ mkdir -p "$out"
 status=0
 python -m pytest -q -p no:cacheprovider -k "cuda or CUDA" tests 2>&1 | tee "$out/cuda-tests.txt" || status=1
 python -m benchmarks.offload --device cuda --out "$out/offload-cuda.json" || status=1
+python -m benchmarks.fit --device cuda --out "$out/fit-cuda.json" || status=1
 python -m benchmarks --suite cuda --device cuda --repeats 15 --out "$out" || status=1
 exit $status

@@ -59,6 +59,20 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
 
 
+def standalone_environment(device: torch.device, heap: str) -> dict[str, Any]:
+    """Where and with what the numbers of a benchmark run on its own (`python -m benchmarks.<name>`)
+    were taken."""
+    return {
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "heap": heap,
+        "platform": platform.platform(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
 def _run_workload(
     workload: Workload, device: torch.device, repeats: int, log: Callable[[str], None], started: float
 ) -> list[dict[str, Any]]:

@@ -28,9 +28,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import datetime
 import json
-import platform
 import random
 import statistics
 import time
@@ -44,6 +42,7 @@ from torch import nn
 import remat
 from remat import policies
 
+from .harness import standalone_environment
 from .heap import DEFAULT, keep_freed_memory
 from .planner import GPT2Block, gpt2_stack, stack_input
 
@@ -188,13 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows[name]["step_s"] = statistics.median(times[name])
     return {
         "config": vars(args) | {"out": str(args.out)},
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "heap": args.heap,
-        "platform": platform.platform(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **standalone_environment(device, args.heap),
         "rows": list(rows.values()),
     }
 

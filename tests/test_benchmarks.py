@@ -294,3 +294,33 @@ def test_offload_benchmark_runs_small_and_checks_its_twin(tmp_path: Path) -> Non
     markdown = out.with_suffix(".md").read_text()
     assert "| remat offload_dots | 0.00 |" in markdown
     assert "copy nothing" in markdown
+
+
+def test_fit_benchmark_keeps_every_plan_within_its_target_and_renders_the_comparison(tmp_path: Path) -> None:
+    pytest.importorskip("scipy")
+    from benchmarks import fit
+
+    out = tmp_path / "fit-cpu.json"
+    fit.main(
+        ["--small", "--models", "gpt", "--targets", "2", "--repeats", "1", "--batches", "2", "3", "--out", str(out)]
+    )
+    result = json.loads(out.read_text())
+    (case,) = result["cases"]
+    methods = [row["method"] for row in case["rows"]]
+    assert methods[:3] == ["eager", "checkpoint", "sac"]
+    assert {"remat whole-model budget", "remat save_nothing", "remat save_everything"} <= set(methods)
+    fitted = [row for row in case["rows"] if row["method"] == "remat.fit" and "refused" not in row]
+    assert len(fitted) == 2  # checkpoint's peak and eager's: both reachable by a plan
+    for row in fitted:
+        assert row["peak_bytes"] <= row["target_bytes"]
+        assert row["predicted_peak_bytes"] <= row["target_bytes"]
+        assert abs(row["predicted_peak_bytes"] - row["peak_bytes"]) <= 0.05 * row["peak_bytes"]
+    assert all(row["max_grad_difference"] < 1e-5 for row in case["rows"] if "refused" not in row)
+    largest = {row["method"]: row for row in result["largest_batch"]["rows"]}
+    assert largest["eager"]["batch"] == 2  # the memory is eager's peak at batch 2
+    assert largest["remat.fit"]["peak_bytes"] <= result["largest_batch"]["memory_bytes"]
+    markdown = out.with_suffix(".md").read_text()
+    assert markdown.count("| remat.fit |") == 2 + 1  # two targets, and the largest-batch row
+    assert "vs fastest peer" in markdown
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert out.with_suffix(".png").stat().st_size > 0
