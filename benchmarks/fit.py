@@ -31,6 +31,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import random
@@ -43,6 +44,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import optree
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -248,8 +250,6 @@ def _peer_rows(case: Case) -> list[Row]:
 
 
 def _has(module: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None
 
 
@@ -260,18 +260,23 @@ def _whole(case: Case, target: int) -> Row:
     def step(*args: Any, **kwargs: Any) -> torch.Tensor:
         return case.loss_of(model, args, kwargs)
 
-    checkpointed = remat.checkpoint(step, policy=policies.budget(peak_bytes=target))
-    return Row("remat whole-model budget", _WholeModel(checkpointed), list(model.parameters()), target)
+    policy = policies.budget(peak_bytes=target)
+    whole = _WholeModel(step, policy)
+    return Row("remat whole-model budget", whole, list(model.parameters()), target)
 
 
 class _WholeModel:
     """The checkpointed step, called as the model is (its output is already the loss)."""
 
-    def __init__(self, step: Callable[..., torch.Tensor]):
-        self.step = step
+    def __init__(self, step: Callable[..., torch.Tensor], policy: Any):
+        self.step, self.policy = step, policy
+        self.checkpointed = remat.checkpoint(step, policy=policy)
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.step(*args, **kwargs)
+        return self.checkpointed(*args, **kwargs)
+
+    def replay_flops(self, args: Sequence[Any], kwargs: dict[str, Any]) -> float:
+        return float(remat.report(self.step, *args, policy=self.policy, **kwargs).recompute_flops)
 
 
 def _fitted(case: Case, target: int, args: Sequence[Any], kwargs: dict[str, Any]) -> Row:
@@ -312,19 +317,13 @@ def measure_peak(case: Case, row: Row, args: Sequence[Any], kwargs: dict[str, An
         _loss(case, row, args, kwargs).backward()
         _synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    tensors = [t for t in optree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors = [t for t in optree.tree_leaves((args, kwargs), none_is_leaf=False) if isinstance(t, torch.Tensor)]
     tracker = MemTracker()
     tracker.track_external(*row.parameters, *tensors)
     with tracker:
         before = tracker.get_tracker_snapshot("current")[device]["Total"]
         _loss(case, row, args, kwargs).backward()
     return int(tracker.get_tracker_snapshot("peak")[device]["Total"] - before)
-
-
-def optree_leaves(tree: Any) -> list[Any]:
-    import optree
-
-    return optree.tree_leaves(tree, none_is_leaf=False)
 
 
 def _grads_difference(row: Row, eager: Row) -> float:
@@ -369,7 +368,7 @@ def _record(row: Row) -> dict[str, Any]:
     if row.fit is not None:
         record.update(
             predicted_peak_bytes=row.fit.predicted_peak,
-            replay_cost=row.fit.replay_cost,
+            replay_flops=row.fit.replay_cost,  # fit's default cost model counts FLOPs
             plan_s=row.fit.seconds,
             labels=[block.label for block in row.fit.blocks],
         )
@@ -397,6 +396,8 @@ def run_case(
                 refused.append({"method": name, "target_bytes": target, "refused": str(error).splitlines()[0]})
                 log(f"  {name} at {target / MIB:.1f} MiB: refused")
                 continue
+            if isinstance(row.model, _WholeModel):
+                row.measured["replay_flops"] = row.model.replay_flops(args, kwargs)
             rows.append(row)
             log(f"  {row.method} at {target / MIB:.1f} MiB: peak {row.measured['peak_bytes'] / MIB:.1f} MiB")
     for row in rows:  # the gradients of the last measured step, against eager's
@@ -484,6 +485,10 @@ def _mib(value: int | None) -> str:
     return "—" if value is None else f"{value / MIB:.2f}"
 
 
+def _gflop(value: float | None) -> str:
+    return "—" if value is None else f"{value / 1e9:.2f}"
+
+
 def _fastest_peer_within(rows: Sequence[dict[str, Any]], target: int) -> dict[str, Any] | None:
     """The fastest row other than remat.fit whose measured peak is within `target`."""
     fitting = [r for r in rows if "step_s" in r and r["method"] != "remat.fit" and r["peak_bytes"] <= target]
@@ -509,12 +514,12 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             case["description"] + ".",
             "",
-            "| method | target (MiB) | measured peak (MiB) | predicted (MiB) | step (ms) | vs eager | spread | vs fastest peer | max grad diff |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| method | target (MiB) | measured peak (MiB) | predicted (MiB) | replay GFLOP | step (ms) | vs eager | spread | vs fastest peer | max grad diff |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in rows:
             if "refused" in r:
-                lines.append(f"| {r['method']} | {_mib(r['target_bytes'])} | refused: {r['refused']} | | | | | | |")
+                lines.append(f"| {r['method']} | {_mib(r['target_bytes'])} | refused: {r['refused']} | | | | | | | |")
                 continue
             versus = "—"
             if r["method"] == "remat.fit":
@@ -522,7 +527,7 @@ def markdown(results: dict[str, Any]) -> str:
                 versus = "no peer fits" if peer is None else f"{r['step_s'] / peer['step_s']:.3f}x {peer['method']}"
             lines.append(
                 f"| {r['method']} | {_mib(r['target_bytes'])} | {_mib(r['peak_bytes'])} | "
-                f"{_mib(r.get('predicted_peak_bytes'))} | {r['step_s'] * 1e3:.1f} | {r['step_s'] / eager['step_s']:.2f}x | "
+                f"{_mib(r.get('predicted_peak_bytes'))} | {_gflop(r.get('replay_flops'))} | {r['step_s'] * 1e3:.1f} | {r['step_s'] / eager['step_s']:.2f}x | "
                 f"{r['spread']:.1%} | {versus} | {r['max_grad_difference']:.1e} |"
             )
     batch = results["largest_batch"]
