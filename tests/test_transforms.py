@@ -1455,3 +1455,26 @@ def test_regression_grad_of_grad_of_an_input_scaled_under_no_grad_then_batch_nor
     fn = remat.testing.RandomFunction((1, 2), 1, steps, (2,))
     x = torch.tensor([[1.5410, -0.2934]], dtype=torch.float64, requires_grad=True)
     assert_checkpoint_equivalent(fn, x, transforms=["grad", "vmap", "grad_of_grad"])
+
+
+def _normal_fill_of_an_embedding(x: torch.Tensor) -> torch.Tensor:
+    e = F.embedding(torch.tensor([1, 0]), x)
+    t = e.sin()
+    t[:, ::2].normal_()
+    return t * e
+
+
+@pytest.mark.xfail(strict=True, reason="open: the tangent under jvp of vmap of a random fill after an embedding")
+def test_regression_jvp_of_vmap_of_a_random_fill_after_an_embedding() -> None:
+    # Found by the soak with torch 2.15 (pre-existing: fails on 9455f77 too, on 2.13 and 2.15). The values
+    # equal eager's; the tangents differ, without an error. With `x[idx]` in place of the embedding, or
+    # without vmap, they equal eager's.
+    generator = torch.Generator().manual_seed(0)
+    xs, tangents = (torch.randn(2, 2, 2, dtype=torch.float64, generator=generator) for _ in range(2))
+    results = []
+    for f in (_normal_fill_of_an_embedding, remat.checkpoint(_normal_fill_of_an_embedding)):
+        torch.manual_seed(0)
+        results.append(torch.func.jvp(torch.func.vmap(f, randomness="different"), (xs,), (tangents,)))
+    (expected, expected_tangent), (actual, actual_tangent) = results
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(actual_tangent, expected_tangent, rtol=1e-12, atol=1e-12)
