@@ -301,9 +301,7 @@ def test_fit_benchmark_keeps_every_plan_within_its_target_and_renders_the_compar
     from benchmarks import fit
 
     out = tmp_path / "fit-cpu.json"
-    fit.main(
-        ["--small", "--models", "gpt", "--targets", "2", "--repeats", "1", "--batches", "2", "3", "--out", str(out)]
-    )
+    fit.main(["--small", "--models", "gpt", "--targets", "2", "--repeats", "1", "--batches", "2", "--out", str(out)])
     result = json.loads(out.read_text())
     (case,) = result["cases"]
     methods = [row["method"] for row in case["rows"]]
