@@ -416,13 +416,9 @@ def largest_batch(
     """Within eager's peak at the first of `batches`: each method's best samples per second over the
     batch sizes whose measured peak fits."""
     first_args, first_kwargs = case.batch(batches[0])
-    eager = _peer_rows(case)[0]
-    memory = measure_peak(case, eager, first_args, first_kwargs, device)
-    rows = [
-        row
-        for row in _peer_rows(case)
-        if row.method in ("eager", "checkpoint", "sac", "torch_remat", "remat dots_saveable")
-    ]
+    compared = ("eager", "checkpoint", "sac", "torch_remat", "remat dots_saveable")
+    rows = [row for row in _peer_rows(case) if row.method in compared]
+    memory = measure_peak(case, rows[0], first_args, first_kwargs, device)  # eager's
     rows.append(_fitted(case, memory, first_args, first_kwargs))
     rows.append(_whole(case, memory))
     results = []
