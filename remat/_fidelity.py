@@ -79,10 +79,13 @@ aten = torch.ops.aten
 # op fills the whole batch as eager's does, in the memory order eager's
 # batched tensor has: its batch dimension need not lead (an embedding's
 # output keeps it in the middle), so the fresh tensor takes the layout of the
-# value it replaces, batch dimension included. The traced call's value is given
-# those strides too (the tracing fake mode's `fill_strides`): what reads the
-# filled tensor (a view, attention choosing its kernel) is traced for the
-# layout it will have, not for the contiguous one of `bernoulli.p`.
+# value it replaces, batch dimension included, and is made at each torch.func
+# level that value is at (a tangent's replay adds a gradient level of its
+# own, which lets a fill write only into a tensor of its level). The traced
+# call's value is given those strides too (the tracing fake mode's
+# `fill_strides`): what reads the filled tensor (a view, attention choosing
+# its kernel) is traced for the layout it will have, not for the contiguous
+# one of `bernoulli.p`.
 class FillInEagerLayout(NamedTuple):
     """How eager ran an in-place random fill: its op and the strides of the tensor it filled.
 

@@ -551,16 +551,22 @@ def memory_layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...
 
 
 def empty_in_memory_layout(tensor: torch.Tensor) -> torch.Tensor | None:
-    """An uninitialized tensor with the strides of `tensor`, batched as it is under one `vmap` (its batch
-    dimension where `tensor` keeps it in memory); None for a tensor under other torch.func wrappers."""
-    if not torch._C._functorch.is_batchedtensor(tensor):
+    """An uninitialized tensor with the strides of `tensor`, batched as it is under each `vmap` (every
+    batch dimension where `tensor` keeps it in memory) and at the gradient levels it is at, so that an
+    in-place op may write into it there; None for a tensor under other torch.func wrappers."""
+    functorch = torch._C._functorch
+    if not is_functorch_wrapped(tensor):
+        with torch._C._DisableFuncTorch():  # a plain tensor: under a gradient level, a factory's is wrapped
+            return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+    empty = empty_in_memory_layout(unwrap_level(tensor))
+    if empty is None:
         return None
-    physical = unwrap_level(tensor)
-    if is_functorch_wrapped(physical):
-        return None
-    empty = torch.empty_strided(physical.shape, physical.stride(), dtype=physical.dtype, device=physical.device)
-    level = torch._C._functorch.maybe_get_level(tensor)
-    return torch._C._functorch._add_batch_dim(empty, torch._C._functorch.maybe_get_bdim(tensor), level)
+    level = functorch.maybe_get_level(tensor)
+    if functorch.is_batchedtensor(tensor):
+        return functorch._add_batch_dim(empty, functorch.maybe_get_bdim(tensor), level)
+    if functorch.is_gradtrackingtensor(tensor):
+        return functorch._wrap_for_grad(empty, level)
+    return None
 
 
 def batched_level(ctx: Any) -> int:
