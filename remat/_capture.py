@@ -23,7 +23,7 @@ from typing import Any
 
 import optree
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from ._torch import FakeTensor, get_proxy_mode, innermost, node_behind, source_and_scope, sync, tree_map_only
@@ -231,7 +231,7 @@ class _CaptureMode(TorchFunctionMode):
         # again: see NOTE [differentiating the forward again].
         stops_gradient = "detach" if func in _DETACHES else None if torch.is_grad_enabled() else _no_grad_kind(func)
         if stops_gradient == "no_grad_update" and args:
-            result = _keeping_histories(func, args, kwargs)
+            result = _keeping_histories(graph, func, args, kwargs)
         else:
             result = func(*args, **kwargs)
         new_nodes = len(graph.nodes) - nodes_before
@@ -239,8 +239,8 @@ class _CaptureMode(TorchFunctionMode):
             site = CallSite(self._module_path(), *source_and_scope(1))
             for node, _ in zip(reversed(graph.nodes), range(new_nodes), strict=False):
                 node.meta.setdefault("remat_site", site)
-                if stops_gradient:
-                    node.meta["remat_stops_gradient"] = stops_gradient
+                if stops_gradient:  # (`_keeping_histories` may have said None: a view passing a history on)
+                    node.meta.setdefault("remat_stops_gradient", stops_gradient)
                 if stops_gradient == "detach" and node.target in _ALIASES:
                     self.detached.add(node.args[0])
             if self.detached_views is not None:
@@ -279,10 +279,16 @@ class _CaptureMode(TorchFunctionMode):
 # of each updated tensor that requires grad (the tensor itself, and its base
 # where it is a view) notes the node of the value it replaced
 # (`remat_history_of`), and the programs that autograd differentiates give
-# the new value the old one's history (`_programs._with_history_of`).
+# the new value the old one's history (`_programs._with_history_of`). An
+# update through a view of the base is rebuilt from several nodes
+# (`x.t()[1:].mul_(s)`: a scatter into `x.t()` taken again, then the
+# transpose of the scatter), any of which a policy may keep: each scatter
+# notes the view it writes into as its history, and the views functionalization
+# takes again, of the old base or of such a scatter, pass the history on as
+# views do (they do not stop the gradient).
 
 
-def _keeping_histories(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+def _keeping_histories(graph: fx.Graph, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """`func(*args, **kwargs)`, an in-place update under no_grad, noting the histories it leaves."""
     updated = args[0]
     tensors = [t for t in (updated, getattr(updated, "_base", None)) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -290,13 +296,45 @@ def _keeping_histories(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     for tensor in tensors:
         sync(tensor)
         before.append(node_behind(tensor))
+    nodes_before = len(graph.nodes)
     result = func(*args, **kwargs)
     for tensor, old in zip(tensors, before, strict=True):
         sync(tensor)
         new = node_behind(tensor)
         if new is not None and old is not None and new is not old:
             new.meta["remat_history_of"] = old
+    if tensors:
+        _pass_histories_through_rebuilt_views(list(graph.nodes)[nodes_before:])
     return result
+
+
+# The functional forms of writes through views: each returns its first argument with the write done.
+_SCATTERS = frozenset(
+    {
+        torch.ops.aten.slice_scatter.default,
+        torch.ops.aten.select_scatter.default,
+        torch.ops.aten.diagonal_scatter.default,
+        torch.ops.aten.as_strided_scatter.default,
+    }
+)
+
+
+def _pass_histories_through_rebuilt_views(new_nodes: list[fx.Node]) -> None:
+    """Note the histories in an update's rebuilding of its base: see NOTE [updates under no_grad keep
+    their tensors' histories]."""
+    made = set(new_nodes)
+    with_history: set[fx.Node] = set()
+    for node in new_nodes:
+        first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if first is None:
+            continue
+        passes_on = first not in made or first in with_history
+        if getattr(node.target, "is_view", False) and passes_on:
+            node.meta["remat_stops_gradient"] = None
+            with_history.add(node)
+        elif node.target in _SCATTERS and passes_on:
+            node.meta.setdefault("remat_history_of", first)
+            with_history.add(node)
 
 
 class DetachedViews:
@@ -390,7 +428,11 @@ def _no_grad_kind(func: Any) -> str:
     """How a call under no_grad stops gradients: an in-place method ("no_grad_update") leaves the
     tensor it updates its history, as in eager; any other call ("no_grad") makes a value without one."""
     name = getattr(func, "__name__", "")
-    in_place = (name.endswith("_") and not name.startswith("_")) or (name.startswith("__i") and name.endswith("__"))
+    in_place = (
+        (name.endswith("_") and not name.startswith("_"))
+        or (name.startswith("__i") and name.endswith("__"))
+        or name == "__setitem__"
+    )
     return "no_grad_update" if in_place else "no_grad"
 
 

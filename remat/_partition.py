@@ -339,8 +339,9 @@ def _output_sources(joint: JointGraph, returned: Sequence[int]) -> tuple[frozens
     for node in joint.graph.nodes:
         if node not in joint.forward_nodes:
             continue
-        if node.meta.get("remat_stops_gradient") == "no_grad_update" and isinstance(node.args[0], fx.Node):
-            forward[node] = forward.get(node.args[0], frozenset())  # the updated tensor keeps its history
+        history = node.meta.get("remat_history_of")
+        if history is not None:  # See NOTE [updates under no_grad keep their tensors' histories].
+            forward[node] = forward.get(history, frozenset())
             continue
         if stops_gradient(node):
             continue

@@ -316,6 +316,12 @@ def _scale_transposed_slice_without_grad(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _assign_transposed_column_without_grad(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # an assignment (`__setitem__`) through a selected column of the transpose
+        x.t()[-1] = 0.5
+    return x
+
+
 # Each entry maps (x, y, constants) -> a tensor shaped like x; y is another value of the same shape.
 # Every one is well-defined and differentiable almost everywhere on random float inputs.
 _Op = Callable[[torch.Tensor, torch.Tensor, Constants], torch.Tensor]
@@ -434,13 +440,16 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     "slice_assign_transposed_clone": (2, lambda x, y, c: _slice_assign_transposed_clone(x, y)),
     "uniform_transposed_clone_": (1, lambda x, y, c: _uniform_transposed_clone(x)),
     "normal_transposed_reduced_": (1, lambda x, y, c: _normal_transposed_reduced(x)),
-    # an update of the operand (an input, maybe) through a transposed slice, returning the operand itself
+    # updates of the operand (an input, maybe) under no_grad through views of its transpose, returning it
     "scale_transposed_slice_without_grad_": (1, lambda x, y, c: _scale_transposed_slice_without_grad(x)),
+    "assign_transposed_column_without_grad_": (1, lambda x, y, c: _assign_transposed_column_without_grad(x)),
 }
 
 # Catalog ops with which a program can be one eager refuses (at backward, when an earlier op saved the
 # value they update); `functions()` leaves them out unless `refusable=True` or asked for by name.
-REFUSABLE_OPS = frozenset({"scale_without_grad_", "scale_transposed_slice_without_grad_"})
+REFUSABLE_OPS = frozenset(
+    {"scale_without_grad_", "scale_transposed_slice_without_grad_", "assign_transposed_column_without_grad_"}
+)
 
 # Catalog ops that draw random numbers; `functions(random_ops=False)` leaves them out.
 RANDOM_OPS = frozenset(
@@ -836,11 +845,6 @@ _UNDER_FUNC_JVP = frozenset({"jvp", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp",
 _FORWARD_MODE = _UNDER_FUNC_JVP | {"forward_ad", "grad_of_forward_ad"}
 
 
-# An update under no_grad through a view: a second derivative is zero where the update's scattered base is
-# kept (an open case, a wrong result: left out of `"grad_of_grad"` until it is fixed).
-_NO_GRAD_VIEW_UPDATES = frozenset({"scale_transposed_slice_without_grad_"})
-
-
 def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
     """The transforms (of `TRANSFORMS`) that `assert_checkpoint_equivalent` can compare for `fn`.
 
@@ -848,8 +852,7 @@ def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
     does not let a Function update the input's tangent in place, which remat says; nor, under
     `"grad_of_forward_ad"`, update a dual tensor, a view of a tensor that requires grad), the batched
     transforms and `forward_ad` for writes through `as_strided` (`AS_STRIDED_WRITES`: remat says it does
-    not support them there), and `"grad_of_grad"` for an update under no_grad through a view (a second
-    derivative through it is not yet exact where the update's scattered base is kept).
+    not support them there).
 
     >>> import remat.testing
     >>> fn = remat.testing.RandomFunction((2, 3), 1, (remat.testing.Step("sin", 0, 0),), (1,))
@@ -862,8 +865,6 @@ def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
         left_out |= _UNDER_FUNC_JVP | {"grad_of_forward_ad"}
     if AS_STRIDED_WRITES & ops:
         left_out |= _BATCHED | {"forward_ad", "grad_of_forward_ad"}
-    if _NO_GRAD_VIEW_UPDATES & ops:  # an open case: see tests/test_transforms.py, _KEPT_SCATTER
-        left_out.add("grad_of_grad")
     return tuple(t for t in TRANSFORMS if t not in left_out)
 
 

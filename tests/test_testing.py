@@ -164,6 +164,7 @@ NEW_OPS = [
     "uniform_transposed_clone_",
     "normal_transposed_reduced_",
     "scale_transposed_slice_without_grad_",
+    "assign_transposed_column_without_grad_",
 ]
 
 
@@ -183,7 +184,7 @@ def test_the_new_ops_are_sorted_into_the_catalogs_sets() -> None:
     assert set(NEW_OPS) <= set(CATALOG)
     assert sorted(STATEFUL_OPS) == ["batch_norm_momentum_none", "branch_on_generator", "rand_from_generator"]
     assert {"rand_from_generator", "branch_on_generator", "normal_unfold_window_"} <= RANDOM_OPS
-    assert "scale_transposed_slice_without_grad_" in REFUSABLE_OPS
+    assert {"scale_transposed_slice_without_grad_", "assign_transposed_column_without_grad_"} <= REFUSABLE_OPS
 
 
 @examples(ci=5, soak=200)

@@ -1395,6 +1395,25 @@ def _scaled_through_a_transposed_slice_without_grad(x: torch.Tensor) -> torch.Te
     return (x**3).sum()
 
 
+def _assigned_through_a_transposed_column_without_grad(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        x.t()[-1] = 2.0  # `__setitem__`: an update, as the in-place methods are
+    return (x**3).sum()
+
+
+def _scaled_through_a_diagonal_of_a_view_without_grad(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        x.view(-1, 1).t().diagonal().add_(1.0)
+    return (x.exp() * x).sum()
+
+
+def _updated_intermediate_through_a_transposed_slice_without_grad(x: torch.Tensor) -> torch.Tensor:
+    t = x * 2.0
+    with torch.no_grad():
+        t.t()[1:].clamp_(max=0.5)
+    return (t * x.cos()).sum()
+
+
 def _updated_intermediate_without_grad(x: torch.Tensor) -> torch.Tensor:
     t = x * 2.0  # (saves nothing that the update overwrites: eager would refuse it)
     with torch.no_grad():
@@ -1402,16 +1421,24 @@ def _updated_intermediate_without_grad(x: torch.Tensor) -> torch.Tensor:
     return (t * x.cos()).sum()
 
 
-# Open: where the kept value is the scattered base of an update through a view (save_everything keeps the
-# `slice_scatter` the transposed input is rebuilt from), the rebuilt input's history is not found in the
-# backward program, and the second derivative is still zero.
-_KEPT_SCATTER = pytest.mark.xfail(strict=True, reason="history of a value rebuilt from a kept scatter (open)")
-
-
 @pytest.mark.parametrize(
     "fn",
-    [_scaled_without_grad, _scaled_through_a_transposed_slice_without_grad, _updated_intermediate_without_grad],
-    ids=["input", "input_through_a_view", "intermediate"],
+    [
+        _scaled_without_grad,
+        _scaled_through_a_transposed_slice_without_grad,
+        _assigned_through_a_transposed_column_without_grad,
+        _scaled_through_a_diagonal_of_a_view_without_grad,
+        _updated_intermediate_without_grad,
+        _updated_intermediate_through_a_transposed_slice_without_grad,
+    ],
+    ids=[
+        "input",
+        "input_through_a_view",
+        "input_assigned_through_a_view",
+        "input_through_a_diagonal",
+        "intermediate",
+        "intermediate_through_a_view",
+    ],
 )
 @pytest.mark.parametrize(
     "policy",
@@ -1419,10 +1446,8 @@ _KEPT_SCATTER = pytest.mark.xfail(strict=True, reason="history of a value rebuil
     ids=["save_nothing", "save_everything"],
 )
 def test_regression_a_tensor_updated_under_no_grad_keeps_its_history_for_second_derivatives(
-    request: pytest.FixtureRequest, fn: Callable, policy: Any
+    fn: Callable, policy: Any
 ) -> None:
-    if fn is _scaled_through_a_transposed_slice_without_grad and policy is remat.policies.save_everything:
-        request.applymarker(_KEPT_SCATTER)
     # In eager, an update under no_grad is invisible to autograd: the tensor's new value keeps its old
     # history, and a second derivative flows through it. remat's programs detached the new value, so
     # grad of grad was zero without an error (and autograd's create_graph gradient needed no grad).
