@@ -26,7 +26,16 @@ import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
-from ._torch import FakeTensor, get_proxy_mode, innermost, node_behind, source_and_scope, sync, tree_map_only
+from ._torch import (
+    FakeTensor,
+    FakeTensorMode,
+    get_proxy_mode,
+    innermost,
+    node_behind,
+    source_and_scope,
+    sync,
+    tree_map_only,
+)
 
 __all__ = [
     "CallSite",
@@ -202,9 +211,11 @@ class _CaptureMode(TorchFunctionMode):
         substitutes: dict[int, torch.Tensor] | None,
         fakeify: Callable[[torch.Tensor], torch.Tensor] | None,
         detached_views: DetachedViews | None,
+        fake_mode: FakeTensorMode | None,
     ):
         super().__init__()
         self.detached_views = detached_views
+        self.fake_mode = fake_mode  # discovery's: its fakes are `fn`'s own, any other tensor is closed over
         self.roots = roots
         self.substitutes = substitutes
         self.fakeify = fakeify
@@ -249,7 +260,8 @@ class _CaptureMode(TorchFunctionMode):
 
     def record_closed_over(self, tensor: torch.Tensor) -> torch.Tensor:
         """Note `tensor` if it is real (closed over), and return the fake tensor standing for it."""
-        if isinstance(innermost(tensor), FakeTensor):  # fake, or a transform of `fn`'s own wrapping it
+        inner = innermost(tensor)  # fake (not a caller's fake), or a transform of `fn`'s own wrapping it
+        if isinstance(inner, FakeTensor) and inner.fake_mode is self.fake_mode:
             return tensor
         assert self.fakeify is not None
         if id(tensor) not in self.fakes:
@@ -442,11 +454,12 @@ def capture_mode(
     substitutes: dict[int, torch.Tensor] | None,
     fakeify: Callable[[torch.Tensor], torch.Tensor] | None = None,
     detached_views: DetachedViews | None = None,
+    fake_mode: FakeTensorMode | None = None,
 ) -> Iterator[_CaptureMode]:
     """Run `fn` under a mode that records closed-over tensors, running on fake
-    copies made by `fakeify` (when `substitutes` is None), or that replaces them
+    copies made by `fakeify` in `fake_mode` (when `substitutes` is None), or that replaces them
     by `substitutes` and labels every new graph node with its `CallSite`."""
-    mode = _CaptureMode(roots, substitutes, fakeify, detached_views)
+    mode = _CaptureMode(roots, substitutes, fakeify, detached_views, fake_mode)
 
     tracing_thread = threading.get_ident()  # module hooks are global: ignore other threads' modules
 

@@ -161,16 +161,27 @@ class _Planned:
     def __init__(self, name: str):
         self.name = name
         self._chosen: weakref.WeakKeyDictionary[Trace, tuple[Decision, ...]] = weakref.WeakKeyDictionary()
+        self._by_call: dict[Hashable, Decision] = {}  # See NOTE [planning on the meta device].
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
         chosen = self._chosen.get(trace)
-        return chosen if chosen is not None else (Decision.RECOMPUTE,) * len(trace)
+        if chosen is not None:
+            return chosen
+        return tuple(self._by_call.get(_call_key(call), Decision.RECOMPUTE) for call in trace)
 
     def choose(self, trace: Trace, decisions: tuple[Decision, ...]) -> None:
         self._chosen[trace] = decisions
+        self._by_call.update((_call_key(call), decision) for call, decision in zip(trace, decisions, strict=True))
 
     def __repr__(self) -> str:
         return f"remat.fit plan of {self.name!r}"
+
+
+def _call_key(call: Any) -> Hashable:
+    """What matches a call of a block's trace to the same call of another trace of the block: the op,
+    the module that issued it, how many calls of that op came before, the shapes and dtypes it returns
+    (not their device: a plan made on fake tensors holds on the real ones)."""
+    return (call.op, call.module, call.occurrence, tuple((o.shape, o.dtype) for o in call.outputs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +429,7 @@ def fit(
     optimizer: torch.optim.Optimizer | None = None,
     cost: str = "flops",
     exact: bool = False,
+    device: str | torch.device | None = None,
 ) -> Fit:
     """Checkpoint the blocks of `model` that `which` selects, in place, with decisions chosen for the whole
     training step, so that its peak stays within `peak_bytes`, replaying as little as possible.
@@ -450,6 +462,10 @@ def fit(
             temporaries count, measured on meta copies of its parameters.
         exact: solve every planning problem to optimality (slower); by default the solvers have time limits
             and keep the best plan found.
+        device: the device to plan for, where the model's parameters (and the batch) are on the meta
+            device: the probe step runs on fake tensors of that device, with the kernels it would choose
+            (attention's, say), and the plan holds once the model is materialized there. See NOTE
+            [planning on the meta device].
 
     Returns:
         A `remat.Fit`: the predicted peak, the plan of each block call, the step report.
@@ -470,8 +486,9 @@ def fit(
     ['0', '1', '2', '3']
     """
     _check_arguments(model, peak_bytes, loss, kwargs, optimizer, cost, exact)
+    target_device = _target_device(model, device)
     checkpoint_selected(model, which, _Planned, DEFAULT_CACHE_SIZE, False, "remat.fit")
-    planner = _Planner(model, peak_bytes, loss or _default_loss, optimizer, cost, exact)
+    planner = _Planner(model, peak_bytes, loss or _default_loss, optimizer, cost, exact, target_device)
     model.__dict__["forward"] = _FittedForward(model, planner)
     try:
         return planner.fit(args, dict(kwargs or {}))
@@ -491,14 +508,16 @@ class _Planner:
         optimizer: torch.optim.Optimizer | None,
         cost: str,
         exact: bool,
+        device: torch.device | None,
     ):
         self.model, self.target, self.loss, self.optimizer = model, target, loss, optimizer
         self.cost, self.exact = cost, exact
+        self.device = device  # the target of a model on meta (None: where it is)
         self.fits: LRUCache[Fit] = LRUCache(DEFAULT_CACHE_SIZE)
 
     def fit(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Fit:
         """The plan at the signature of `(args, kwargs)`: planned (a probe step) the first time."""
-        key = _signature(args, kwargs)
+        key = _signature(args, kwargs, self.device)
         found = self.fits.get(key)
         if found is None:
             found = _plan(self, args, kwargs)
@@ -524,15 +543,17 @@ class _FittedForward(InstalledForward):
         return f"<remat.fit forward, peak_bytes={self.planner.target:,}>"
 
 
-def _signature(args: Sequence[Any], kwargs: dict[str, Any]) -> Hashable:
+def _signature(args: Sequence[Any], kwargs: dict[str, Any], device: torch.device | None = None) -> Hashable:
     """What tells one batch's step from another's: the tensors' metadata, the other leaves' values
-    (their types, where they cannot be hashed), the structure."""
+    (their types, where they cannot be hashed), the structure. A meta tensor counts as one on `device`
+    (the target of a plan made on meta), so that the materialized model's batch finds its plan."""
     tree: Any = (tuple(args), kwargs)
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
     key: list[Any] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            key.append(tensor_key(leaf))
+            shape, stride, dtype, on, *rest = tensor_key(leaf)
+            key.append((shape, stride, dtype, device if device is not None and leaf.is_meta else on, *rest))
             continue
         try:
             hash(leaf)
@@ -607,14 +628,91 @@ def _put_back(model: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
+# NOTE [planning on the meta device]
+# A model too big for this machine is planned with its parameters on the meta
+# device, for a named target (`device=`). The meta device's own kernels are not
+# the target's (attention decomposes to the math kernel there, which keeps the
+# T x T scores), so the probe step runs on fake tensors of the target device
+# instead (a FakeTensorMode: shapes, dtypes and strides, no data): torch's
+# composite ops choose the kernels that device would run (CPU's flash attention,
+# say), and every block is traced as it will be. Nothing real is allocated; the
+# recorder counts the fake storages. Once the model is materialized on the
+# target (`to_empty` and `load_state_dict`, or built there again), its batch
+# has the planned signature (a meta tensor counts as one on the target), so it
+# is not planned again, and each block, tracing itself again on real tensors,
+# takes the planned decision of each call by its op, module, occurrence and
+# output shapes and dtypes (a call the plan has no match for recomputes).
+
+
+def _target_device(model: nn.Module, device: Any) -> torch.device | None:
+    """The device a model on meta is planned for (None: plan where the model is)."""
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if device is None:
+        if on_meta:
+            raise ValueError(
+                "remat.fit: the model's parameters are on the meta device, whose kernels are not any real "
+                "device's: name the device to plan for (`device='cuda'`, say)."
+            )
+        return None
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise TypeError(f"remat.fit: `device` must name a device ('cpu', 'cuda'), but got {device!r}.") from None
+    if target.type == "meta":
+        raise ValueError("remat.fit: `device` is the real device to plan for, not 'meta'.")
+    where = {t.device for t in (*model.parameters(), *model.buffers())}
+    if not on_meta and where != {target} and where:
+        raise ValueError(
+            f"remat.fit: `device={device!r}` plans a model on the meta device for that device, but this "
+            f"model is on {', '.join(sorted(str(d) for d in where))}: leave out `device` to plan it where it is."
+        )
+    return target if on_meta else None
+
+
+@contextlib.contextmanager
+def _stepping(
+    model: nn.Module, device: torch.device | None, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Iterator[tuple[Callable[[], Any], list[torch.Tensor], Any]]:
+    """(a call of the model on the batch, the parameters it trains, the fake mode the tensors are of, if
+    any): on the model as it is, or, for a
+    `device` to plan a model on meta for, on fake tensors of that device (NOTE [planning on the meta
+    device]). The blocks' traces made on fakes are dropped after."""
+    if device is None:
+        yield (lambda: model(*args, **kwargs)), [p for p in model.parameters() if p.requires_grad], None
+        return
+    from ._torch import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_meta:
+            return mode.from_tensor(tensor)
+        with mode:
+            made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+        return made.requires_grad_(tensor.requires_grad)
+
+    state = {name: fake(t) for name, t in (*model.named_parameters(), *model.named_buffers())}
+    names = {id(p): name for name, p in model.named_parameters()}
+    batch: Any = (tuple(args), kwargs)
+    fake_args, fake_kwargs = optree.tree_map(  # type: ignore[misc]
+        lambda leaf: fake(leaf) if isinstance(leaf, torch.Tensor) else leaf, batch, none_is_leaf=True
+    )
+    trained = [state[names[id(p)]] for p in model.parameters() if p.requires_grad]
+    try:
+        with mode:
+            yield (lambda: torch.func.functional_call(model, state, fake_args, fake_kwargs)), trained, mode  # type: ignore[arg-type]
+    finally:
+        for forward in _blocks(model).values():
+            forward.cache_clear()
+
+
 def _probe(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[_step.Timeline, int]:
     """The probe step's timeline, with the optimizer's step after it, and the bytes of new optimizer state."""
     model, loss, optimizer = planner.model, planner.loss, planner.optimizer
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    with _put_back(model):
+    with _put_back(model), _stepping(model, planner.device, args, kwargs) as (call, parameters, fakes):
 
         def step() -> None:
-            value = loss(model(*args, **kwargs))
+            value = loss(call())
             if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
                 raise ValueError(
                     "remat.fit: `loss` must give a scalar tensor that requires grad (the value the step "
@@ -622,18 +720,18 @@ def _probe(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> tu
                 )
             value.backward()
 
-        recorder = _step.run_step(step)
+        recorder = _step.run_step(step, fakes)
         gradients = sum(p.grad.untyped_storage().nbytes() for p in parameters if p.grad is not None)
         timeline = _step.timeline_of(recorder, gradients)
     if optimizer is None:
         return timeline, 0
-    step_peak, state = _optimizer_step(optimizer)
+    step_peak, state = _optimizer_step(optimizer, planner.device)
     last = timeline.segments[-1]
     after = _step.Segment(_step.Phase.OUTSIDE, None, last.alive, timeline.end + step_peak, "optimizer.step")
     return dataclasses.replace(timeline, segments=(*timeline.segments, after)), state
 
 
-def _optimizer_step(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+def _optimizer_step(optimizer: torch.optim.Optimizer, device: torch.device | None) -> tuple[int, int]:
     """(peak bytes, bytes of new state) of one `optimizer.step()`, measured on meta copies of its
     parameters and gradients (nothing real is touched). State it already holds was live before the step
     and is not counted; a first step allocates its state."""
@@ -648,7 +746,8 @@ def _optimizer_step(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
             copies[id(p)] = meta
             params.append(meta)
         options = {k: v for k, v in group.items() if k != "params"}
-        if options.get("foreach") is None and any(p.is_cuda for p in group["params"]):
+        on_cuda = device.type == "cuda" if device is not None else any(p.is_cuda for p in group["params"])
+        if options.get("foreach") is None and on_cuda:
             options["foreach"] = True  # what torch chooses on CUDA; on meta it would loop over the tensors
         groups.append({**options, "params": params})
     kind: Any = type(optimizer)

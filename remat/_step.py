@@ -155,11 +155,16 @@ recorder: _Recorder | None = None  # set while a probe step runs (one at a time)
 
 
 class _Allocations(TorchDispatchMode):
-    """Reports every real tensor an op allocates (fake tensors of remat's tracing are not memory)."""
+    """Reports every real tensor an op allocates (fake tensors of remat's tracing are not memory), and
+    every fake tensor of `counted`, the fake mode a step on fake tensors runs under."""
 
-    def __init__(self, into: _Recorder):
+    def __init__(self, into: _Recorder, counted: Any = None):
         super().__init__()
         self.into = into
+        self.counted = counted
+
+    def _memory(self, tensor: torch.Tensor) -> bool:
+        return _real(tensor) or (self.counted is not None and getattr(tensor, "fake_mode", None) is self.counted)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -167,9 +172,9 @@ class _Allocations(TorchDispatchMode):
         # An output in the memory of an input (a view, an in-place update) is no allocation; the memory
         # of a tensor that existed before the step is not counted.
         fresh = func is torch.ops.aten.lift_fresh.default  # `torch.tensor(data)`: made outside the dispatcher
-        read = set() if fresh else {storage_key(t) for t in tensors_in([*args, *kwargs.values()]) if _real(t)}
+        read = set() if fresh else {storage_key(t) for t in tensors_in([*args, *kwargs.values()]) if self._memory(t)}
         for tensor in tensors_in(out):
-            if _real(tensor) and storage_key(tensor) not in read:
+            if self._memory(tensor) and storage_key(tensor) not in read:
                 self.into.allocated(tensor, func)
         return out
 
@@ -180,14 +185,15 @@ def _real(tensor: torch.Tensor) -> bool:
 
 
 @contextmanager
-def recording() -> Iterator[_Recorder]:
-    """Record the step run inside: `Timeline` of it from `timeline_of` once it ends."""
+def recording(fake_mode: Any = None) -> Iterator[_Recorder]:
+    """Record the step run inside (on fake tensors of `fake_mode`, if given): `Timeline` of it from
+    `timeline_of` once it ends."""
     global recorder
     if recorder is not None:
         raise RuntimeError("remat.fit: a probe step is already running (plan one model at a time).")
     recorder = _Recorder()
     try:
-        with _Allocations(recorder):
+        with _Allocations(recorder, fake_mode):
             yield recorder
     finally:
         recorder = None
@@ -199,8 +205,8 @@ def timeline_of(done: _Recorder, gradients: int) -> Timeline:
     return Timeline(tuple(done.calls), tuple(done.segments), done.peak, gradients, done.total)
 
 
-def run_step(step: Callable[[], Any]) -> _Recorder:
-    """Run `step()` while recording it."""
-    with recording() as active:
+def run_step(step: Callable[[], Any], fake_mode: Any = None) -> _Recorder:
+    """Run `step()` while recording it (a step on fake tensors of `fake_mode`, if given)."""
+    with recording(fake_mode) as active:
         step()
     return active

@@ -35,6 +35,7 @@ from ._rng import seeding_refused
 from ._specialize import CHECKS, check_coverage, check_value, checks_of, refuse_float_reads, use_remat_checks
 from ._specialize import describe as describe_check
 from ._torch import (
+    FakeTensor,
     FakeTensorMode,
     FunctionalTensor,
     GuardOnDataDependentSymNode,
@@ -125,6 +126,7 @@ def trace_joint(
             without_saved_tensors_hooks(),
             outside_functorch(),
             seeding_refused(),  # NOTE [seeding inside a checkpointed function]
+            unset_fake_temporarily(),  # a fake mode of the caller's: the trace has its own
         ):
             try:
                 joint = _trace_once(fn, flat_args, roots, forward_mode, under_functorch, with_values=False)
@@ -397,7 +399,7 @@ def _elements_may_share_memory(tensor: torch.Tensor) -> bool:
 
 def _fake_like(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
     """A fake tensor with `tensor`'s logical metadata (its per-example view under `vmap`)."""
-    if is_functorch_wrapped(tensor):
+    if is_functorch_wrapped(tensor) or (isinstance(tensor, FakeTensor) and tensor.fake_mode is not fake_mode):
         with fake_mode:
             return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
     with unset_fake_temporarily():  # a real tensor detached under the fake mode (discovery's) has no real data
@@ -437,7 +439,7 @@ def _discover(
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(note_module)
     try:
-        with fake_mode, torch.enable_grad(), capture_mode(roots, None, fakeify) as mode:
+        with fake_mode, torch.enable_grad(), capture_mode(roots, None, fakeify, fake_mode=fake_mode) as mode:
             args, kwargs = flat_args.rebuild(fakes)
             out = fn(*args, **kwargs)
     finally:

@@ -318,7 +318,8 @@ def _scale_transposed_slice_without_grad(x: torch.Tensor) -> torch.Tensor:
 
 def _assign_transposed_column_without_grad(x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():  # an assignment (`__setitem__`) through a selected column of the transpose
-        x.t()[-1] = 0.5
+        # (of a tensor, not a scalar: eager refuses it, as remat does, where `x`'s elements overlap)
+        x.t()[-1] = x.t()[0] * 0.5
     return x
 
 

@@ -433,3 +433,49 @@ def test_the_optimizers_state_and_step_count(make: Callable[[Any], torch.optim.O
     assert plan.report.optimizer_state >= per_parameter * plan.report.gradients
     assert plan.predicted_peak > without.predicted_peak or plan.replay_cost > without.replay_cost
     assert "optimizer" in str(plan.report)
+
+
+def sdpa_stack(n: int = 4, d: int = 32, vocab: int = 64) -> Stack:
+    torch.manual_seed(0)
+    return Stack([models.GPT2Block(d, 4, "sdpa", seed=i) for i in range(n)], d, vocab).to(torch.float32)
+
+
+def test_a_plan_made_on_the_meta_device_holds_on_the_materialized_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = sdpa_stack()
+    with torch.device("meta"):
+        model = sdpa_stack()
+    x = torch.randn(4, 64, 32)
+    eager, lowest = eager_and_lowest(real, models.GPT2Block, x)
+    target = (eager + lowest) // 2
+    plan = remat.fit(model, models.GPT2Block, x.to("meta"), peak_bytes=target, loss=square_loss, device="cpu")
+    assert plan.predicted_peak <= target
+    assert any(block.kept_bytes for block in plan.blocks)  # not the materialized model's default plan
+    model.to_empty(device="cpu")
+    model.load_state_dict(real.state_dict())
+    probes: list[int] = []
+    probe = remat._fit._probe
+    monkeypatch.setattr(remat._fit, "_probe", lambda *a: probes.append(1) or probe(*a))
+    peak = measured_peak(model, x)
+    assert probes == []  # the batch has the planned signature: not planned again
+    assert peak <= target
+    assert abs(peak - plan.predicted_peak) <= 0.02 * peak
+    # The probe ran on fake CPU tensors: the blocks were traced with the CPU's attention kernel (the meta
+    # device's own is the math kernel, which keeps the T x T scores), and the plan is the one made on the CPU.
+    on_cpu = remat.fit(real, models.GPT2Block, x, peak_bytes=target, loss=square_loss)
+    assert [b.decisions for b in on_cpu.blocks] == [b.decisions for b in plan.blocks]
+    assert on_cpu.predicted_peak == plan.predicted_peak
+
+
+def test_fit_asks_for_the_device_to_plan_a_model_on_meta_for() -> None:
+    with torch.device("meta"):
+        model = mlp_stack(n=2)
+    x = torch.randn(8, 32, device="meta")
+    with pytest.raises(ValueError, match="name the device to plan for"):
+        remat.fit(model, MLPBlock, x, peak_bytes=2**20, loss=square_loss)
+    with pytest.raises(ValueError, match="not 'meta'"):
+        remat.fit(model, MLPBlock, x, peak_bytes=2**20, loss=square_loss, device="meta")
+    with pytest.raises(TypeError, match="must name a device"):
+        remat.fit(model, MLPBlock, x, peak_bytes=2**20, loss=square_loss, device=3.5)
+    with pytest.raises(ValueError, match="leave out `device`"):
+        remat.fit(mlp_stack(n=2), MLPBlock, torch.randn(8, 32), peak_bytes=2**20, loss=square_loss, device="cuda")
+    assert not any(isinstance(m.__dict__.get("forward"), remat._apply.CheckpointedForward) for m in model.modules())

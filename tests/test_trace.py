@@ -390,3 +390,19 @@ def test_keyword_arguments_are_kept_apart_with_their_names() -> None:
     (gelu,) = remat.trace(lambda x: torch.nn.functional.gelu(x, approximate="tanh"), _randn(2, 3))
     assert gelu.inputs == (_meta(2, 3),)
     assert gelu.kwargs == (("approximate", "tanh"),)
+
+
+def test_a_checkpointed_function_runs_under_a_fake_mode_of_the_callers() -> None:
+    # Planning a model too big for the machine runs it on a fake mode of its own: the checkpoint traces
+    # with its own fake mode beside it, and its outputs and gradients are the caller's fakes.
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        layer = torch.nn.Linear(8, 8)
+        x = torch.empty(4, 8, requires_grad=True)
+        out = remat.checkpoint(lambda x: torch.nn.functional.gelu(layer(x)).sum())(x)
+        out.backward()
+    assert isinstance(out, FakeTensor) and out.fake_mode is mode
+    assert isinstance(x.grad, FakeTensor) and x.grad.fake_mode is mode and x.grad.shape == (4, 8)
+    assert isinstance(layer.weight.grad, FakeTensor) and layer.weight.grad.shape == (8, 8)
