@@ -38,6 +38,7 @@ from ._torch import (
 )
 
 __all__ = [
+    "SCATTERS",
     "CallSite",
     "DetachedViews",
     "ModuleRoots",
@@ -321,7 +322,7 @@ def _keeping_histories(graph: fx.Graph, func: Any, args: Any, kwargs: dict[str, 
 
 
 # The functional forms of writes through views: each returns its first argument with the write done.
-_SCATTERS = frozenset(
+SCATTERS = frozenset(
     {
         torch.ops.aten.slice_scatter.default,
         torch.ops.aten.select_scatter.default,
@@ -344,7 +345,7 @@ def _pass_histories_through_rebuilt_views(new_nodes: list[fx.Node]) -> None:
         if getattr(node.target, "is_view", False) and passes_on:
             node.meta["remat_stops_gradient"] = None
             with_history.add(node)
-        elif node.target in _SCATTERS and passes_on:
+        elif node.target in SCATTERS and passes_on:
             node.meta.setdefault("remat_history_of", first)
             with_history.add(node)
 

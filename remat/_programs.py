@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from . import _offload, _rng
+from ._capture import SCATTERS
 from ._fidelity import fill_in_eager_layout, is_dense, runnable
 from ._torch import BoxedCodeGen, LazyGraphModule, memory_layout
 from ._trace import JointGraph, is_free, stops_gradient
@@ -396,7 +397,7 @@ def _as_strided_scattered(
 
 # The functional forms of writes through views. Eager's write keeps the layout of the tensor written
 # into, and so do these, except under `vmap`, whose batching rules for them return contiguous tensors.
-_SCATTERS = frozenset({aten.slice_scatter.default, aten.select_scatter.default, aten.diagonal_scatter.default})
+_SCATTERS = SCATTERS - {aten.as_strided_scatter.default}  # (run as a write through `as_strided`: above)
 
 
 def _scattered_in_base_layout(op: Any, base: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
