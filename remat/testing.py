@@ -985,7 +985,11 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
     if name == "grad":
         return torch.func.grad(_scalar(fn, seed))
     if name == "grad_of_grad":  # reverse mode over reverse mode, as `hessian` by `jacrev(jacrev(fn))`
-        return torch.func.grad(_scalar(torch.func.grad(_scalar(fn, seed)), seed + 4))
+        # Compared by value: a second derivative's layout is that of how its paths meet, not of the program.
+        # Where the first backward both replays a call from an input and reads a value kept from it, the
+        # input's second derivative arrives by two paths, summed (into a fresh tensor) at the input; eager's
+        # meets before the call's derivative, whose view of the sum (a `stack`'s `select`) it returns.
+        return _valued(torch.func.grad(_scalar(torch.func.grad(_scalar(fn, seed)), seed + 4)))
     if name == "vmap":
         return torch.func.vmap(fn, randomness="different")
     if name in _FORWARD_MODE:

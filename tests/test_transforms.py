@@ -1482,6 +1482,32 @@ def test_regression_grad_of_grad_of_an_input_scaled_under_no_grad_then_batch_nor
     assert_checkpoint_equivalent(fn, x, transforms=["grad", "vmap", "grad_of_grad"])
 
 
+def test_regression_grad_of_grad_through_a_kept_value_and_a_replay_from_one_input() -> None:
+    # The random program and policy a CI run found it with: the first backward replays `stack(v1, v0)` from
+    # the inputs and reads the kept stack of batch_norm_transposed, so v0's second derivative arrives by
+    # two paths, summed into a fresh tensor; eager's single path returns a strided view (`select`). The
+    # values agree, and `grad_of_grad` compares them by value: a second derivative's layout is not the
+    # program's.
+    steps = (remat.testing.Step("stack", 1, 0), remat.testing.Step("batch_norm_transposed", 2, 1))
+    fn = remat.testing.RandomFunction((1, 2), 2, steps, (3,))
+
+    def keep_the_stack(call: remat.Call) -> bool:  # of batch_norm_transposed
+        return call.index == 5
+
+    x = torch.tensor([[1.5410, -0.2934]], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([[-2.1788, 0.5684]], dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, y, policy=keep_the_stack, transforms=["grad", "grad_of_grad"])
+
+    def grad_of_grad(f: Callable) -> torch.Tensor:
+        inner = torch.func.grad(lambda x, y: f(x, y).sum())
+        return torch.func.grad(lambda x, y: (inner(x, y) * torch.tensor([[0.3, -0.7]])).sum())(x.detach(), y.detach())
+
+    expected = grad_of_grad(fn)
+    torch.testing.assert_close(
+        grad_of_grad(remat.checkpoint(fn, policy=keep_the_stack)), expected, rtol=1e-12, atol=1e-12
+    )
+
+
 def _normal_fill_of_an_embedding(x: torch.Tensor) -> torch.Tensor:
     e = F.embedding(torch.tensor([1, 0]), x)
     t = e.sin()
