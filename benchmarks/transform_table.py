@@ -569,9 +569,8 @@ Forward mode sees through `torch.no_grad()`, as in eager (a value computed under
 a tangent), and not through `.detach()`. An input that the function updates in place has its tangent
 updated in place too, under `torch.autograd.forward_ad`; under `torch.func.jvp` (and `jacfwd`,
 `hessian`) torch does not let a custom `autograd.Function` do that, and remat raises
-`NotImplementedError` saying so: update a copy of the input instead. One difference remains: an update of
-an input through `.detach()` keeps the input's old tangent in eager (beside its new value), while remat
-gives it the new value's tangent, zero.
+`NotImplementedError` saying so (under `vmap` of `jvp` too): update a copy of the input instead. An
+update of an input through `.detach()` keeps the input's old tangent beside its new value, as in eager.
 
 For most functions this keeps nothing beyond what the policy keeps. When a kept value depends on an input
 that requires grad, the pure program may need two more kinds of values, and they are kept whether or not a

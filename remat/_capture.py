@@ -46,6 +46,8 @@ __all__ = [
     "capture_mode",
     "find_module_roots",
     "has_hooks",
+    "history_of",
+    "redirect_histories",
     "variable_slots",
 ]
 
@@ -242,10 +244,8 @@ class _CaptureMode(TorchFunctionMode):
         # What autograd must not see through when the graph is differentiated
         # again: see NOTE [differentiating the forward again].
         stops_gradient = "detach" if func in _DETACHES else None if torch.is_grad_enabled() else _no_grad_kind(func)
-        if stops_gradient == "no_grad_update" and args:
-            result = _keeping_histories(graph, func, args, kwargs)
-        else:
-            result = func(*args, **kwargs)
+        kept = _histories_to_keep(func, args, stops_gradient, self.detached_views)
+        result = _keeping_histories(graph, func, args, kwargs, kept) if kept else func(*args, **kwargs)
         new_nodes = len(graph.nodes) - nodes_before
         if new_nodes > 0:
             site = CallSite(self._module_path(), *source_and_scope(1))
@@ -285,39 +285,92 @@ class _CaptureMode(TorchFunctionMode):
 # In eager, an in-place update under `torch.no_grad()` of a tensor that
 # requires grad is invisible to autograd: the tensor keeps its history, and a
 # derivative taken later flows through its new value as if it were the old one.
+# An update through a detached alias (`x.detach().mul_(s)`, in any grad mode)
+# is invisible to both modes of autograd: `x` keeps its history and its tangent.
 # Functionalization records the update as new values (the op's result, and its
-# base's scattered from it), computed under no_grad; differentiated again as
-# they are (a second derivative, through the pure forward or the backward
-# program), they would stop the derivative. So after such an update, the node
-# of each updated tensor that requires grad (the tensor itself, and its base
-# where it is a view) notes the node of the value it replaced
-# (`remat_history_of`), and the programs that autograd differentiates give
-# the new value the old one's history (`_programs._with_history_of`). An
-# update through a view of the base is rebuilt from several nodes
-# (`x.t()[1:].mul_(s)`: a scatter into `x.t()` taken again, then the
-# transpose of the scatter), any of which a policy may keep: each scatter
-# notes the view it writes into as its history, and the views functionalization
-# takes again, of the old base or of such a scatter, pass the history on as
-# views do (they do not stop the gradient).
+# base's scattered from it); differentiated again as they are (a second
+# derivative, through the pure forward or the backward program; a tangent), they
+# would stop the derivative at the update. So after such an update, the node of
+# each tensor that keeps its history (the updated tensor itself under no_grad,
+# the detached tensor through an alias; and its base where it is a view) notes
+# the node of the value it replaced (`remat_history_of`, with whether forward
+# mode sees the update: under no_grad it does), and the programs that autograd
+# differentiates give the new value the old one's history
+# (`_programs._with_history_of`). An update through a view of the base is
+# rebuilt from several nodes (`x.t()[1:].mul_(s)`: a scatter into `x.t()` taken
+# again, then the transpose of the scatter), any of which a policy may keep:
+# each scatter notes the view it writes into as its history, and the views
+# functionalization takes again, of the old base or of such a scatter, pass the
+# history on as views do (they do not stop the gradient).
 
 
-def _keeping_histories(graph: fx.Graph, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """`func(*args, **kwargs)`, an in-place update under no_grad, noting the histories it leaves."""
+@dataclasses.dataclass(frozen=True)
+class History:
+    """What the new value of a tensor updated where autograd does not see keeps: the history of the
+    node it replaced, and the tangent too where forward mode does not see the update either."""
+
+    of: fx.Node
+    seen_by_forward_mode: bool
+
+
+def history_of(node: fx.Node, *, forward_mode: bool = False) -> fx.Node | None:
+    """The node whose history the value of `node` keeps (in forward mode: and whose tangent), if any.
+    See NOTE [updates under no_grad keep their tensors' histories]."""
+    history: History | None = node.meta.get("remat_history_of")
+    if history is None or (forward_mode and history.seen_by_forward_mode):
+        return None
+    return history.of
+
+
+def redirect_histories(graph: fx.Graph, replaced: dict[fx.Node, fx.Node]) -> None:
+    """Point the histories noted of nodes in `replaced` to their replacements."""
+    for node in graph.nodes:
+        history: History | None = node.meta.get("remat_history_of")
+        if history is not None and history.of in replaced:
+            node.meta["remat_history_of"] = History(replaced[history.of], history.seen_by_forward_mode)
+
+
+def _histories_to_keep(
+    func: Any, args: Any, stops_gradient: str | None, detached_views: DetachedViews | None
+) -> list[tuple[torch.Tensor, bool]]:
+    """The tensors an in-place call of `func` updates without autograd seeing it, each with whether
+    forward mode sees the update."""
+    if not args or not isinstance(args[0], torch.Tensor) or not _is_in_place(func):
+        return []
     updated = args[0]
-    tensors = [t for t in (updated, getattr(updated, "_base", None)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    before = []
+    kept = [(t, False) for t in ([] if detached_views is None else detached_views.sources_of(updated))]
+    if stops_gradient == "no_grad_update":
+        kept += [(t, True) for t in _with_bases([updated]) if t.requires_grad and all(t is not k for k, _ in kept)]
+    return kept
+
+
+def _with_bases(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
     for tensor in tensors:
+        for t in (tensor, tensor._base):
+            if isinstance(t, torch.Tensor) and all(t is not f for f in found):
+                found.append(t)
+    return found
+
+
+def _keeping_histories(
+    graph: fx.Graph, func: Any, args: Any, kwargs: dict[str, Any], kept: list[tuple[torch.Tensor, bool]]
+) -> Any:
+    """`func(*args, **kwargs)`, an in-place update autograd does not see of the `kept` tensors,
+    noting the histories it leaves."""
+    before = []
+    for tensor, _ in kept:
         sync(tensor)
         before.append(node_behind(tensor))
     nodes_before = len(graph.nodes)
     result = func(*args, **kwargs)
-    for tensor, old in zip(tensors, before, strict=True):
+    seen_by_forward_mode = all(seen for _, seen in kept)
+    for (tensor, seen), old in zip(kept, before, strict=True):
         sync(tensor)
         new = node_behind(tensor)
         if new is not None and old is not None and new is not old:
-            new.meta["remat_history_of"] = old
-    if tensors:
-        _pass_histories_through_rebuilt_views(list(graph.nodes)[nodes_before:])
+            new.meta["remat_history_of"] = History(old, seen)
+    _pass_histories_through_rebuilt_views(list(graph.nodes)[nodes_before:], seen_by_forward_mode)
     return result
 
 
@@ -332,7 +385,7 @@ SCATTERS = frozenset(
 )
 
 
-def _pass_histories_through_rebuilt_views(new_nodes: list[fx.Node]) -> None:
+def _pass_histories_through_rebuilt_views(new_nodes: list[fx.Node], seen_by_forward_mode: bool) -> None:
     """Note the histories in an update's rebuilding of its base: see NOTE [updates under no_grad keep
     their tensors' histories]."""
     made = set(new_nodes)
@@ -346,17 +399,25 @@ def _pass_histories_through_rebuilt_views(new_nodes: list[fx.Node]) -> None:
             node.meta["remat_stops_gradient"] = None
             with_history.add(node)
         elif node.target in SCATTERS and passes_on:
-            node.meta.setdefault("remat_history_of", first)
+            node.meta.setdefault("remat_history_of", History(first, seen_by_forward_mode))
             with_history.add(node)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tracked:
+    tensor: weakref.ref[torch.Tensor]
+    depths: frozenset[int]  # where its detaches lie in its chain of views (0: its own node; k: k views above)
+    sources: tuple[weakref.ref[torch.Tensor], ...]  # the tensors detached, which share its memory
 
 
 class DetachedViews:
     """The tensors `fn` detached and the views it took of them, each with where its detaches lie in its
-    chain of views (0: its own node; k: k views above it), to mark the detaches functionalization replays.
-    See NOTE [detaches functionalization replays]."""
+    chain of views, to mark the detaches functionalization replays (see NOTE [detaches functionalization
+    replays]), and with the tensors it was detached from, which an update through it leaves their histories
+    (see NOTE [updates under no_grad keep their tensors' histories])."""
 
     def __init__(self) -> None:
-        self._tracked: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
+        self._tracked: dict[int, _Tracked] = {}
 
     def called(self, inputs: Any, result: Any, *, detach: bool) -> None:
         """After a call of `fn` that recorded nodes: track what it detached or viewed, then mark."""
@@ -364,37 +425,51 @@ class DetachedViews:
             return
         outputs = [t for t in optree.tree_leaves(result) if isinstance(t, torch.Tensor)]
         if detach:
+            detached = optree.tree_leaves(inputs)[0]
+            # (`detach_` detaches the tensor itself, whose history is gone; a view's base outlives it)
+            sources = [] if any(o is detached for o in outputs) else [*_with_bases([detached]), *self.sources_of(detached)]
             for output in outputs:
-                self._track(output, frozenset({0}))
+                self._track(output, frozenset({0}), sources)
         else:
             for tensor in optree.tree_leaves(inputs):
-                depths = self._depths(tensor)
-                below = node_behind(tensor) if depths else None
+                found = self._tracked_as(tensor)
+                below = node_behind(tensor) if found is not None else None
                 for output in outputs if below is not None else ():
                     steps = _views_between(node_behind(output), below)
                     if steps is not None:
-                        self._track(output, frozenset(d + steps for d in depths))  # type: ignore[union-attr]
+                        self._track(output, frozenset(d + steps for d in found.depths), self.sources_of(tensor))  # type: ignore[union-attr]
         self.mark_replayed()
+
+    def sources_of(self, tensor: Any) -> list[torch.Tensor]:
+        """The tensors `tensor` is a detached alias of (a view of), still alive."""
+        found = self._tracked_as(tensor)
+        sources = () if found is None else found.sources
+        return [t for t in (ref() for ref in sources) if t is not None]
 
     def mark_replayed(self) -> None:
         """Mark as `fn`'s detaches the detach nodes in the chains behind the tracked tensors' current values
         (functionalization's replays among them)."""
-        for key, (ref, depths) in list(self._tracked.items()):
-            tensor = ref()
+        for key, tracked in list(self._tracked.items()):
+            tensor = tracked.tensor()
             if tensor is None:
                 del self._tracked[key]
                 continue
-            for depth in depths:
+            for depth in tracked.depths:
                 node = _views_below(node_behind(tensor), depth)
                 if node is not None and node.target in _ALIASES and "remat_stops_gradient" not in node.meta:
                     node.meta["remat_stops_gradient"] = "detach"
 
-    def _depths(self, tensor: Any) -> frozenset[int] | None:
+    def _tracked_as(self, tensor: Any) -> _Tracked | None:
         found = self._tracked.get(id(tensor))
-        return found[1] if found is not None and found[0]() is tensor else None
+        return found if found is not None and found.tensor() is tensor else None
 
-    def _track(self, tensor: torch.Tensor, depths: frozenset[int]) -> None:
-        self._tracked[id(tensor)] = (weakref.ref(tensor), depths | (self._depths(tensor) or frozenset()))
+    def _track(self, tensor: torch.Tensor, depths: frozenset[int], sources: list[torch.Tensor]) -> None:
+        known = self._tracked_as(tensor)
+        if known is not None:
+            depths |= known.depths
+            sources = [*sources, *(t for t in (ref() for ref in known.sources) if t is not None)]
+        unique = [t for i, t in enumerate(sources) if all(t is not u for u in sources[:i])]
+        self._tracked[id(tensor)] = _Tracked(weakref.ref(tensor), depths, tuple(weakref.ref(t) for t in unique))
 
 
 def _is_view_node(node: Any) -> bool:
@@ -440,13 +515,17 @@ _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)  # what
 def _no_grad_kind(func: Any) -> str:
     """How a call under no_grad stops gradients: an in-place method ("no_grad_update") leaves the
     tensor it updates its history, as in eager; any other call ("no_grad") makes a value without one."""
+    return "no_grad_update" if _is_in_place(func) else "no_grad"
+
+
+def _is_in_place(func: Any) -> bool:
+    """Whether the torch function `func` updates its first argument (`mul_`, `__imul__`, `__setitem__`)."""
     name = getattr(func, "__name__", "")
-    in_place = (
+    return (
         (name.endswith("_") and not name.startswith("_"))
         or (name.startswith("__i") and name.endswith("__"))
         or name == "__setitem__"
     )
-    return "no_grad_update" if in_place else "no_grad"
 
 
 @contextmanager

@@ -63,11 +63,22 @@ class Executable:
         return self.programs.backward.forward(kept_and_tangents)  # type: ignore[no-any-return]
 
 
+_UPDATED_INPUT_UNDER_FUNC_JVP = (
+    "remat.checkpoint: under torch.func.jvp (or jacfwd, hessian) the function updates an input in place, "
+    "whose tangent must then be updated in place too, which torch.func does not allow a custom "
+    "autograd.Function to do. Update a copy of the input (`x = x.clone()` first), or use "
+    "torch.autograd.forward_ad, where this works."
+)
+
+
 def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Run the forward program, keeping what backward needs; return the user's outputs."""
     programs = executable.programs
     if executable.not_under_forward_ad is not None and not _func_jvp_active():
         raise NotImplementedError(executable.not_under_forward_ad)  # traced for forward mode: it is on
+    if executable.dirty and _func_jvp_active():
+        # (Under `vmap` of `jvp`, torch's own check of the Function's dirty inputs would raise first.)
+        raise NotImplementedError(_UPDATED_INPUT_UNDER_FUNC_JVP)
     # See NOTE [updated inputs that are views].
     views = [i for i in executable.dirty if primals[i]._is_view() and primals[i].requires_grad]
     if views and forward_mode_active():
@@ -225,12 +236,7 @@ class _CheckpointFunction(torch.autograd.Function):
             if tangent is not None:
                 chosen.append((i, tangent))
         if executable.dirty and functorch_active():
-            raise NotImplementedError(
-                "remat.checkpoint: under torch.func.jvp (or jacfwd, hessian) the function updates an input in place, "
-                "whose tangent must then be updated in place too, which torch.func does not allow a custom "
-                "autograd.Function to do. Update a copy of the input (`x = x.clone()` first), or use "
-                "torch.autograd.forward_ad, where this works."
-            )
+            raise NotImplementedError(_UPDATED_INPUT_UNDER_FUNC_JVP)
         output_tangents = list(_pure_jvp(programs, ctx.saved_tensors, chosen, ctx.needs_input_grad[1:]))
         # An input the forward updated in place keeps its tangent tensor, updated in place too (as
         # autograd asks of a Function that marks an input dirty).
@@ -242,6 +248,8 @@ class _CheckpointFunction(torch.autograd.Function):
                     given.zero_()
                 elif new is not given:
                     given.copy_(new)
+                else:  # unchanged (an update through a detached alias), but autograd checks for an update
+                    torch.autograd.graph.increment_version(given)
                 output_tangents[position] = given
         n_states = sum(k.rng_state for k in programs.kept)
         tangents = tuple(

@@ -34,6 +34,7 @@ from ._rules import (
     varying,
     views_taken_before_a_read,
 )
+from ._capture import history_of
 from ._trace import JointGraph, stops_gradient
 
 __all__ = ["Kept", "Programs", "partition"]
@@ -339,7 +340,7 @@ def _output_sources(joint: JointGraph, returned: Sequence[int]) -> tuple[frozens
     for node in joint.graph.nodes:
         if node not in joint.forward_nodes:
             continue
-        history = node.meta.get("remat_history_of")
+        history = history_of(node)
         if history is not None:  # See NOTE [updates under no_grad keep their tensors' histories].
             forward[node] = forward.get(history, frozenset())
             continue

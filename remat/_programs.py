@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from . import _offload, _rng
-from ._capture import SCATTERS
+from ._capture import SCATTERS, history_of
 from ._fidelity import fill_in_eager_layout, is_dense, runnable
 from ._torch import BoxedCodeGen, LazyGraphModule, memory_layout
 from ._trace import JointGraph, is_free, stops_gradient
@@ -226,8 +226,8 @@ def _copied(destination: torch.Tensor, source: torch.Tensor, stride: Sequence[in
 
 
 class _WithHistoryOf(torch.autograd.Function):
-    """`value` with `tensor`'s history: what autograd sees of a tensor updated in place under no_grad (its
-    new `value`, its old history). See NOTE [updates under no_grad keep their tensors' histories]."""
+    """`value` with `tensor`'s history: what autograd sees of a tensor updated in place where it does not
+    see (its new `value`, its old history). See NOTE [updates under no_grad keep their tensors' histories]."""
 
     generate_vmap_rule = True
 
@@ -245,7 +245,9 @@ class _WithHistoryOf(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, value_tangent: torch.Tensor | None, tensor_tangent: torch.Tensor | None) -> torch.Tensor | None:
-        return value_tangent  # forward-mode AD sees the update, no_grad or not
+        # Only a pure forward for forward mode has it (where the update was through a detached alias:
+        # forward mode sees one under no_grad), and the tensor keeps its tangent too.
+        return tensor_tangent
 
 
 def _computable(node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> bool:
@@ -327,8 +329,8 @@ def _emitter(
             copy = _copy(graph, node, env)
             if _stops_gradient(node, forward_mode):
                 copy = graph.call_function(aten.detach.default, (copy,))
-            history = node.meta.get("remat_history_of")
-            if history is not None and not forward_mode and _computable(history, env):
+            history = history_of(node, forward_mode=forward_mode)
+            if history is not None and _computable(history, env):
                 # See NOTE [updates under no_grad keep their tensors' histories].
                 copy = graph.call_function(_with_history_of, (copy, emit(history)))
                 copy.meta = dict(node.meta)

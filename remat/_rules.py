@@ -17,6 +17,7 @@ from torch import fx
 
 from . import _rng
 from ._measure import storage_key, storage_nbytes, tensors_in
+from ._capture import history_of
 from ._trace import JointGraph, is_free, stops_gradient
 
 __all__ = [
@@ -177,8 +178,10 @@ def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = Fals
     for node in joint.graph.nodes:
         if node not in joint.forward_nodes:
             continue
-        if not forward_mode and node.meta.get("remat_history_of") in found:
-            found.add(node)  # see NOTE [updates under no_grad keep their tensors' histories]
+        history = history_of(node, forward_mode=forward_mode)
+        if history is not None:  # see NOTE [updates under no_grad keep their tensors' histories]
+            if history in found:
+                found.add(node)
             continue
         if stops_gradient(node, forward_mode=forward_mode):
             continue

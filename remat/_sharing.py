@@ -43,8 +43,10 @@ __all__ = ["AttributeReads", "SharedTraces", "rebase", "recording_attribute_read
 #   `__getattribute__` on the modules' classes for the duration. A block whose
 #   recorded attributes hold other values (Gemma's sliding and full attention
 #   layers, told apart by `self.sliding_window`) traces on its own, and both traces
-#   are kept. Numbers, strings and containers of them compare by value; any other
-#   object by identity (two layers sharing one config object match, two
+#   are kept. Numbers, strings and containers of them compare by value; a module
+#   that holds no tensors (a function made a module per layer, as transformers'
+#   kernel wrappers in `self._kernel_funcs`) by its class and attributes; any
+#   other object by identity (two layers sharing one config object match, two
 #   configs do not). An attribute the trace did not read, such as a Hugging Face
 #   layer's `layer_idx` when there is no key/value cache, may differ.
 # * the closed-over tensors' metadata and the `training` flags the trace's guard
@@ -130,20 +132,38 @@ _COMPARED_BY_VALUE = (int, float, complex, str, bytes, bool, type(None), torch.d
 
 def same_value(a: Any, b: Any) -> bool:
     """Whether a trace that read `b` holds for `a`: numbers, strings and enums (and tuples, lists,
-    dicts and `functools.partial`s of them) by value, anything else by identity."""
+    sets, dicts and `functools.partial`s of them) by value, modules that hold no tensors by their
+    class and attributes, anything else by identity."""
+    return _same_value(a, b, frozenset())
+
+
+def _same_value(a: Any, b: Any, comparing: frozenset[tuple[int, int]]) -> bool:
     if a is b:
         return True
     if type(a) is not type(b):
         return False
     if isinstance(a, (*_COMPARED_BY_VALUE, enum.Enum)):
         return bool(a == b) or (a != a and b != b)  # NaN reads as NaN
+    if isinstance(a, (set, frozenset)):
+        return all(isinstance(x, _COMPARED_BY_VALUE) for x in a) and a == b
+    if (id(a), id(b)) in comparing:  # a cycle of containers or modules: equal so far
+        return True
+    comparing |= {(id(a), id(b))}
     if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(_same_value(x, y, comparing) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k], comparing) for k in a)
     if isinstance(a, functools.partial):  # an activation made per layer: `partial(gelu, approximate="tanh")`
-        return a.func is b.func and same_value(a.args, b.args) and same_value(a.keywords, b.keywords)
+        return (
+            a.func is b.func and _same_value(a.args, b.args, comparing) and _same_value(a.keywords, b.keywords, comparing)
+        )
+    if isinstance(a, nn.Module):  # a function made a module per layer: transformers' kernel wrappers
+        return not _holds_tensors(a) and not _holds_tensors(b) and _same_value(vars(a), vars(b), comparing)
     return False
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
 class _Recording(threading.local):

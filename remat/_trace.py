@@ -25,7 +25,16 @@ from torch import fx
 from . import _rng
 from ._cache import requires_grad_at_any_level
 from ._calls import Call, TensorMeta, Trace
-from ._capture import CallSite, DetachedViews, ModuleRoots, StateSlot, capture_mode, has_hooks, variable_slots
+from ._capture import (
+    CallSite,
+    DetachedViews,
+    ModuleRoots,
+    StateSlot,
+    capture_mode,
+    has_hooks,
+    redirect_histories,
+    variable_slots,
+)
 from ._contexts import autocast_disabled, outside_functorch, without_saved_tensors_hooks
 from ._errors import TraceError, explain_tracing_errors
 from ._fidelity import EagerLayoutFakeMode, FunctionalModeKeepingChecks, eager_fidelity, kept_as_dead_code
@@ -637,9 +646,11 @@ class _JointFunction:
 
 def _clean_up(graph: fx.Graph, copies: list[fx.Node], guarded_ints: set[str]) -> None:
     """Remove the copies of dirty inputs, rewrite views to run as eager ran them, drop dead code."""
-    for copy in copies:
-        copy.replace_all_uses_with(copy.args[0])  # type: ignore[arg-type]
+    originals = {copy: copy.args[0] for copy in copies}
+    for copy, original in originals.items():
+        copy.replace_all_uses_with(original)  # type: ignore[arg-type]
         graph.erase_node(copy)
+    redirect_histories(graph, originals)  # type: ignore[arg-type]
     _use_reshape_for_view(graph)
     _end_slices_at_the_size(graph)
     _drop_unread_batch_norm_arguments(graph)

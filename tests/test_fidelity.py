@@ -608,14 +608,35 @@ def _in_place_without_grad(x: torch.Tensor) -> None:
         x.mul_(0.5)
 
 
-def test_torch_func_jvp_of_an_in_place_update_of_an_input_is_a_clear_error() -> None:
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        x.mul_(2)
-        return x.sin()
+def _updates_its_input(x: torch.Tensor) -> torch.Tensor:
+    x.mul_(2)
+    return x.sin()
 
-    x = torch.randn(3, dtype=torch.float64)
+
+def _updates_its_input_without_grad(x: torch.Tensor) -> torch.Tensor:
+    _in_place_without_grad(x)
+    return x * x.sin()
+
+
+def _updates_its_input_through_a_detach(x: torch.Tensor) -> torch.Tensor:
+    x.detach().mul_(2)
+    return x * x.sin()
+
+
+_UNDER_FUNC_JVP: dict[str, Callable[[Callable, torch.Tensor, torch.Tensor], Any]] = {
+    "jvp": lambda f, x, t: torch.func.jvp(f, (x,), (t,)),
+    "vmap_of_jvp": lambda f, x, t: vmap(lambda x, t: torch.func.jvp(f, (x,), (t,)))(x, t),
+    "jvp_of_vmap": lambda f, x, t: torch.func.jvp(vmap(f), (x,), (t,)),
+}
+
+
+@pytest.mark.parametrize("fn", [_updates_its_input, _updates_its_input_without_grad, _updates_its_input_through_a_detach])
+@pytest.mark.parametrize("transform", list(_UNDER_FUNC_JVP))
+def test_torch_func_jvp_of_an_in_place_update_of_an_input_is_a_clear_error(fn: Callable, transform: str) -> None:
+    # Eager runs each; under `vmap` of `jvp`, remat raised torch's raw "Some elements marked as dirty ...".
+    x, t = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
     with pytest.raises(NotImplementedError, match=r"torch.func.jvp .* updates an input in place.*clone"):
-        torch.func.jvp(remat.checkpoint(fn), (x,), (torch.ones_like(x),))
+        _UNDER_FUNC_JVP[transform](remat.checkpoint(fn), x, t)
 
 
 # --- dropout under torch.func ------------------------------------------------------------------------------

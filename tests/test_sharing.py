@@ -137,6 +137,45 @@ def test_an_attribute_read_through_the_instance_dict_compares_them_all() -> None
     assert counts(model) == [(1, 0), (0, 1), (0, 1)]
 
 
+class Scaled(nn.Module):
+    """A function made a module, holding no tensors: `scale` decides what it computes."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * self.scale
+
+
+class HelperBlock(Block):
+    """A block that keeps a module of its own outside its submodules, in a plain dict attribute, as
+    transformers' layers keep their kernel wrappers (`self._kernel_funcs`, one per layer)."""
+
+    def __init__(self, helper: nn.Module, *, seed: int = 0):
+        super().__init__(seed=seed)
+        self.__dict__["_helpers"] = {"act": helper}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self._helpers["act"](x))
+
+
+def test_modules_of_their_own_that_hold_no_tensors_compare_by_their_attributes() -> None:
+    # With transformers 5.25 and `kernels`, every MoE and dense decoder layer read such a dict, and no two
+    # layers shared a trace: start-up grew with depth again.
+    reference = Stack([HelperBlock(Scaled(0.5 if i < 3 else 2.0), seed=i) for i in range(4)])
+    model = checkpointed_copy(reference, HelperBlock)
+    models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (0, 1), (0, 1), (1, 0)]
+
+
+def test_modules_of_their_own_that_hold_tensors_compare_by_identity() -> None:
+    reference = Stack([HelperBlock(nn.Linear(8, 8, dtype=DTYPE), seed=i) for i in range(3)])
+    model = checkpointed_copy(reference, HelperBlock)
+    models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (1, 0), (1, 0)]
+
+
 def test_tied_weights_must_be_tied_alike() -> None:
     reference = Stack([TiedBlock(tied=tied, seed=i) for i, tied in enumerate([True, False, True, False])])
     model = checkpointed_copy(reference, TiedBlock, remat.policies.save_nothing)
@@ -278,6 +317,14 @@ def test_random_stacks_share_exactly_between_identical_blocks(
         (torch.float32, torch.float32, True),
         (functools.partial(torch.tanh), functools.partial(torch.tanh), True),
         (functools.partial(max, 1), functools.partial(max, 2), False),
+        ({"a", "b"}, {"b", "a"}, True),
+        (frozenset({"a", (1,)}), frozenset({"a", (1,)}), False),  # of more than plain values: by identity
+        (Scaled(0.5), Scaled(0.5), True),
+        (Scaled(0.5), Scaled(2.0), False),
+        (nn.Identity(), Scaled(0.5), False),
+        (nn.Sequential(Scaled(0.5)), nn.Sequential(Scaled(0.5)), True),
+        (nn.Sequential(Scaled(0.5)), nn.Sequential(Scaled(1.0)), False),
+        (nn.Linear(2, 2), nn.Linear(2, 2), False),  # a module that holds tensors: by identity
         (object(), object(), False),  # other objects only when they are one object
     ],
 )
