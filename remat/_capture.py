@@ -427,7 +427,9 @@ class DetachedViews:
         if detach:
             detached = optree.tree_leaves(inputs)[0]
             # (`detach_` detaches the tensor itself, whose history is gone; a view's base outlives it)
-            sources = [] if any(o is detached for o in outputs) else [*_with_bases([detached]), *self.sources_of(detached)]
+            sources = (
+                [] if any(o is detached for o in outputs) else [*_with_bases([detached]), *self.sources_of(detached)]
+            )
             for output in outputs:
                 self._track(output, frozenset({0}), sources)
         else:

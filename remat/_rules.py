@@ -16,8 +16,8 @@ import torch
 from torch import fx
 
 from . import _rng
-from ._measure import storage_key, storage_nbytes, tensors_in
 from ._capture import history_of
+from ._measure import storage_key, storage_nbytes, tensors_in
 from ._trace import JointGraph, is_free, stops_gradient
 
 __all__ = [

@@ -155,7 +155,9 @@ def _same_value(a: Any, b: Any, comparing: frozenset[tuple[int, int]]) -> bool:
         return a.keys() == b.keys() and all(_same_value(a[k], b[k], comparing) for k in a)
     if isinstance(a, functools.partial):  # an activation made per layer: `partial(gelu, approximate="tanh")`
         return (
-            a.func is b.func and _same_value(a.args, b.args, comparing) and _same_value(a.keywords, b.keywords, comparing)
+            a.func is b.func
+            and _same_value(a.args, b.args, comparing)
+            and _same_value(a.keywords, b.keywords, comparing)
         )
     if isinstance(a, nn.Module):  # a function made a module per layer: transformers' kernel wrappers
         return not _holds_tensors(a) and not _holds_tensors(b) and _same_value(vars(a), vars(b), comparing)

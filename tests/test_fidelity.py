@@ -630,7 +630,9 @@ _UNDER_FUNC_JVP: dict[str, Callable[[Callable, torch.Tensor, torch.Tensor], Any]
 }
 
 
-@pytest.mark.parametrize("fn", [_updates_its_input, _updates_its_input_without_grad, _updates_its_input_through_a_detach])
+@pytest.mark.parametrize(
+    "fn", [_updates_its_input, _updates_its_input_without_grad, _updates_its_input_through_a_detach]
+)
 @pytest.mark.parametrize("transform", list(_UNDER_FUNC_JVP))
 def test_torch_func_jvp_of_an_in_place_update_of_an_input_is_a_clear_error(fn: Callable, transform: str) -> None:
     # Eager runs each; under `vmap` of `jvp`, remat raised torch's raw "Some elements marked as dirty ...".
