@@ -17,7 +17,14 @@ block checkpointed with `--policy`. Methods, each on a fresh model:
 Start-up is the first step's time minus the median of `--repeats` later steps: the time spent
 tracing, planning and building programs; each row is the median over `--trials` fresh models, after
 one warm-up model of each kind. The target is remat's start-up at the deepest model no more than 1.2x
-its start-up at the shallowest. Nothing here asserts on timings.
+its start-up at the shallowest.
+
+Then `remat.fit`'s planning time (its probe step, the traces, every block's candidates and the choice
+for the step) on the GPT-2 stack at each depth, with one block structure and with two (every other
+block with twice the heads: one class whose attribute the trace reads, as Gemma's sliding and full
+attention layers), at a target halfway between the peaks keeping nothing and keeping everything. The
+targets: 2 s for 48 identical blocks and 10 s for 48 blocks of two structures. Nothing here asserts on
+timings.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from .planner import GPT2Block, gpt2_stack, stack_input
 
 RESULTS = Path(__file__).parent / "results"
 TARGET = 1.2
+FIT_TARGETS = {1: 2.0, 2: 10.0}  # seconds to plan 48 blocks of one structure, of two
 METHODS = ("remat", "remat, one trace per block", "torch.utils.checkpoint")
 
 
@@ -164,6 +172,54 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     }
 
 
+def _gpt2_structures(layers: int, structures: int) -> nn.Sequential:
+    """The GPT-2 stack, with twice the heads in every other block when `structures` is 2."""
+    model = gpt2_stack(layers, d=128, heads=4)
+    for i, block in enumerate(model):
+        block.heads *= 1 + i % structures
+    return model
+
+
+def _mean_square(output: torch.Tensor) -> torch.Tensor:
+    return output.square().mean()
+
+
+def measure_fit(layers: int, structures: int) -> dict[str, Any]:
+    """`remat.fit`'s planning time on a fresh stack, at a target halfway between the peaks keeping
+    nothing and keeping everything (read off a plan without a binding target, untimed)."""
+    x = stack_input(2, 32, 128)
+    model = _gpt2_structures(layers, structures)
+    loose = remat.fit(model, GPT2Block, x, peak_bytes=2**62, loss=_mean_square).report
+    target = (loose.peak_keeping_nothing + loose.peak_keeping_everything) // 2
+    model = _gpt2_structures(layers, structures)
+    started = time.perf_counter()
+    plan = remat.fit(model, GPT2Block, x, peak_bytes=target, loss=_mean_square)
+    return {
+        "layers": layers,
+        "structures": structures,
+        "plan_s": time.perf_counter() - started,
+        "traces": traces_of(model),
+        "target": target,
+        "predicted_peak": plan.predicted_peak,
+        "plans": len({block.label for block in plan.blocks}),
+    }
+
+
+def run_fit(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    rows = []
+    measure_fit(min(args.layers), 1)  # warm-up
+    for structures in (1, 2):
+        for layers in args.layers:
+            trials = [measure_fit(layers, structures) for _ in range(args.trials)]
+            row = {**trials[0], "plan_s": statistics.median(t["plan_s"] for t in trials)}
+            rows.append(row)
+            log(
+                f"remat.fit {layers:>3} layers, {structures} structure(s): planned in {row['plan_s']:.2f} s, "
+                f"traces {row['traces']}, {row['plans']} distinct plans"
+            )
+    return rows
+
+
 def startup_ratio(rows: Sequence[dict[str, Any]], model_name: str, method: str) -> float:
     """Start-up at the deepest model over start-up at the shallowest, for one model and method."""
     mine = sorted((r for r in rows if r["model"] == model_name and r["method"] == method), key=lambda r: r["layers"])
@@ -189,6 +245,20 @@ def markdown(result: dict[str, Any]) -> str:
     for model_name in dict.fromkeys(r["model"] for r in rows):
         for method in METHODS[:2]:
             lines.append(f"- {model_name}, {method}: {startup_ratio(rows, model_name, method):.2f}x")
+    fits = result.get("fit", [])
+    if fits:
+        lines += [
+            "",
+            f"`remat.fit`'s planning time, a target halfway between keeping nothing and everything (median of "
+            f"{result.get('trials', 1)} fresh models; targets: {FIT_TARGETS[1]} s for 48 identical blocks, "
+            f"{FIT_TARGETS[2]} s for 48 of two structures):",
+            "",
+            "| layers | block structures | traces | distinct plans | planning (s) |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['layers']} | {r['structures']} | {r['traces']} | {r['plans']} | {r['plan_s']:.2f} |" for r in fits
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -201,8 +271,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS / "startup-cpu.json")
+    parser.add_argument("--no-fit", action="store_true", help="leave out remat.fit's planning time")
     args = parser.parse_args(argv)
     result = run(args)
+    if not args.no_fit:
+        result["fit"] = run_fit(args)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))

@@ -660,6 +660,14 @@ def _target_device(model: nn.Module, device: Any) -> torch.device | None:
         raise TypeError(f"remat.fit: `device` must name a device ('cpu', 'cuda'), but got {device!r}.") from None
     if target.type == "meta":
         raise ValueError("remat.fit: `device` is the real device to plan for, not 'meta'.")
+    if target.type == "cuda" and on_meta and not torch.cuda.is_available():
+        # Fake CUDA tensors run forward without a GPU, but autograd's engine opens a CUDA context for
+        # their backward ("hasPrimaryContext expects a valid device index").
+        raise ValueError(
+            "remat.fit: planning for `device='cuda'` runs the probe step on fake CUDA tensors, whose backward "
+            "needs a CUDA device on this machine, and torch sees none. Plan on a machine with a GPU (the model "
+            "can stay on meta there), or for `device='cpu'` here, whose kernels differ from CUDA's."
+        )
     where = {t.device for t in (*model.parameters(), *model.buffers())}
     if not on_meta and where != {target} and where:
         raise ValueError(

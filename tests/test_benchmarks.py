@@ -179,6 +179,18 @@ def test_startup_benchmark_counts_traces_per_method_and_renders_the_ratio() -> N
     assert text.count("| gpt2 |") == 6
 
 
+def test_startup_benchmark_plans_two_structures_with_two_traces() -> None:
+    from benchmarks import startup
+
+    rows = [startup.measure_fit(4, structures) for structures in (1, 2)]
+    assert [(row["structures"], row["traces"]) for row in rows] == [(1, 1), (2, 2)]
+    for row in rows:
+        assert row["predicted_peak"] <= row["target"]
+        row["plan_s"] = 0.5 * row["structures"]  # for the rendering
+    text = startup.markdown({"date": "d", "torch": "t", "machine": "m", "policy": "p", "rows": [], "fit": rows})
+    assert f"| 4 | 2 | 2 | {rows[1]['plans']} | 1.00 |" in text
+
+
 # --- benchmarks.compiled ---------------------------------------------------------------------------------
 
 

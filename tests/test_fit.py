@@ -479,3 +479,14 @@ def test_fit_asks_for_the_device_to_plan_a_model_on_meta_for() -> None:
     with pytest.raises(ValueError, match="leave out `device`"):
         remat.fit(mlp_stack(n=2), MLPBlock, torch.randn(8, 32), peak_bytes=2**20, loss=square_loss, device="cuda")
     assert not any(isinstance(m.__dict__.get("forward"), remat._apply.CheckpointedForward) for m in model.modules())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_fit_for_cuda_without_a_gpu_is_a_clear_error() -> None:
+    # It was torch's raw "hasPrimaryContext expects a valid device index" from the probe's backward (on a
+    # CUDA build of torch), or a raw error about the missing CUDA driver (on a CPU-only build).
+    with torch.device("meta"):
+        model = mlp_stack(n=2)
+    with pytest.raises(ValueError, match=r"device='cuda'.*needs a CUDA device"):
+        remat.fit(model, MLPBlock, torch.randn(8, 32, device="meta"), peak_bytes=2**20, loss=square_loss, device="cuda")
+    assert not any(isinstance(m.__dict__.get("forward"), remat._apply.CheckpointedForward) for m in model.modules())
