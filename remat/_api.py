@@ -31,7 +31,7 @@ from ._peak import predict_peak
 from ._pytree import FlatArgs, flatten_args
 from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure_of
 from ._specialize import ValuesChanged
-from ._torch import functorch_active
+from ._torch import HigherOrderOperator, functorch_active
 from ._trace import JointGraph, is_tracing, nested_checkpoint, trace_joint
 from .policies import save_nothing
 from .report import Report, ReportRow
@@ -305,6 +305,7 @@ def _build_executable(
         output_metas=tuple(TensorMeta.of(o.meta["val"]) for o in joint.outputs),
         compiled=None if compile_options is None else compile_programs(programs, compile_options),
         unbatchable=unsupported_under("torch.func.vmap", joint.graph.nodes),
+        higher_order_ops=frozenset(n.target for n in joint.graph.nodes if isinstance(n.target, HigherOrderOperator)),
         not_under_forward_ad=unsupported_under(
             "torch.autograd.forward_ad", joint.graph.nodes, works_under="torch.func.jvp (or jacfwd)"
         )

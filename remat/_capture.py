@@ -26,9 +26,11 @@ import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
+from ._higher_order import with_closures_lifted
 from ._torch import (
     FakeTensor,
     FakeTensorMode,
+    flex_attention_as_one_call,
     get_proxy_mode,
     innermost,
     node_behind,
@@ -228,7 +230,7 @@ class _CaptureMode(TorchFunctionMode):
         self.detached: set[Any] = set()  # graph nodes `fn` detached (see `stops_gradient`)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
+        args, kwargs = with_closures_lifted(func, args, kwargs or {})
         if self.substitutes is None:
             # Discovery: record real tensors and run on fake copies of them, so
             # that nothing real is read or written (buffers updated in place).
@@ -559,7 +561,7 @@ def capture_mode(
     pre_hook = nn.modules.module.register_module_forward_pre_hook(enter)
     post_hook = nn.modules.module.register_module_forward_hook(leave, always_call=True)
     try:
-        with mode:
+        with mode, flex_attention_as_one_call():
             yield mode
     finally:
         pre_hook.remove()

@@ -16,6 +16,7 @@ from ._contexts import autocast_disabled
 from ._partition import Programs
 from ._torch import (
     CtxCustomSave,
+    HigherOrderOperator,
     TransformType,
     apply_without_binding,
     batched_level,
@@ -47,6 +48,7 @@ class Executable:
     compiled: CompiledPrograms | None = None  # see NOTE [compiling remat's programs]
     unbatchable: str | None = None  # why the programs cannot run under `vmap`, if they cannot
     not_under_forward_ad: str | None = None  # why they cannot under `torch.autograd.forward_ad`, if so
+    higher_order_ops: frozenset[HigherOrderOperator] = frozenset()  # called by the programs (flex attention)
 
     def forward(self, *primals: torch.Tensor) -> Sequence[torch.Tensor]:
         if self.compiled is not None and not functorch_active():
@@ -98,6 +100,8 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
     if functorch_active():
         if executable.unbatchable is not None and vmap_active():
             raise NotImplementedError(executable.unbatchable)
+        if executable.higher_order_ops:
+            _check_transforms_support(executable.higher_order_ops)
         results = _CheckpointFunction.apply(executable, *primals)
     else:
         # `Function.apply` binds the arguments with `inspect.signature` on every
@@ -524,6 +528,21 @@ def unsupported_under(transform: str, nodes: Iterable[Any], works_under: str | N
                 "dimension."
             )
     return None
+
+
+def _check_transforms_support(ops: Iterable[HigherOrderOperator]) -> None:
+    """Raise if a torch.func transform now active has no rule for one of the higher-order `ops` (torch's own
+    error is a bare KeyError naming the transform)."""
+    for interpreter in functorch_interpreters():
+        for op in sorted(ops, key=lambda op: op.name()):
+            if interpreter.key() not in op.functorch_table:
+                transform = str(interpreter.key()).rsplit(".", 1)[-1].lower()
+                raise NotImplementedError(
+                    f"remat.checkpoint: the function calls `{op.name()}`, a higher-order op that torch.func's "
+                    f"{transform} transform does not support on this torch (eager PyTorch fails under it too). "
+                    "Call the checkpointed function outside torch.func, and take gradients with "
+                    "`loss.backward()` or `torch.autograd.grad`."
+                )
 
 
 def _accumulate(into: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:

@@ -33,11 +33,13 @@ from ._torch import (
     STRICT_FAKE_KERNELS,
     FunctionalTensor,
     FunctionalTensorMode,
+    HigherOrderOperator,
     TorchDispatchMode,
     UncheckedRealValuesFakeMode,
     elementwise_output_strides,
     empty_in_memory_layout,
     from_functional,
+    inherit_higher_order_rules,
     memory_layout,
     op_schema,
     random_calls_traced,
@@ -307,6 +309,10 @@ def kept_as_dead_code(node: Any) -> bool:
 class FunctionalModeKeepingChecks(FunctionalTensorMode):
     """The `FunctionalTensorMode` of a trace, which traces error checks as they are."""
 
+    def __enter__(self) -> Any:
+        inherit_higher_order_rules(type(self))  # See NOTE [higher-order ops under remat's modes].
+        return super().__enter__()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func in _ERROR_CHECKS:  # NOTE [error checks of linalg ops]
             args, kwargs = tree_map_only(FunctionalTensor, _unwrap, (args, kwargs or {}))
@@ -349,8 +355,12 @@ class EagerFidelity(TorchDispatchMode):
         self.fake_mode = fake_mode
         self.dropout_layout_matters = False  # a dropout filled a non-contiguous mask
 
+    supports_higher_order_operators = True  # See NOTE [higher-order ops under remat's modes].
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **kwargs)
         if func is aten.expand.default and _expands_nothing(args[0], args[1]):
             return aten.alias.default(args[0])
         written = _written_tensors(func, args, kwargs)
@@ -571,6 +581,8 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
 
     def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):  # See NOTE [higher-order ops under remat's modes].
+            return super().dispatch(func, types, args, kwargs)
         try:
             if func in STRICT_FAKE_KERNELS and not _on_cuda(args):
                 return run_real_kernel_on_zeros(self, func, args, kwargs)

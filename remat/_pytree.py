@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
+from . import _objects
 from ._kv_caches import is_kv_cache
 
-__all__ = ["NAMESPACE", "FlatArgs", "describe_path", "flatten_args", "flatten_outputs"]
+__all__ = ["NAMESPACE", "FlatArgs", "Rebuilt", "describe_path", "flatten_args", "flatten_outputs"]
 
 NAMESPACE = "remat"
 """optree namespace remat flattens with: register custom containers here or globally."""
+_objects.register(NAMESPACE)
 
 _STATIC_TYPES = (
+    types.BuiltinFunctionType,  # `torch.tanh` handed as an activation: by identity
     bool,
     int,
     float,
@@ -42,6 +46,27 @@ class StaticKey(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class Rebuilt:
+    """Arguments rebuilt around traced tensors, with the objects among them made again (see NOTE [objects
+    handed to a checkpointed function]): each with its path and what it was made from."""
+
+    arguments: tuple[tuple[Any, ...], dict[str, Any]]
+    objects: tuple[tuple[tuple[Any, ...], Any, Any], ...]
+
+    def check_unwritten(self, api: str) -> None:
+        """Raise if `fn` wrote into an object it was handed."""
+        for path, obj, opened in self.objects:
+            if not _objects.unchanged(obj, opened, NAMESPACE):
+                raise TypeError(
+                    f"{api}: the function writes into the argument at {describe_path(path)}, a "
+                    f"{type(obj).__qualname__}: an object handed to a checkpointed function is traced as a read-only "
+                    "input (its tensors are inputs), so a write into it would happen once, while tracing, to a copy, "
+                    "and never to your object. Return what the function computes instead of storing it in the "
+                    "object, or keep the object out of the checkpointed function's arguments."
+                )
+
+
+@dataclasses.dataclass(frozen=True)
 class FlatArgs:
     """`(args, kwargs)` split into tensor leaves and a static remainder."""
 
@@ -49,16 +74,36 @@ class FlatArgs:
     tensors: tuple[torch.Tensor, ...]
     tensor_positions: tuple[int, ...]
     statics: tuple[Any, ...]  # the leaf at every non-tensor position, in order
+    has_objects: bool = False  # whether objects were opened: see NOTE [objects handed to a checkpointed function]
 
     def rebuild(self, tensors: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """`(args, kwargs)` with the tensor leaves replaced by `tensors`."""
+        """`(args, kwargs)` with the tensor leaves replaced by `tensors` (objects made again around them)."""
+        args, kwargs = self.rebuild_objects(tensors).arguments
+        return args, kwargs
+
+    def rebuild_objects(self, tensors: Any) -> Rebuilt:
+        """`rebuild`, keeping what each object handed to `fn` was made from, to check it after `fn` ran."""
         leaves: list[Any] = []
         tensor_iter, static_iter = iter(tensors), iter(self.statics)
         positions = set(self.tensor_positions)
         for position in range(len(self.tensor_positions) + len(self.statics)):
             leaves.append(next(tensor_iter) if position in positions else next(static_iter))
-        args, kwargs = optree.tree_unflatten(self.spec, leaves)
-        return tuple(args), dict(kwargs)
+        tree = optree.tree_unflatten(self.spec, leaves)
+        if not self.has_objects:
+            return Rebuilt((tuple(tree[0]), dict(tree[1])), ())
+        made: list[tuple[tuple[Any, ...], Any, Any]] = []
+
+        def close(path: tuple[Any, ...], node: Any) -> Any:
+            if not _objects.is_opened(node):
+                return node
+            obj = _objects.close(node, NAMESPACE)
+            made.append((path, obj, node))
+            return obj
+
+        args, kwargs = optree.tree_map_with_path(
+            close, tree, is_leaf=_objects.is_opened, none_is_leaf=False, namespace=NAMESPACE
+        )
+        return Rebuilt((tuple(args), dict(kwargs)), tuple(made))
 
     def static_key(self) -> StaticKey:
         """Everything but the tensors' values that tracing depends on."""
@@ -69,6 +114,15 @@ def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Fla
     """Flatten `(args, kwargs)`, checking that every non-tensor leaf is a static value."""
     tree: Any = (args, kwargs)
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
+    has_objects = any(_openable(leaf) for leaf in leaves)
+    if has_objects:  # See NOTE [objects handed to a checkpointed function].
+        tree = optree.tree_map(
+            lambda leaf: _objects.open_leaf(leaf, NAMESPACE) if _openable(leaf) else leaf,
+            tree,
+            none_is_leaf=False,
+            namespace=NAMESPACE,
+        )
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
     tensors: list[torch.Tensor] = []
     positions: list[int] = []
     statics: list[Any] = []
@@ -94,11 +148,16 @@ def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Fla
                 )
             raise TypeError(
                 f"{api}: the argument at {describe_path(path)} is a {type(leaf).__qualname__}, which is neither a "
-                "tensor nor a static value (bool, int, float, str, enum, dtype, device, or a tuple of them). "
+                "tensor nor a static value (bool, int, float, str, enum, dtype, device, or a tuple of them), nor an "
+                "object remat opens into what it holds (one whose state is its `__dict__`, or a Python function). "
                 "Pass tensors as tensors and configuration as static values; a custom container must be "
                 f"registered as a pytree node with optree (namespace={NAMESPACE!r} or global)."
             )
-    return FlatArgs(spec, tuple(tensors), tuple(positions), tuple(statics))
+    return FlatArgs(spec, tuple(tensors), tuple(positions), tuple(statics), has_objects)
+
+
+def _openable(value: Any) -> bool:
+    return _objects.is_openable(value) and not is_kv_cache(value)  # a cache has its own error, below
 
 
 def _is_static(value: Any) -> bool:

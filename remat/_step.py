@@ -158,6 +158,10 @@ class _Allocations(TorchDispatchMode):
     """Reports every real tensor an op allocates (fake tensors of remat's tracing are not memory), and
     every fake tensor of `counted`, the fake mode a step on fake tensors runs under."""
 
+    # A higher-order op (flex attention) passes through like any op: its outputs are counted, not what
+    # its implementation allocates and frees inside.
+    supports_higher_order_operators = True
+
     def __init__(self, into: _Recorder, counted: Any = None):
         super().__init__()
         self.into = into

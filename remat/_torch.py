@@ -98,6 +98,8 @@ __all__ = [
     "FunctionalTensorMode",
     "GuardOnDataDependentSymNode",
     "HigherOrderOperator",
+    "flex_attention_as_one_call",
+    "inherit_higher_order_rules",
     "OpOverload",
     "OpOverloadPacket",
     "TorchDispatchMode",
@@ -339,6 +341,10 @@ class UncheckedRealValuesFakeMode(FakeTensorMode):
     would tie every data-dependent size (the tokens each expert gets) to its value in this run.
     It checks ranks only, and squeezes as the real kernel does (NOTE [squeezing a size that depends
     on data])."""
+
+    def __enter__(self) -> Any:
+        inherit_higher_order_rules(type(self))
+        return super().__enter__()
 
     def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func in _SQUEEZES and not kwargs:
@@ -767,3 +773,51 @@ def _function_forwards() -> dict[CodeType, str]:
 def _code_of(method: Any) -> CodeType | None:
     function = getattr(method, "__func__", method)  # a staticmethod
     return getattr(function, "__code__", None)
+
+
+# NOTE [higher-order ops under remat's modes]
+# A higher-order op (FlexAttention's `flex_attention` and its backward) finds
+# its rule for a dispatch mode by the mode's exact class, so torch's rules for
+# `FakeTensorMode` and `FunctionalTensorMode` do not reach remat's subclasses of
+# them: each subclass takes its bases' rules as it is entered (the ops made
+# since it was last entered included). remat's other dispatch modes look at aten
+# calls only and let higher-order ops pass through.
+
+
+def inherit_higher_order_rules(mode_class: type) -> None:
+    """Give `mode_class` the rules every higher-order op has for its nearest base class that has one."""
+    for op in list(torch._ops._higher_order_ops.values()):
+        if mode_class in op.python_key_table:
+            continue
+        rule = next((op.python_key_table[c] for c in mode_class.__mro__[1:] if c in op.python_key_table), None)
+        if rule is not None:
+            op.py_impl(mode_class)(rule)
+
+
+@contextlib.contextmanager
+def flex_attention_as_one_call() -> Iterator[None]:
+    """While tracing: `flex_attention` calls its higher-order op directly, which traces as one call, as
+    under torch.compile; eagerly it compiles the op with Dynamo, which cannot run inside a trace. See
+    NOTE [flex attention inside a trace]."""
+    module = sys.modules.get("torch.nn.attention.flex_attention")
+    flag = "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"
+    if module is None or not hasattr(module, flag):
+        yield
+        return
+    before = getattr(module, flag)
+    setattr(module, flag, True)
+    try:
+        yield
+    finally:
+        setattr(module, flag, before)
+
+
+# NOTE [flex attention inside a trace]
+# Called eagerly, `flex_attention` wraps its higher-order op in `torch.compile`
+# (Dynamo, with the eager backend), which fails on the fake and functional
+# tensors of remat's trace. Its module flag `_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`
+# makes it call the op directly instead, which make_fx records as one call with
+# its `score_mod` and `mask_mod` as subgraphs, and whose autograd rule traces
+# the backward op: so the flag is set while remat traces (traces take turns).
+# A thread running flex attention eagerly meanwhile runs the op uncompiled,
+# with the same results. The programs run the traced op, without Dynamo.

@@ -401,9 +401,9 @@ def _elements_may_share_memory(tensor: torch.Tensor) -> bool:
 # input's. Forward-mode AD sees through `no_grad`, so such an update changes
 # the input's tangent: traced for forward mode, every float input updated in
 # place is dirty, and the jvp rule updates its tangent in place, as autograd
-# asks of a Function that updates an input. (Through `.detach()`, eager keeps
-# the old tangent beside the new value; remat gives the new value's, zero: a
-# documented limitation.)
+# asks of a Function that updates an input. (Through `.detach()`, the input
+# keeps its old tangent beside the new value, as in eager: see NOTE [updates
+# under no_grad keep their tensors' histories].)
 
 
 def _fake_like(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
@@ -449,10 +449,12 @@ def _discover(
     hook = torch.nn.modules.module.register_module_forward_pre_hook(note_module)
     try:
         with fake_mode, torch.enable_grad(), capture_mode(roots, None, fakeify, fake_mode=fake_mode) as mode:
-            args, kwargs = flat_args.rebuild(fakes)
+            rebuilt_args = flat_args.rebuild_objects(fakes)
+            args, kwargs = rebuilt_args.arguments
             out = fn(*args, **kwargs)
     finally:
         hook.remove()
+    rebuilt_args.check_unwritten("remat.checkpoint")
     outputs, output_spec = flatten_outputs(out)
     outputs = [mode.record_closed_over(o) for o in outputs]  # a closed-over tensor returned as is
     closed_over = tuple(mode.closed_over.values())

@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-from . import _offload
+from . import _objects, _offload
 from . import policies as _policies
 from ._calls import Call, Decision, Trace
 from ._checkpoint import checkpoint as _remat_checkpoint
+from ._pytree import NAMESPACE
 from ._torch import import_jvp_decompositions, version_counter
 
 __all__ = [
@@ -930,13 +931,20 @@ def _checkpoint(fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
     return _remat_checkpoint(fn, policy=policy)
 
 
+def _through_objects(function: Callable[[Any], Any], tree: Any) -> Any:
+    """`function` of every leaf of `tree`, the leaves inside the objects a checkpointed function is handed
+    included (made again around the new leaves): see NOTE [objects handed to a checkpointed function]."""
+    mapped = optree.tree_map(function, _objects.opened(tree, NAMESPACE), none_is_leaf=False, namespace=NAMESPACE)
+    return _objects.closed(mapped, NAMESPACE)
+
+
 def _to_device(tree: Any, device: str | torch.device | None) -> Any:
     def move(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and device is not None:
             return leaf.detach().to(device).requires_grad_(leaf.requires_grad)
         return leaf
 
-    return optree.tree_map(move, tree, none_is_leaf=False)
+    return _through_objects(move, tree)
 
 
 def _fresh(tree: Any) -> Any:
@@ -945,7 +953,7 @@ def _fresh(tree: Any) -> Any:
             return leaf.detach().clone().requires_grad_(leaf.requires_grad)
         return leaf
 
-    return optree.tree_map(copy, tree, none_is_leaf=False)
+    return _through_objects(copy, tree)
 
 
 def _detach(leaf: Any) -> Any:
@@ -957,7 +965,8 @@ def _detached(tree: Any) -> Any:
 
 
 def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in optree.tree_leaves(tree, none_is_leaf=False) if isinstance(leaf, torch.Tensor)]
+    leaves = optree.tree_leaves(_objects.opened(tree, NAMESPACE), none_is_leaf=False, namespace=NAMESPACE)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def _random_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

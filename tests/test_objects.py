@@ -1,0 +1,168 @@
+"""Objects handed to a checkpointed function: NOTE [objects handed to a checkpointed function].
+
+Every gradient check compares with the function without checkpointing, in float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import remat
+from remat import policies
+from remat.testing import assert_checkpoint_equivalent
+
+POLICIES = [policies.save_nothing, policies.save_everything, policies.dots_saveable]
+
+
+@dataclasses.dataclass
+class Mixer:
+    """A dataclass registered with no pytree library: tensors, a size and a function."""
+
+    weight: torch.Tensor
+    width: int
+    activation: Any
+
+
+class Plain:
+    def __init__(self, bias: torch.Tensor, scale: float):
+        self.bias = bias
+        self.scale = scale
+
+
+def mixed(x: torch.Tensor, mixer: Mixer, plain: Plain) -> torch.Tensor:
+    return mixer.activation(x[:, : mixer.width] @ mixer.weight) * plain.scale + plain.bias
+
+
+def randn(*shape: int, grad: bool = True) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=grad)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_tensors_of_objects_are_inputs_and_get_their_gradients(policy: Any) -> None:
+    mixer, plain = Mixer(randn(3, 4), 3, torch.tanh), Plain(randn(4), 0.5)
+    assert_checkpoint_equivalent(mixed, randn(5, 6), mixer, plain, policy=policy)
+
+
+def test_objects_of_the_same_structure_take_one_trace_and_their_own_tensors() -> None:
+    checkpointed = remat.checkpoint(mixed)
+    for _ in range(3):
+        mixer, plain, x = Mixer(randn(3, 4), 3, torch.tanh), Plain(randn(4), 0.5), randn(5, 6)
+        expected = mixed(x, mixer, plain)
+        torch.testing.assert_close(checkpointed(x, mixer, plain), expected, rtol=1e-12, atol=1e-12)
+    assert checkpointed.cache_info().traces == 1
+    checkpointed(x, Mixer(mixer.weight, 3, torch.tanh), Plain(plain.bias, 2.0))  # another static value
+    checkpointed(x, Mixer(randn(2, 4), 2, torch.tanh), plain)  # another static value and shape
+    assert checkpointed.cache_info().traces == 3
+
+
+def test_a_function_argument_is_opened_into_the_tensors_it_closes_over() -> None:
+    def scaled_by(weight: torch.Tensor) -> Any:
+        return lambda x: x * weight.sin()
+
+    def fn(x: torch.Tensor, scale: Any) -> torch.Tensor:
+        return scale(x).exp().sum(0)
+
+    checkpointed = remat.checkpoint(fn)
+    for _ in range(2):  # a new closure over a new tensor each step: one trace, that tensor's values
+        weight, x = randn(4), randn(3, 4)
+        expected = torch.autograd.grad(fn(x, scaled_by(weight)).sum(), (x, weight))
+        actual = torch.autograd.grad(checkpointed(x, scaled_by(weight)).sum(), (x, weight))
+        for a, e in zip(actual, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    assert checkpointed.cache_info().traces == 1
+
+
+def test_an_object_the_function_writes_into_is_refused_naming_it() -> None:
+    def fn(x: torch.Tensor, plain: Plain) -> torch.Tensor:
+        plain.last = x.sum()  # a side effect remat would make once, on a copy
+        return x * plain.scale
+
+    with pytest.raises(TypeError, match=r"writes into the argument at args\[1\], a Plain.*read-only"):
+        remat.checkpoint(fn)(randn(3), Plain(randn(3), 2.0))
+
+
+def test_an_update_of_a_tensor_an_object_holds_is_an_update_of_the_input() -> None:
+    def fn(x: torch.Tensor, plain: Plain) -> torch.Tensor:
+        with torch.no_grad():
+            plain.bias.add_(1.0)  # the tensor is an input: written back as eager writes it
+        return x * plain.scale + plain.bias
+
+    assert_checkpoint_equivalent(fn, randn(3), Plain(torch.randn(3, dtype=torch.float64), 2.0))
+
+
+def test_objects_that_keep_state_outside_their_dict_are_still_refused() -> None:
+    class Slotted:
+        __slots__ = ("scale",)
+
+        def __init__(self, scale: float):
+            self.scale = scale
+
+    with pytest.raises(TypeError, match=r"args\[1\] is a .*Slotted, which is neither a tensor nor a static value"):
+        remat.checkpoint(lambda x, s: x * s.scale)(randn(3), Slotted(2.0))
+
+
+# --- FlexAttention ------------------------------------------------------------------------------------------
+
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+B, H, T, D = 2, 2, 128, 8
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's Python wrapper refuses flex attention's backward on the CPU (the op itself runs): lifted in
+    these tests only, for eager and remat alike."""
+    if hasattr(flex, "_validate_device"):
+        monkeypatch.setattr(flex, "_validate_device", lambda *args: None)
+
+
+def document_mask(seed: int) -> Any:
+    """Document masking: a causal mask within documents whose ids a `mask_mod` closure holds."""
+    documents = torch.randint(0, 3, (T,), generator=torch.Generator().manual_seed(seed)).sort().values
+
+    def mask_mod(b: Any, h: Any, q_index: Any, kv_index: Any) -> Any:
+        return (documents[q_index] == documents[kv_index]) & (q_index >= kv_index)
+
+    return flex.create_block_mask(mask_mod, None, None, T, T, device="cpu")
+
+
+def relative_bias(score: Any, b: Any, h: Any, q_index: Any, kv_index: Any) -> Any:
+    return score + (q_index - kv_index).to(score.dtype) * 0.01
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
+    return flex.flex_attention(q, k, v, score_mod=relative_bias, block_mask=block_mask)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.usefixtures("flex_backward_on_cpu")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_flex_attention_with_a_block_mask_checkpoints_with_eagers_gradients(policy: Any) -> None:
+    # It was `TypeError: ... args[3] is a BlockMask, which is neither a tensor nor a static value`.
+    checkpointed = remat.checkpoint(attention, policy=policy)
+    for step in range(3):  # a new mask each step, over other documents: one trace, each mask's values
+        q, k, v = (randn(B, H, T, D) for _ in range(3))
+        block_mask = document_mask(step)
+        expected = attention(q, k, v, block_mask)
+        expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+        actual = checkpointed(q, k, v, block_mask)
+        grads = torch.autograd.grad(actual.square().sum(), (q, k, v))
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+        for a, e in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    assert checkpointed.cache_info().traces == 1
+    assert [call.op.name() for call in remat.trace(attention, q, k, v, block_mask)] == ["flex_attention"]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.usefixtures("flex_backward_on_cpu")
+def test_flex_attention_under_torch_func_grad_is_a_clear_error() -> None:
+    # Eager flex attention fails under torch.func.grad too (torch has no rule for it); remat said KeyError.
+    q = randn(1, H, T, D, grad=False)
+    block_mask = document_mask(0)
+    with pytest.raises(NotImplementedError, match=r"`flex_attention`, a higher-order op that torch.func's grad"):
+        torch.func.grad(lambda q: remat.checkpoint(attention)(q, q, q, block_mask).sum())(q)
