@@ -117,7 +117,7 @@ def is_openable(value: Any) -> bool:
         cls.__module__ != "builtins"
         and not isinstance(value, (torch.Tensor, torch.nn.Module, torch.Generator, type, types.ModuleType))
         and cls.__new__ is object.__new__  # made again without arguments
-        and "__slots__" not in {name for klass in cls.__mro__[:-1] for name in vars(klass)}
+        and not any("__slots__" in vars(klass) for klass in cls.__mro__[:-1])
         and not isinstance(value, (dict, list, tuple, set, frozenset))  # items outside `__dict__`
         and isinstance(getattr(value, "__dict__", None), dict)
     )
