@@ -73,13 +73,14 @@ class OpenedObject:
 
 
 class OpenedFunction:
-    """A Python function opened into its closure's contents and its defaults (a pytree node)."""
+    """A Python function opened into its closure's contents, its defaults and its attributes (a pytree
+    node); its code, globals (by identity), qualified name and module are its static part."""
 
-    __slots__ = ("cells", "code", "defaults", "globals", "kwdefaults", "name")
+    __slots__ = ("attributes", "cells", "code", "defaults", "globals", "kwdefaults", "names")
 
-    def __init__(self, code: types.CodeType, globals: _ByIdentity, name: str, values: tuple[Any, ...]):
-        self.code, self.globals, self.name = code, globals, name
-        self.cells, self.defaults, self.kwdefaults = values
+    def __init__(self, code: types.CodeType, globals: _ByIdentity, names: tuple[str, str], values: tuple[Any, ...]):
+        self.code, self.globals, self.names = code, globals, names
+        self.cells, self.defaults, self.kwdefaults, self.attributes = values
 
 
 def register(namespace: str) -> None:
@@ -96,16 +97,16 @@ def _unflatten_object(data: tuple[type, tuple[str, ...]], values: Any) -> Opened
     return OpenedObject(data[0], data[1], tuple(values))
 
 
-_FUNCTION_PARTS = ("closure", "defaults", "kwdefaults")
+_FUNCTION_PARTS = ("closure", "defaults", "kwdefaults", "attributes")
 
 
 def _flatten_function(f: OpenedFunction) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
-    return (f.cells, f.defaults, f.kwdefaults), (f.code, f.globals, f.name), _FUNCTION_PARTS
+    return (f.cells, f.defaults, f.kwdefaults, f.attributes), (f.code, f.globals, f.names), _FUNCTION_PARTS
 
 
-def _unflatten_function(data: tuple[types.CodeType, _ByIdentity, str], values: Any) -> OpenedFunction:
-    code, globals, name = data
-    return OpenedFunction(code, globals, name, tuple(values))
+def _unflatten_function(data: tuple[types.CodeType, _ByIdentity, tuple[str, str]], values: Any) -> OpenedFunction:
+    code, globals, names = data
+    return OpenedFunction(code, globals, names, tuple(values))
 
 
 def is_openable(value: Any) -> bool:
@@ -145,8 +146,9 @@ def open_leaf(value: Any, namespace: str, _opening: frozenset[int] = frozenset()
 
     if isinstance(value, types.FunctionType):
         cells = tuple(cell.cell_contents for cell in value.__closure__ or ())
-        values = inner((cells, value.__defaults__, value.__kwdefaults__))
-        return OpenedFunction(value.__code__, _ByIdentity(value.__globals__), value.__qualname__, values)
+        values = inner((cells, value.__defaults__, value.__kwdefaults__, dict(vars(value))))
+        names = (value.__qualname__, value.__module__)
+        return OpenedFunction(value.__code__, _ByIdentity(value.__globals__), names, values)
     names = tuple(vars(value))
     return OpenedObject(type(value), names, tuple(inner(vars(value)[name]) for name in names))
 
@@ -165,12 +167,15 @@ def close(opened: OpenedObject | OpenedFunction, namespace: str) -> Any:
             vars(obj).update(zip(node.names, (walk(v) for v in node.values), strict=True))
             return obj
         if isinstance(node, OpenedFunction):
-            cells, defaults, kwdefaults = walk((node.cells, node.defaults, node.kwdefaults))
+            cells, defaults, kwdefaults, attributes = walk(
+                (node.cells, node.defaults, node.kwdefaults, node.attributes)
+            )
             function = types.FunctionType(
                 node.code, node.globals.value, node.code.co_name, defaults, tuple(types.CellType(c) for c in cells)
             )
             function.__kwdefaults__ = kwdefaults
-            function.__qualname__ = node.name
+            function.__qualname__, function.__module__ = node.names
+            vars(function).update(attributes)
             return function
         return node
 

@@ -76,6 +76,18 @@ def test_a_function_argument_is_opened_into_the_tensors_it_closes_over() -> None
     assert checkpointed.cache_info().traces == 1
 
 
+def test_a_function_argument_keeps_its_attributes() -> None:
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    double.offset = 3.0  # type: ignore[attr-defined]
+
+    def fn(x: torch.Tensor, op: Any) -> torch.Tensor:
+        return op(x) + op.offset
+
+    assert_checkpoint_equivalent(fn, randn(3), double)
+
+
 def test_an_object_the_function_writes_into_is_refused_naming_it() -> None:
     def fn(x: torch.Tensor, plain: Plain) -> torch.Tensor:
         plain.last = x.sum()  # a side effect remat would make once, on a copy
