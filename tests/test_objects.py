@@ -5,6 +5,7 @@ Every gradient check compares with the function without checkpointing, in float6
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -178,3 +179,56 @@ def test_flex_attention_under_torch_func_grad_is_a_clear_error() -> None:
     block_mask = document_mask(0)
     with pytest.raises(NotImplementedError, match=r"`flex_attention`, a higher-order op that torch.func's grad"):
         torch.func.grad(lambda q: remat.checkpoint(attention)(q, q, q, block_mask).sum())(q)
+
+
+class FlexLayer(torch.nn.Module):
+    """Self-attention through flex attention, handed the step's block mask."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, block_mask: Any) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, H, d // H).permute(2, 0, 3, 1, 4)
+        y = flex.flex_attention(q, k, v, score_mod=relative_bias, block_mask=block_mask)
+        return x + self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class FlexModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(FlexLayer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor, block_mask: Any) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, block_mask=block_mask)
+        return x
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+# Eager flex attention compiles its op with Dynamo, which reads `.grad` of non-leaf inputs, and imports
+# modules that warn of `torch.jit` on some releases: torch's warnings, not remat's.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.usefixtures("flex_backward_on_cpu")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
+def test_layers_handed_a_block_mask_checkpoint_in_place(compiled: bool) -> None:
+    torch.manual_seed(0)
+    model = FlexModel()
+    checkpointed = remat.checkpoint_modules(copy.deepcopy(model), FlexLayer, policy=policies.dots_saveable)
+    run = torch.compile(checkpointed) if compiled else checkpointed
+    for step in range(2):
+        x, block_mask = torch.randn(2, T, 16), document_mask(step)
+        grads = []
+        for m, call in ((model, model), (checkpointed, run)):
+            m.zero_grad(set_to_none=True)
+            out = call(x, block_mask)
+            out.square().sum().backward()
+            grads.append((out.detach(), [p.grad for p in m.parameters()]))
+        torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-6)
+        for a, e in zip(grads[1][1], grads[0][1], strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+    # The first layer's input needs no grad, the others' do: two traces, the third layer takes the second's.
+    assert [layer.forward.cache_info().traces for layer in checkpointed.layers] == [1, 1, 0]
