@@ -118,7 +118,7 @@ def is_openable(value: Any) -> bool:
         cls.__module__ != "builtins"
         and not isinstance(value, (torch.Tensor, torch.nn.Module, torch.Generator, type, types.ModuleType))
         and cls.__new__ is object.__new__  # made again without arguments
-        and not any("__slots__" in vars(klass) for klass in cls.__mro__[:-1])
+        and not any(vars(klass).get("__slots__") for klass in cls.__mro__[:-1])  # (the ABCs' are empty)
         and not isinstance(value, (dict, list, tuple, set, frozenset))  # items outside `__dict__`
         and isinstance(getattr(value, "__dict__", None), dict)
     )

@@ -5,6 +5,7 @@ Every gradient check compares with the function without checkpointing, in float6
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from typing import Any
@@ -105,6 +106,24 @@ def test_an_update_of_a_tensor_an_object_holds_is_an_update_of_the_input() -> No
         return x * plain.scale + plain.bias
 
     assert_checkpoint_equivalent(fn, randn(3), Plain(torch.randn(3, dtype=torch.float64), 2.0))
+
+
+class SharedStates(collections.UserDict):  # type: ignore[type-arg]
+    """Like transformers' `KVSharingDict`, which some layers of Gemma 3n write into and later ones read."""
+
+
+def test_a_mapping_the_function_reads_is_opened_and_one_it_writes_into_is_refused() -> None:
+    def reads(x: torch.Tensor, states: SharedStates) -> torch.Tensor:
+        return x * states["keys"].sin()
+
+    assert_checkpoint_equivalent(reads, randn(3), SharedStates(keys=randn(3)))
+
+    def writes(x: torch.Tensor, states: SharedStates) -> torch.Tensor:
+        states["keys"] = x.cos()
+        return x.sin()
+
+    with pytest.raises(TypeError, match=r"writes into the argument at kwargs\['states'\], a SharedStates"):
+        remat.checkpoint(writes)(randn(3), states=SharedStates())
 
 
 def test_objects_that_keep_state_outside_their_dict_are_still_refused() -> None:
