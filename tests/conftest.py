@@ -101,9 +101,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         file.write(f"===== {report.nodeid} ({report.when}) =====\n{report.longreprtext}\n\n")
 
 
-# torch warns once at import when numpy is missing (a fresh `nox` venv); `-W` filter for subprocesses.
-NO_NUMPY_IS_FINE = "ignore:Failed to initialize NumPy:UserWarning"
-
 # --- tolerances ------------------------------------------------------------------------------------
 
 # float64, for tests that compare tensors themselves: remat runs the same aten kernels as eager,

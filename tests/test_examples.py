@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NO_NUMPY_IS_FINE
 
 pytestmark = pytest.mark.slow  # each example runs in a process of its own
 
@@ -38,7 +37,7 @@ def test_every_example_is_run() -> None:
 @pytest.mark.parametrize("script", sorted(RUNS))
 def test_example_runs(script: str, tmp_path: Path) -> None:
     arguments, key_line = RUNS[script]
-    command = [sys.executable, "-W", "error", "-W", NO_NUMPY_IS_FINE, str(EXAMPLES / script)]
+    command = [sys.executable, "-W", "error", str(EXAMPLES / script)]
     command += [argument.replace("{tmp}", str(tmp_path)) for argument in arguments]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
     result = subprocess.run(

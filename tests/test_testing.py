@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import DEVICES, NO_NUMPY_IS_FINE, examples
+from conftest import DEVICES, examples
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -714,7 +714,7 @@ def test_import_remat_does_not_import_hypothesis_but_remat_testing_works() -> No
         "import remat.testing\n"
         "assert 'hypothesis' in sys.modules and len(remat.testing.CATALOG) >= 40\n"
     )
-    command = [sys.executable, "-W", "error", "-W", NO_NUMPY_IS_FINE, "-c", code]
+    command = [sys.executable, "-W", "error", "-c", code]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
