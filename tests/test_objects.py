@@ -251,3 +251,55 @@ def test_layers_handed_a_block_mask_checkpoint_in_place(compiled: bool) -> None:
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
     # The first layer's input needs no grad, the others' do: two traces, the third layer takes the second's.
     assert [layer.forward.cache_info().traces for layer in checkpointed.layers] == [1, 1, 0]
+
+
+@pytest.fixture
+def transformers_flex_uncompiled(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """transformers compiles flex attention with inductor, which fails on the CPU for eager models too:
+    in these tests, its layers call `flex_attention` as it is."""
+    transformers = pytest.importorskip("transformers")
+    integration = pytest.importorskip("transformers.integrations.flex_attention")
+    monkeypatch.setattr(integration.WrappedFlexAttention, "__call__", lambda self: flex.flex_attention)
+    return transformers
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:_compile flag on create_block_mask:DeprecationWarning")  # transformers'
+@pytest.mark.usefixtures("flex_backward_on_cpu")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_transformers_model_with_flex_attention_trains_as_in_eager(
+    transformers_flex_uncompiled: Any, policy: Any
+) -> None:
+    transformers = transformers_flex_uncompiled
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        max_position_embeddings=256,
+    )
+    config._attn_implementation = "flex_attention"  # each layer is handed the model's BlockMask
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    checkpointed = remat.checkpoint_modules(
+        copy.deepcopy(model), transformers.GradientCheckpointingLayer, policy=policy
+    )
+    ids = torch.randint(0, 100, (2, 128), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for m in (model, checkpointed):
+        out = m(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        runs.append((out.loss.detach(), {name: p.grad for name, p in m.named_parameters()}))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
+    for name, grad in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    layers = checkpointed.model.layers
+    assert [(layer.forward.cache_info().traces, layer.forward.cache_info().shared) for layer in layers] == [
+        (1, 0),
+        (0, 1),
+    ]
