@@ -37,6 +37,9 @@ _STATIC_TYPES = (
 )
 
 
+_TENSOR_OR_STATIC = (torch.Tensor, *_STATIC_TYPES)
+
+
 class StaticKey(NamedTuple):
     """The part of a signature key that the arguments' structure and non-tensor leaves make."""
 
@@ -114,7 +117,7 @@ def flatten_args(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Fla
     """Flatten `(args, kwargs)`, checking that every non-tensor leaf is a static value."""
     tree: Any = (args, kwargs)
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
-    has_objects = any(not isinstance(leaf, (torch.Tensor, *_STATIC_TYPES)) and _openable(leaf) for leaf in leaves)
+    has_objects = any(not isinstance(leaf, _TENSOR_OR_STATIC) and _openable(leaf) for leaf in leaves)
     if has_objects:  # See NOTE [objects handed to a checkpointed function].
         tree = optree.tree_map(
             lambda leaf: _objects.open_leaf(leaf, NAMESPACE) if _openable(leaf) else leaf,
