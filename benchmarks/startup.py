@@ -23,8 +23,9 @@ Then `remat.fit`'s planning time (its probe step, the traces, every block's cand
 for the step) on the GPT-2 stack at each depth, with one block structure and with two (every other
 block with twice the heads: one class whose attribute the trace reads, as Gemma's sliding and full
 attention layers), at a target halfway between the peaks keeping nothing and keeping everything. The
-targets: 2 s for 48 identical blocks and 10 s for 48 blocks of two structures. Nothing here asserts on
-timings.
+targets: 2 s for 48 identical blocks and 10 s for 48 blocks of two structures. Last, `remat.fit` of a
+Llama-3-8B-shaped model (transformers, bfloat16, T=8192) on the meta device for the CPU: a plan for a
+model this machine could not hold. Nothing here asserts on timings.
 """
 
 from __future__ import annotations
@@ -220,6 +221,47 @@ def run_fit(args: argparse.Namespace, log: Callable[[str], None] = print) -> lis
     return rows
 
 
+def measure_meta_llama(layers: int = 32, tokens: int = 8192) -> dict[str, Any]:
+    """`remat.fit` of a Llama-3-8B-shaped model (bfloat16) on the meta device for the CPU, at batch 1 x `tokens`:
+    a plan for a model this machine could not hold, at a target halfway between keeping nothing and
+    keeping everything (read off a plan without a binding target, which is timed too)."""
+    config = transformers.LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=tokens,
+    )
+    config.use_cache = False
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    block = transformers.GradientCheckpointingLayer
+
+    def planned(target: int) -> tuple[Any, float]:
+        started = time.perf_counter()
+        plan = remat.fit(model, block, ids, kwargs={"labels": ids}, peak_bytes=target, device="cpu")
+        seconds = time.perf_counter() - started
+        remat.uncheckpoint_modules(model)
+        return plan, seconds
+
+    loose, first_s = planned(2**62)
+    target = (loose.report.peak_keeping_nothing + loose.report.peak_keeping_everything) // 2
+    plan, plan_s = planned(target)
+    return {
+        "layers": layers,
+        "tokens": tokens,
+        "first_plan_s": first_s,
+        "plan_s": plan_s,
+        "peak_keeping_nothing": loose.report.peak_keeping_nothing,
+        "peak_keeping_everything": loose.report.peak_keeping_everything,
+        "target": target,
+        "predicted_peak": plan.predicted_peak,
+    }
+
+
 def startup_ratio(rows: Sequence[dict[str, Any]], model_name: str, method: str) -> float:
     """Start-up at the deepest model over start-up at the shallowest, for one model and method."""
     mine = sorted((r for r in rows if r["model"] == model_name and r["method"] == method), key=lambda r: r["layers"])
@@ -259,6 +301,18 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             f"| {r['layers']} | {r['structures']} | {r['traces']} | {r['plans']} | {r['plan_s']:.2f} |" for r in fits
         ]
+    meta = result.get("meta_llama")
+    if meta:
+        gib = 2**30
+        lines += [
+            "",
+            f"`remat.fit` of a Llama-3-8B-shaped model on the meta device for the CPU ({meta['layers']} layers, "
+            f"bfloat16, batch 1 x {meta['tokens']} tokens): peak keeping nothing "
+            f"{meta['peak_keeping_nothing'] / gib:.1f} GiB, keeping everything "
+            f"{meta['peak_keeping_everything'] / gib:.1f} GiB; planned to {meta['target'] / gib:.1f} GiB "
+            f"(predicted {meta['predicted_peak'] / gib:.1f} GiB) in {meta['plan_s']:.1f} s "
+            f"(the first plan in the process, with its traces: {meta['first_plan_s']:.1f} s).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -276,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     result = run(args)
     if not args.no_fit:
         result["fit"] = run_fit(args)
+        result["meta_llama"] = measure_meta_llama()
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
