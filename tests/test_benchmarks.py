@@ -179,6 +179,7 @@ def test_startup_benchmark_counts_traces_per_method_and_renders_the_ratio() -> N
     assert text.count("| gpt2 |") == 6
 
 
+@pytest.mark.slow
 def test_startup_benchmark_plans_two_structures_with_two_traces() -> None:
     from benchmarks import startup
 
@@ -187,8 +188,12 @@ def test_startup_benchmark_plans_two_structures_with_two_traces() -> None:
     for row in rows:
         assert row["predicted_peak"] <= row["target"]
         row["plan_s"] = 0.5 * row["structures"]  # for the rendering
-    text = startup.markdown({"date": "d", "torch": "t", "machine": "m", "policy": "p", "rows": [], "fit": rows})
+    meta = startup.measure_meta_llama(layers=1, tokens=64)
+    assert meta["peak_keeping_nothing"] <= meta["predicted_peak"] <= meta["target"] <= meta["peak_keeping_everything"]
+    result = {"date": "d", "torch": "t", "machine": "m", "policy": "p", "rows": [], "fit": rows, "meta_llama": meta}
+    text = startup.markdown(result)
     assert f"| 4 | 2 | 2 | {rows[1]['plans']} | 1.00 |" in text
+    assert "Llama-3-8B-shaped model on the meta device for the CPU (1 layers, bfloat16, batch 1 x 64 tokens)" in text
 
 
 # --- benchmarks.compiled ---------------------------------------------------------------------------------
