@@ -460,9 +460,9 @@ class DetachedViews:
                 continue
             for depth in tracked.depths:
                 node = _views_below(node_behind(tensor), depth)
-                # (An update through the tensor rebuilds its chain, whose views pass a history on: not
-                # this one, which is `fn`'s detach.)
-                if node is not None and node.target in _ALIASES and node.meta.get("remat_stops_gradient") is None:
+                # (An update through the tensor rebuilds its chain, under the update's grad mode, with views
+                # that pass a history on: not this one, which is `fn`'s detach.)
+                if node is not None and node.target in _ALIASES and node.meta.get("remat_stops_gradient") != "detach":
                     node.meta["remat_stops_gradient"] = "detach"
 
     def _tracked_as(self, tensor: Any) -> _Tracked | None:
