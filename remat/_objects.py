@@ -164,12 +164,11 @@ def close(opened: OpenedObject | OpenedFunction, namespace: str) -> Any:
     def make(node: Any) -> Any:
         if isinstance(node, OpenedObject):
             obj: Any = object.__new__(node.cls)
-            vars(obj).update(zip(node.names, (walk(v) for v in node.values), strict=True))
+            vars(obj).update(zip(node.names, (closed(v, namespace) for v in node.values), strict=True))
             return obj
         if isinstance(node, OpenedFunction):
-            cells, defaults, kwdefaults, attributes = walk(
-                (node.cells, node.defaults, node.kwdefaults, node.attributes)
-            )
+            parts = (node.cells, node.defaults, node.kwdefaults, node.attributes)
+            cells, defaults, kwdefaults, attributes = closed(parts, namespace)
             function = types.FunctionType(
                 node.code, node.globals.value, node.code.co_name, defaults, tuple(types.CellType(c) for c in cells)
             )
@@ -178,9 +177,6 @@ def close(opened: OpenedObject | OpenedFunction, namespace: str) -> Any:
             vars(function).update(attributes)
             return function
         return node
-
-    def walk(tree: Any) -> Any:
-        return optree.tree_map(make, tree, is_leaf=is_opened, none_is_leaf=False, namespace=namespace)
 
     return make(opened)
 
