@@ -2,6 +2,7 @@
 
     python -m benchmarks.fit [--models gpt llama resnet] [--targets 5] [--repeats 5] [--threads N]
                              [--keep-freed-memory] [--small] [--out benchmarks/results/fit-cpu.json]
+    python -m benchmarks.fit --compiled --device cuda [--backend inductor] [--targets 5] [--repeats 5]
 
 Every row is one training step (forward, loss, backward, the parameter gradients included) of a
 model whose activations dominate its peak, on the same batch and weights:
@@ -19,6 +20,10 @@ Peaks are measured with MemTracker (CPU) or the allocator's counters (CUDA), abo
 before the step, after an untracked step that traces and plans. Step times are medians of
 interleaved repeats (a new order each round); the spread column is the interquartile range over the
 median, the run's noise. Every row's gradients are compared with eager's.
+
+With `--compiled` (for a GPU: MemTracker does not see what inductor allocates on the CPU), only the
+GPT model under `torch.compile`: the partitioner's own `activation_memory_budget` at several values,
+against the model fitted to targets between their peaks and then compiled.
 
 Then, within a fixed memory (eager's measured peak at batch 2 of the GPT model), each method's best
 throughput over the batch sizes whose measured peak fits there; `fit` and the whole-model budget are
@@ -448,6 +453,60 @@ def largest_batch(
     return {"memory_bytes": memory, "batches": list(batches), "rows": results}
 
 
+# --- under torch.compile --------------------------------------------------------------------------
+
+BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
+
+
+def compiled_front(
+    case: Case, device: torch.device, targets: int, repeats: int, backend: str, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """`torch.compile(model)` with the partitioner's `activation_memory_budget` at each of `BUDGETS`,
+    against `torch.compile` of the model fitted (eagerly) to targets spread between the lowest and the
+    highest of those peaks. Each compiled row is measured and timed right after it compiles, before the
+    next (Dynamo's caches are reset between them, so rows are not interleaved)."""
+    import torch._dynamo
+    import torch._functorch.config
+
+    args, kwargs = case.batch(case.batch_size)
+    reference = copy.deepcopy(case.model)
+    eager = Row("eager", reference, list(reference.parameters()))
+    _step(case, eager, args, kwargs)
+    rows: list[Row] = []
+
+    def measure(row: Row, model: nn.Module, budget: float | None) -> None:
+        torch._dynamo.reset()
+        row.model = torch.compile(model, backend=backend)
+        patch = {} if budget is None else {"activation_memory_budget": budget}
+        started = time.perf_counter()
+        with torch._functorch.config.patch(**patch):
+            row.measured["peak_bytes"] = measure_peak(case, row, args, kwargs, device)  # compiles first
+            row.measured["compile_s"] = time.perf_counter() - started
+            row.measured["max_grad_difference"] = _grads_difference(row, eager)
+            time_rows(case, [row], args, kwargs, device, repeats)
+        rows.append(row)
+        log(f"  {row.method}: peak {row.measured['peak_bytes'] / MIB:.1f} MiB, {row.measured['step_s'] * 1e3:.2f} ms")
+
+    for budget in BUDGETS:
+        model = copy.deepcopy(case.model)
+        measure(Row(f"torch.compile, budget {budget}", model, list(model.parameters())), model, budget)
+    peaks = [row.measured["peak_bytes"] for row in rows]
+    for target in _targets(min(peaks), max(peaks), targets):
+        try:
+            row = _fitted(case, target, args, kwargs)
+        except ValueError as error:
+            log(f"  remat.fit at {target / MIB:.1f} MiB: refused ({str(error).splitlines()[0]})")
+            continue
+        row.method = "remat.fit, compiled"
+        measure(row, row.model, None)
+    torch._dynamo.reset()
+    return {
+        "name": case.name,
+        "description": f"{case.description}, batch {case.batch_size}; torch.compile(backend={backend!r})",
+        "rows": [_record(row) for row in rows],
+    }
+
+
 # --- results --------------------------------------------------------------------------------------
 
 
@@ -456,6 +515,19 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
+    if args.compiled:
+        torch.manual_seed(0)
+        case = gpt(device, args.small)
+        log(f"[{time.perf_counter() - started:6.0f} s] {case.name} under torch.compile({args.backend!r})")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            front = compiled_front(case, device, args.targets, args.repeats, args.backend, log)
+        return {
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            **standalone_environment(device, args.heap),
+            "total_s": time.perf_counter() - started,
+            "compiled": front,
+        }
     cases = []
     for name in args.models:
         torch.manual_seed(0)
@@ -491,7 +563,42 @@ def _fastest_peer_within(rows: Sequence[dict[str, Any]], target: int) -> dict[st
     return min(fitting, key=lambda r: r["step_s"], default=None)
 
 
+def compiled_markdown(results: dict[str, Any]) -> str:
+    front = results["compiled"]
+    rows = front["rows"]
+    lines = [
+        f"# remat.fit under torch.compile on `{results['device']}`",
+        "",
+        f"torch {results['torch']}, {results['gpu'] or results['platform']}; {results['date']}; "
+        f"median of {results['config']['repeats']} steps per row, each row timed right after it compiled. "
+        f"{front['description']}. `vs fastest budget`: the fitted model's step time over the fastest "
+        "`activation_memory_budget` row whose measured peak is within the same target.",
+        "",
+        "| method | target (MiB) | measured peak (MiB) | predicted, eager (MiB) | step (ms) | spread | vs fastest budget | compile (s) | max grad diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    budgets = [r for r in rows if r["method"].startswith("torch.compile")]
+    for r in rows:
+        versus = "—"
+        if r["target_bytes"] is not None:
+            within = [b for b in budgets if b["peak_bytes"] <= r["target_bytes"]]
+            fastest = min(within, key=lambda b: b["step_s"], default=None)
+            versus = (
+                "none fits"
+                if fastest is None
+                else f"{r['step_s'] / fastest['step_s']:.3f}x ({fastest['method'].split(', ')[1]})"
+            )
+        lines.append(
+            f"| {r['method']} | {_mib(r['target_bytes'])} | {_mib(r['peak_bytes'])} | "
+            f"{_mib(r.get('predicted_peak_bytes'))} | {r['step_s'] * 1e3:.2f} | {r['spread']:.1%} | {versus} | "
+            f"{r['compile_s']:.1f} | {r['max_grad_difference']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(results: dict[str, Any]) -> str:
+    if "compiled" in results:
+        return compiled_markdown(results)
     lines = [
         f"# remat.fit: whole training steps on `{results['device']}`",
         "",
@@ -557,6 +664,8 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    if "cases" not in results:
+        return False
     cases = results["cases"]
     figure, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
     for axis, case in zip(axes[0], cases, strict=True):
@@ -598,10 +707,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--small", action="store_true", help="tiny models: checks that the benchmark runs")
     parser.add_argument("--keep-freed-memory", action="store_true", help="CPU: glibc keeps freed memory")
+    parser.add_argument(
+        "--compiled", action="store_true", help="the GPT model under torch.compile: fit against the budget's front"
+    )
+    parser.add_argument("--backend", default="inductor", help="with --compiled: torch.compile's backend")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/fit-<device>.json")
     args = parser.parse_args(argv)
     args.heap = keep_freed_memory() if args.keep_freed_memory else DEFAULT
-    args.out = args.out or RESULTS / f"fit-{args.device}.json"
+    name = "fit-compiled" if args.compiled else "fit"
+    args.out = args.out or RESULTS / f"{name}-{args.device}.json"
     results = run(args, log=lambda line: print(line, flush=True))
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(results))

@@ -21,7 +21,14 @@ from torch.utils.checkpoint import (
 from ._calls import Call, Decision
 from ._errors import TraceError
 from ._pytree import _is_static, flatten_args
-from ._torch import SAC_BYPASSES_HOOKS, disable_current_modes, op_schema, overload_name, unset_fake_temporarily
+from ._torch import (
+    SAC_BYPASSES_HOOKS,
+    disable_current_modes,
+    guard_scalar,
+    op_schema,
+    overload_name,
+    unset_fake_temporarily,
+)
 from ._trace import is_free_op
 
 
@@ -29,7 +36,7 @@ class Checkpointed(Protocol):
     """What this module needs of a checkpointed function (`remat.Checkpointed`, which calls into here)."""
 
     __wrapped__: Any
-    _compile_key: int
+    _compile_key: str
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -63,13 +70,14 @@ __all__ = ["call_under_dynamo", "register"]
 # compiled region keeps it as SAVE would. Outside a compiled model (and with `compile=` on
 # remat's own programs), offloading works as in eager.
 
-_CHECKPOINTED: weakref.WeakValueDictionary[int, Checkpointed] = weakref.WeakValueDictionary()
+_CHECKPOINTED: weakref.WeakValueDictionary[str, Checkpointed] = weakref.WeakValueDictionary()
 _keys = itertools.count()
 
 
-def register(checkpointed: Checkpointed) -> int:
-    """A key under which the selective-checkpoint context finds `checkpointed` again."""
-    key = next(_keys)
+def register(checkpointed: Checkpointed) -> str:
+    """A key under which the selective-checkpoint context finds `checkpointed` again: a string, which
+    Dynamo keeps a constant (an int attribute becomes symbolic under `dynamic=True`)."""
+    key = f"remat-{next(_keys)}"
     _CHECKPOINTED[key] = checkpointed
     return key
 
@@ -97,12 +105,14 @@ def _outside_the_graph(checkpointed: Checkpointed, *args: Any, **kwargs: Any) ->
 
 def _signature(tree: Any) -> tuple[Any, ...] | None:
     """`tree` as nested tuples of constants (tensors by their metadata), or None if it holds
-    something else. Traced by Dynamo: every size is specialized to an int."""
+    something else. Traced by Dynamo: every size is specialized to an int, also where Dynamo made
+    it symbolic (`dynamic=True`, or automatically once a second shape is seen), with a guard on it,
+    so that each shape compiles its own region (the context function must be a constant)."""
     if isinstance(tree, torch.Tensor):
         return (
             "tensor",
-            tuple(int(s) for s in tree.shape),
-            tuple(int(s) for s in tree.stride()),
+            tuple(guard_scalar(s) for s in tree.shape),
+            tuple(guard_scalar(s) for s in tree.stride()),
             tree.dtype,
             str(tree.device),
             tree.requires_grad,
@@ -150,7 +160,7 @@ def _example(signature: tuple[Any, ...]) -> Any:
     return rest[0]
 
 
-def _selective_contexts(key: int, signature: tuple[Any, ...]) -> tuple[Any, Any]:
+def _selective_contexts(key: str, signature: tuple[Any, ...]) -> tuple[Any, Any]:
     """Called by torch's checkpoint while AOTAutograd traces the region."""
     checkpointed = _CHECKPOINTED.get(key)
     if checkpointed is None:
@@ -189,7 +199,7 @@ class _RecomputeTags:
         if recompute and position == len(self.calls):
             position = 0  # a second recomputation
         if position >= len(self.calls) or _functional(self.calls[position].op) != _functional(op):
-            if op in _ALLOCATIONS:  # an empty tensor an op of the region fills in place: not in the trace
+            if op in _NOT_IN_THE_TRACE:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             expected = self.calls[position].name if position < len(self.calls) else "the end of the trace"
             raise TraceError(  # each way out named here is tested: see NOTE [regions that differ from the trace]
@@ -223,9 +233,13 @@ class _RecomputeTags:
 # [checkpoints inside torch.compile]) and its own compilation never runs.
 
 
-# Allocations the region makes for an op that then fills them in place (training-mode batch norm
-# under torch.compile); functionalization folds them into the op, so remat's trace does not list them.
-_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default})
+# Calls a region makes that remat's trace of the function has no counterpart of: allocations the
+# region makes for an op that then fills them in place (training-mode batch norm under torch.compile;
+# functionalization folds them into the op), and the reads of Python numbers Dynamo passes in as
+# tensors (a float, or a size under `dynamic=True`), which remat's trace has as constants.
+_NOT_IN_THE_TRACE = frozenset(
+    {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten._local_scalar_dense.default}
+)
 
 
 def _functional(op: Any) -> tuple[str, str]:

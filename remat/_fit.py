@@ -536,11 +536,21 @@ class _FittedForward(InstalledForward):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and _step.recorder is None:  # not in the probe step itself
-            self.planner.fit(args, kwargs)
+            if torch.compiler.is_compiling():
+                _plan_outside_the_graph(self.planner, args, kwargs)
+            else:
+                self.planner.fit(args, kwargs)
         return self.forward(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<remat.fit forward, peak_bytes={self.planner.target:,}>"
+
+
+@torch.compiler.disable
+def _plan_outside_the_graph(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """Under `torch.compile(model)`, a graph break: the plan is looked up (or made) eagerly, and the
+    model's forward compiles in its own frame, its blocks' regions following the plan."""
+    planner.fit(args, kwargs)
 
 
 def _signature(args: Sequence[Any], kwargs: dict[str, Any], device: torch.device | None = None) -> Hashable:

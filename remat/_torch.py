@@ -59,7 +59,12 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv, free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import (
+    GuardOnDataDependentSymNode,
+    ShapeEnv,
+    free_unbacked_symbols,
+    guard_scalar,
+)
 from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -84,6 +89,7 @@ __all__ = [
     "DynamicOutputShapeException",
     "FakeTensor",
     "FakeTensorMode",
+    "guard_scalar",
     "FAKE_DTYPE_ERRATA",
     "FakeRankMismatch",
     "ShapeEnv",

@@ -213,6 +213,25 @@ def test_dynamic_shapes_are_specialized_per_signature() -> None:
     assert checkpointed.cache_info().traces == 3
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic=True"])
+def test_a_compiled_module_called_with_new_batch_sizes_compiles_in_full(dynamic: bool | None) -> None:
+    # Regression: once Dynamo made a size symbolic (automatically, at the second batch size, or with
+    # `dynamic=True`), the region's signature was no constant ("Not a Python constant" under
+    # `fullgraph=True`), nor was the checkpoint's key under `dynamic=True`; and the region then read
+    # the block's float as a tensor (`_local_scalar_dense`), a call remat's trace has no counterpart of.
+    block, eager = models.GPT2Block(d=16, heads=2), models.GPT2Block(d=16, heads=2)
+    remat.checkpoint_modules(block, models.GPT2Block, policy=policies.dots_saveable)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for batch in (2, 3, 4):
+        x = models.gpt2_input(batch=batch, d=16, seed=batch)
+        for m in (compiled, eager):
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+        for got, want in zip(block.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+    assert block.forward.cache_info().traces == 3  # type: ignore[operator, union-attr]  # one per shape
+
+
 def test_a_graph_break_inside_the_function_keeps_the_gradients() -> None:
     w = models.randn(8, 8)
 

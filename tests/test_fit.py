@@ -62,13 +62,23 @@ def square_loss(out: torch.Tensor) -> torch.Tensor:
 
 def measured_peak(model: nn.Module, *args: Any, loss: Callable[[Any], torch.Tensor] = square_loss) -> int:
     """The peak bytes of forward, loss and backward above what was live before (no gradients at the start),
-    as MemTracker measures it; the step is run once before, untracked, so that no tracing is measured."""
+    as MemTracker measures it (on a GPU: the allocator's counters); the step is run once before, untracked,
+    so that no tracing is measured."""
     for run in range(2):
         for p in model.parameters():
             p.grad = None
         if run == 0:
             loss(model(*args)).backward()
             continue
+        if args[0].is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            value = loss(model(*args))
+            value.backward()
+            del value
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - before
         tracker = MemTracker()
         tracker.track_external(*model.parameters(), *args)
         with tracker:
@@ -464,6 +474,73 @@ def test_a_plan_made_on_the_meta_device_holds_on_the_materialized_model(monkeypa
     on_cpu = remat.fit(real, models.GPT2Block, x, peak_bytes=target, loss=square_loss)
     assert [b.decisions for b in on_cpu.blocks] == [b.decisions for b in plan.blocks]
     assert on_cpu.predicted_peak == plan.predicted_peak
+
+
+@pytest.mark.filterwarnings("ignore:.*context_fn is passed to torch.utils.checkpoint")
+def test_a_fitted_model_trains_under_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch._dynamo.reset()
+    model, eager = sdpa_stack(), sdpa_stack()
+    x = torch.randn(2, 48, 32)
+    high, low = eager_and_lowest(eager, models.GPT2Block, x)
+    remat.fit(model, models.GPT2Block, x, peak_bytes=(high + low) // 2, loss=square_loss)
+    probes: list[int] = []
+    probe = remat._fit._probe
+    monkeypatch.setattr(remat._fit, "_probe", lambda *a: probes.append(1) or probe(*a))
+    compiled = torch.compile(model, backend="aot_eager")
+    for batch in (2, 3):  # the second batch size is planned (outside the compiled graph) for the same target
+        x = torch.randn(batch, 48, 32)
+        for m, call in ((model, compiled), (eager, eager)):
+            m.zero_grad(set_to_none=True)
+            square_loss(call(x)).backward()
+        for got, want in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad)
+    assert probes == [1]
+    torch._dynamo.reset()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+def test_on_cuda_the_measured_peak_stays_within_the_target_and_is_predicted() -> None:
+    model = sdpa_stack(d=256, vocab=512).cuda()
+    x = torch.randn(8, 512, 256, device="cuda")
+    eager, lowest = eager_and_lowest(model, models.GPT2Block, x)
+    assert eager > 1.3 * lowest
+    for share in (0.2, 0.6):
+        target = int(lowest + share * (eager - lowest))
+        plan = remat.fit(model, models.GPT2Block, x, peak_bytes=target, loss=square_loss)
+        measured = measured_peak(model, x)
+        assert measured <= target
+        assert abs(plan.predicted_peak - measured) <= 0.05 * measured
+        remat.uncheckpoint_modules(model)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_plan_made_on_meta_for_cuda_holds_on_the_gpu(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On meta, attention runs the math kernel, which keeps the T x T scores; on the GPU, SDPA picks a
+    # fused kernel (memory-efficient in float32, flash in bfloat16) that keeps none. The probe runs on
+    # fake CUDA tensors, which pick the GPU's kernel: the plan is the one made on the real model.
+    real = sdpa_stack(d=256, vocab=512).to("cuda", dtype)
+    with torch.device("meta"):
+        model = sdpa_stack(d=256, vocab=512).to(dtype)
+    x = torch.randn(8, 512, 256, device="cuda", dtype=dtype)
+    eager, lowest = eager_and_lowest(real, models.GPT2Block, x)
+    target = (eager + lowest) // 2
+    plan = remat.fit(model, models.GPT2Block, x.to("meta"), peak_bytes=target, loss=square_loss, device="cuda")
+    on_gpu = remat.fit(real, models.GPT2Block, x, peak_bytes=target, loss=square_loss)
+    assert [b.decisions for b in on_gpu.blocks] == [b.decisions for b in plan.blocks]
+    assert on_gpu.predicted_peak == plan.predicted_peak
+    model.to_empty(device="cuda")
+    model.load_state_dict(real.state_dict())
+    probes: list[int] = []
+    probe = remat._fit._probe
+    monkeypatch.setattr(remat._fit, "_probe", lambda *a: probes.append(1) or probe(*a))
+    peak = measured_peak(model, x)
+    assert probes == []  # the batch has the planned signature: not planned again
+    assert peak <= target
+    assert abs(peak - plan.predicted_peak) <= 0.02 * peak
 
 
 def test_fit_asks_for_the_device_to_plan_a_model_on_meta_for() -> None:
