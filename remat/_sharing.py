@@ -43,12 +43,22 @@ __all__ = ["AttributeReads", "SharedTraces", "rebase", "recording_attribute_read
 #   `__getattribute__` on the modules' classes for the duration. A block whose
 #   recorded attributes hold other values (Gemma's sliding and full attention
 #   layers, told apart by `self.sliding_window`) traces on its own, and both traces
-#   are kept. Numbers, strings and containers of them compare by value; a module
-#   that holds no tensors (a function made a module per layer, as transformers'
-#   kernel wrappers in `self._kernel_funcs`) by its class and attributes; any
-#   other object by identity (two layers sharing one config object match, two
-#   configs do not). An attribute the trace did not read, such as a Hugging Face
-#   layer's `layer_idx` when there is no key/value cache, may differ.
+#   are kept. Values compare by what the trace could read of them (`same_value`):
+#   numbers, strings and containers of them by value; a module of the block by
+#   its position in it (the new block's `self.attn` stands for the traced block's);
+#   a module that holds no tensors (a function made a module per layer, as
+#   transformers' kernel wrappers in `self._kernel_funcs`) by its class and
+#   attributes; a Python function by its code, globals, defaults and what its
+#   closure holds, and a bound method by its function and object (torchtitan's
+#   `parallelize` gives each module a `forward` closure over itself, its own
+#   `_sharding_config` and objects all modules share); any other object of a
+#   Python class by its class and state (`__dict__` and slots), recursively,
+#   unless it has none (a sentinel); the rest by identity (tensors, objects of
+#   classes defined in C). So equal per-module configurations match; code that
+#   told two equal objects apart by identity (`is`, `id`) would be the one way to
+#   trace otherwise, and objects without state, the usual markers, compare so.
+#   An attribute the trace did not read, such as a Hugging Face layer's
+#   `layer_idx` when there is no key/value cache, may differ.
 # * the closed-over tensors' metadata and the `training` flags the trace's guard
 #   checks, fetched from the new block.
 #
@@ -104,14 +114,16 @@ class AttributeReads:
 
     reads: tuple[tuple[int, str, Any], ...]
 
-    def hold_for(self, modules: Sequence[nn.Module]) -> bool:
-        """Whether every attribute read has the same value in `modules`."""
+    def hold_for(self, modules: Sequence[nn.Module], recorded: Sequence[nn.Module]) -> bool:
+        """Whether every attribute read has the same value in `modules` as it had in `recorded` (the
+        modules of the block that traced, at the same positions)."""
+        pairs = {id(m): r for m, r in zip(modules, recorded, strict=True)}
         for index, name, value in self.reads:
             attributes = modules[index].__dict__
             if name == _WHOLE_DICT:
-                if not _same_attributes(attributes, value):
+                if not _same_attributes(attributes, value, pairs):
                     return False
-            elif not same_value(attributes.get(name, ABSENT), value):
+            elif not same_value(attributes.get(name, ABSENT), value, pairs):
                 return False
         return True
 
@@ -122,22 +134,27 @@ def _plain_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in attributes.items() if name not in _MODULE_TABLES and name != "forward"}
 
 
-def _same_attributes(attributes: dict[str, Any], recorded: dict[str, Any]) -> bool:
+def _same_attributes(attributes: dict[str, Any], recorded: dict[str, Any], pairs: dict[int, nn.Module]) -> bool:
     plain = _plain_attributes(attributes)
-    return plain.keys() == recorded.keys() and all(same_value(plain[k], v) for k, v in recorded.items())
+    return plain.keys() == recorded.keys() and all(same_value(plain[k], v, pairs) for k, v in recorded.items())
 
 
 _COMPARED_BY_VALUE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size)
 
 
-def same_value(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any, pairs: dict[int, nn.Module] | None = None) -> bool:
     """Whether a trace that read `b` holds for `a`: numbers, strings and enums (and tuples, lists,
-    sets, dicts and `functools.partial`s of them) by value, modules that hold no tensors by their
-    class and attributes, anything else by identity."""
-    return _same_value(a, b, frozenset())
+    sets, dicts and `functools.partial`s of them) by value; a module of the block (`pairs` maps the new
+    block's modules, by id, to the traced block's at the same position) by position; other modules that
+    hold no tensors by their class and attributes; Python functions by their code, globals, defaults,
+    attributes and what their closures hold; bound methods by function and object; other objects of
+    Python classes that have state by their class and state; anything else by identity."""
+    return _same_value(a, b, frozenset(), pairs or {})
 
 
-def _same_value(a: Any, b: Any, comparing: frozenset[tuple[int, int]]) -> bool:
+def _same_value(a: Any, b: Any, comparing: frozenset[tuple[int, int]], pairs: dict[int, nn.Module]) -> bool:
+    if isinstance(a, nn.Module) and id(a) in pairs:
+        return pairs[id(a)] is b
     if a is b:
         return True
     if type(a) is not type(b):
@@ -146,22 +163,68 @@ def _same_value(a: Any, b: Any, comparing: frozenset[tuple[int, int]]) -> bool:
         return bool(a == b) or (a != a and b != b)  # NaN reads as NaN
     if isinstance(a, (set, frozenset)):
         return all(isinstance(x, _COMPARED_BY_VALUE) for x in a) and a == b
-    if (id(a), id(b)) in comparing:  # a cycle of containers or modules: equal so far
+    if (id(a), id(b)) in comparing:  # a cycle of containers or objects: equal so far
         return True
     comparing |= {(id(a), id(b))}
+
+    def same(x: Any, y: Any) -> bool:
+        return _same_value(x, y, comparing, pairs)
+
     if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same_value(x, y, comparing) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same_value(a[k], b[k], comparing) for k in a)
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, functools.partial):  # an activation made per layer: `partial(gelu, approximate="tanh")`
-        return (
-            a.func is b.func
-            and _same_value(a.args, b.args, comparing)
-            and _same_value(a.keywords, b.keywords, comparing)
-        )
+        return a.func is b.func and same(a.args, b.args) and same(a.keywords, b.keywords)
     if isinstance(a, nn.Module):  # a function made a module per layer: transformers' kernel wrappers
-        return not _holds_tensors(a) and not _holds_tensors(b) and _same_value(vars(a), vars(b), comparing)
-    return False
+        return not _holds_tensors(a) and not _holds_tensors(b) and same(vars(a), vars(b))
+    if isinstance(a, types.FunctionType):  # a forward made per module (torchtitan's `parallelize`)
+        return (
+            a.__code__ is b.__code__
+            and a.__globals__ is b.__globals__
+            and same((a.__defaults__, a.__kwdefaults__, a.__dict__), (b.__defaults__, b.__kwdefaults__, b.__dict__))
+            and same(_cells(a), _cells(b))
+        )
+    if isinstance(a, types.MethodType):
+        return same(a.__func__, b.__func__) and same(a.__self__, b.__self__)
+    state_a, state_b = _state(a), _state(b)  # a configuration object per module, say
+    return bool(state_a) and same(state_a, state_b)
+
+
+_EMPTY_CELL = object()
+
+
+def _cells(fn: types.FunctionType) -> tuple[Any, ...]:
+    cells = fn.__closure__ or ()
+    contents = []
+    for cell in cells:
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            contents.append(_EMPTY_CELL)
+    return tuple(contents)
+
+
+def _state(value: Any) -> dict[str, Any] | None:
+    """The attributes of an object of a Python class (its `__dict__` and slots); None for objects of
+    classes defined in C, whose state Python does not see, and for objects without state (sentinels,
+    which compare by identity)."""
+    cls = type(value)
+    if not _is_python_class(cls):
+        return None
+    state = dict(getattr(value, "__dict__", {}))
+    for klass in cls.__mro__:
+        for name in klass.__dict__.get("__slots__", ()):
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                state[name] = getattr(value, name)
+    return state or None
+
+
+def _is_python_class(cls: type) -> bool:
+    return all(getattr(klass, "__flags__", 0) & _HEAPTYPE for klass in cls.__mro__[:-1])
+
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a `class` statement, not one defined in C
 
 
 def _holds_tensors(module: nn.Module) -> bool:
@@ -280,7 +343,11 @@ class SharedTraces:
     def find(self, key: Hashable, modules: Sequence[nn.Module], skip: Callable[[Any], bool]) -> Iterator[_Shared]:
         """The traces made at `key` whose recorded reads hold for `modules`, but for those `skip` refuses."""
         for shared in self._traces.get(key) or []:
-            if len(shared.modules) == len(modules) and not skip(shared.entry) and shared.reads.hold_for(modules):
+            if (
+                len(shared.modules) == len(modules)
+                and not skip(shared.entry)
+                and shared.reads.hold_for(modules, shared.modules)
+            ):
                 yield shared
 
 

@@ -9,6 +9,7 @@ should not have) fails it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -176,6 +177,69 @@ def test_modules_of_their_own_that_hold_tensors_compare_by_identity() -> None:
     assert counts(model) == [(1, 0), (1, 0), (1, 0)]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Layout:
+    """A configuration object each module gets its own copy of (torchtitan's `_sharding_config`)."""
+
+    scale: float
+    names: tuple[str, ...] = ("x",)
+
+
+class Parallelized(nn.Module):
+    """A linear layer whose instance `forward` is a closure made for it, over itself, its own
+    configuration object and a shared object, as torchtitan's `Module.parallelize` makes one."""
+
+    def __init__(self, d: int, layout: Layout, shared: Any, *, seed: int):
+        super().__init__()
+        self.linear = nn.Linear(d, d, dtype=DTYPE)
+        with torch.no_grad():
+            self.linear.weight.copy_(models.randn(d, d, seed=seed).to(DTYPE) / math.sqrt(d))
+        self._layout = layout
+        forward = self.forward
+
+        def forward_with_layout(x: torch.Tensor) -> torch.Tensor:
+            return forward(x * self._layout.scale) + shared["offset"]
+
+        self.forward = forward_with_layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class ParallelizedBlock(nn.Module):
+    def __init__(self, layout: Layout, shared: Any, *, seed: int):
+        super().__init__()
+        self.inner = Parallelized(8, layout, shared, seed=seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)
+
+
+def test_objects_made_per_module_compare_by_what_they_hold() -> None:
+    # torchtitan gives every module its own `forward` closure and configuration object: compared by
+    # identity, no two blocks shared a trace. Equal closures and configurations share; a configuration
+    # of another value the trace reads does not.
+    shared = {"offset": 0.25}
+
+    def build() -> Stack:  # not a deep copy: the closures would still run the copied-from modules
+        layouts = [Layout(0.5), Layout(0.5), Layout(2.0), Layout(0.5)]
+        return Stack([ParallelizedBlock(layout, shared, seed=i) for i, layout in enumerate(layouts)])
+
+    reference, model = build(), checkpoint_modules(build(), ParallelizedBlock)
+    models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (0, 1), (1, 0), (0, 1)]
+
+
+def test_a_closure_over_another_value_or_object_traces_apart() -> None:
+    def build() -> Stack:
+        offsets = [0.25, 0.5]
+        return Stack([ParallelizedBlock(Layout(0.5), {"offset": offset}, seed=i) for i, offset in enumerate(offsets)])
+
+    reference, model = build(), checkpoint_modules(build(), ParallelizedBlock)
+    models.compare(reference, model, x_input())
+    assert counts(model) == [(1, 0), (1, 0)]
+
+
 def test_tied_weights_must_be_tied_alike() -> None:
     reference = Stack([TiedBlock(tied=tied, seed=i) for i, tied in enumerate([True, False, True, False])])
     model = checkpointed_copy(reference, TiedBlock, remat.policies.save_nothing)
@@ -304,6 +368,17 @@ def test_random_stacks_share_exactly_between_identical_blocks(
 # --- comparing attribute values ------------------------------------------------------------------
 
 
+class Sentinel:
+    """A marker class whose instances have no state: code tells them apart with `is`."""
+
+
+def _closure(scale: float, *, default: int = 1) -> Any:
+    def scaled(x: Any, power: int = default) -> Any:
+        return x * scale**power
+
+    return scaled
+
+
 @pytest.mark.parametrize(
     ("a", "b", "same"),
     [
@@ -325,11 +400,29 @@ def test_random_stacks_share_exactly_between_identical_blocks(
         (nn.Sequential(Scaled(0.5)), nn.Sequential(Scaled(0.5)), True),
         (nn.Sequential(Scaled(0.5)), nn.Sequential(Scaled(1.0)), False),
         (nn.Linear(2, 2), nn.Linear(2, 2), False),  # a module that holds tensors: by identity
-        (object(), object(), False),  # other objects only when they are one object
+        (object(), object(), False),  # objects of classes defined in C only when they are one object
+        (Layout(0.5), Layout(0.5), True),  # objects of Python classes by their state, slots included
+        (Layout(0.5), Layout(0.5, ("y",)), False),
+        (Sentinel(), Sentinel(), False),  # without state: by identity
+        (_closure(1.0), _closure(1.0), True),  # functions by code, globals, defaults and closure
+        (_closure(1.0), _closure(2.0), False),
+        (_closure(1.0, default=2), _closure(1.0), False),
+        (_closure(1.0), lambda x: x, False),
+        (Scaled(0.5).forward, Scaled(0.5).forward, True),  # bound methods by function and object
+        (Scaled(0.5).forward, Scaled(0.5).extra_repr, False),
     ],
 )
 def test_same_value(a: Any, b: Any, same: bool) -> None:
     assert same_value(a, b) is same
+
+
+def test_the_modules_of_the_block_compare_by_position() -> None:
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    pairs = {id(second): first}  # `second` is at the position `first` had in the block that traced
+    assert same_value(second.forward, first.forward, pairs)
+    assert same_value([second], [first], pairs)
+    assert not same_value(first.forward, second.forward, pairs)  # `first` is no module of the new block
+    assert not same_value(second, nn.Linear(2, 2), pairs)
 
 
 def test_cache_clear_on_a_block_makes_the_next_block_trace_again() -> None:
