@@ -10,7 +10,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 
 from ._contexts import AUTOCAST_DEVICES
-from ._torch import any_autocast_enabled, is_functorch_wrapped, unwrap_level
+from ._torch import any_autocast_enabled, grad_dtype_override, is_functorch_wrapped, unwrap_level
 
 __all__ = ["CacheInfo", "LRUCache", "ambient_key", "requires_grad_at_any_level", "tensor_key"]
 
@@ -50,6 +50,7 @@ def tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
         tensor.device,
         requires_grad_at_any_level(tensor),
         tensor.layout,
+        grad_dtype_override(tensor),
     )
 
 

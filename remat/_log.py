@@ -38,7 +38,7 @@ def describe_signature(flat: FlatArgs, tensor_keys: Sequence[tuple[Any, ...]]) -
     parts = []
     for position, name in enumerate(names):
         if position in tensors:
-            shape, _, dtype, device, requires_grad, _ = tensors[position]
+            shape, _, dtype, device, requires_grad, *_ = tensors[position]
             text = f"{str(dtype).removeprefix('torch.')}[{','.join(map(str, shape))}]"
             text += f" on {device}" if device.type != "cpu" else ""
             text += " requires_grad" if requires_grad else ""

@@ -90,6 +90,7 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "guard_scalar",
+    "grad_dtype_override",
     "FAKE_DTYPE_ERRATA",
     "FakeRankMismatch",
     "ShapeEnv",
@@ -510,6 +511,28 @@ def from_functional(functional: Any) -> torch.Tensor:
 def version_counter(tensor: torch.Tensor) -> int:
     """The tensor's version counter, bumped by every in-place update."""
     return tensor._version
+
+
+# NOTE [gradients in another dtype than the tensor's]
+# A leaf may ask autograd for its gradient in a dtype of its own (`tensor.grad_dtype = torch.float32`
+# on a bfloat16 parameter, or None: any dtype): the engine then casts the gradient it gets to that
+# dtype, not to the tensor's, or leaves it as computed. FSDP2's mixed precision sets it on every
+# unsharded parameter on torch 2.15 (the reduce dtype), so that a float32 gradient computed from a
+# bfloat16 parameter reaches the reduction unrounded. remat's backward is traced, and the cast the
+# engine makes at the end is traced with it: the traced inputs take the real ones' `grad_dtype`, and it
+# is part of the signature.
+
+
+def grad_dtype_override(tensor: torch.Tensor) -> tuple[bool, torch.dtype | None]:
+    """(whether `tensor` has a `grad_dtype` of its own, which). See NOTE [gradients in another dtype
+    than the tensor's]."""
+    try:
+        grad_dtype = tensor.grad_dtype
+    except (AttributeError, RuntimeError):  # a release without it, or a tensor that cannot say
+        return False, None
+    # 2.15 says whether it was set; before, an unset `grad_dtype` is the tensor's dtype.
+    overridden = getattr(tensor, "_has_grad_dtype_override", grad_dtype != tensor.dtype)
+    return (True, grad_dtype) if overridden else (False, None)
 
 
 # --- torch.func (functorch) -----------------------------------------------------------------------------

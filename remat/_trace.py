@@ -55,6 +55,7 @@ from ._torch import (
     from_functional,
     functorch_active,
     get_proxy_mode,
+    grad_dtype_override,
     has_data_mutation,
     insert_value_checks,
     is_functorch_wrapped,
@@ -565,6 +566,13 @@ class _JointFunction:
         self.fake_primals, self.under_functorch, self.with_values = fake_primals, under_functorch, with_values
         self.n_args = len(flat_args.tensors)
         self.differentiated = [_requires_grad(t) for t in [*flat_args.tensors, *discovery.closed_over]]
+        # See NOTE [gradients in another dtype than the tensor's].
+        self.grad_dtypes = {
+            i: dtype
+            for i, t in enumerate([*flat_args.tensors, *discovery.closed_over])
+            for overridden, dtype in [grad_dtype_override(t)]
+            if overridden
+        }
         self.differentiable = discovery.differentiated(self.differentiated)
         self.ran_in_fn: set[fx.Node] = set()  # the graph's nodes when fn returned (some may be dead code later)
         self.detached: set[fx.Node] = set()
@@ -582,6 +590,8 @@ class _JointFunction:
             inputs = [
                 f.requires_grad_() if grad else f for f, grad in zip(functional, self.differentiated, strict=True)
             ]
+            for i, dtype in self.grad_dtypes.items():
+                inputs[i].grad_dtype = dtype
             with torch.enable_grad():
                 arguments, outputs = self._run_fn(inputs)
                 wrt = [i for i, grad in enumerate(self.differentiated) if grad]

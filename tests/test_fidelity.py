@@ -784,3 +784,32 @@ def test_regression_a_slice_assignment_counts_the_same_bytes_on_every_trace() ->
     eager = torch.ops.aten.copy.default(x.contiguous().t().clone()[1:], y.t()[1:].detach())
     assert eager.storage_offset() == 1
     assert counted == [eager.untyped_storage().nbytes()] * 2
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, None], ids=["float32", "any"])
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=str)
+def test_regression_a_parameter_with_a_grad_dtype_of_its_own_gets_its_gradient_as_in_eager(
+    grad_dtype: torch.dtype | None, policy: Any
+) -> None:
+    # FSDP2's mixed precision (torch 2.15) sets `grad_dtype` to float32 on its bfloat16 parameters, so the
+    # float32 gradient rms_norm computes for its weight reaches the reduction unrounded. remat's traced
+    # backward rounded it to bfloat16 (the engine's cast on the fake parameter): torchtitan's losses
+    # drifted from eager's at the fourth step.
+    torch.manual_seed(0)
+    norm = torch.nn.RMSNorm(64).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    norm.weight.grad_dtype = grad_dtype
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return norm(x).float().square().sum()
+
+    grads = []
+    for run in (fn, remat.checkpoint(fn, policy=policy)):
+        norm.weight.grad = None
+        run(x).backward()
+        grads.append(norm.weight.grad)
+    assert grads[0].dtype == torch.float32
+    assert grads[1].dtype == grads[0].dtype
+    assert torch.equal(grads[1], grads[0])
