@@ -526,12 +526,14 @@ def version_counter(tensor: torch.Tensor) -> int:
 def grad_dtype_override(tensor: torch.Tensor) -> tuple[bool, torch.dtype | None]:
     """(whether `tensor` has a `grad_dtype` of its own, which). See NOTE [gradients in another dtype
     than the tensor's]."""
+    if not tensor.is_leaf:  # only a leaf has one
+        return False, None
     try:
         grad_dtype = tensor.grad_dtype
+        # 2.15 says whether it was set; before, an unset `grad_dtype` is the tensor's dtype.
+        overridden = getattr(tensor, "_has_grad_dtype_override", grad_dtype != tensor.dtype)
     except (AttributeError, RuntimeError):  # a release without it, or a tensor that cannot say
         return False, None
-    # 2.15 says whether it was set; before, an unset `grad_dtype` is the tensor's dtype.
-    overridden = getattr(tensor, "_has_grad_dtype_override", grad_dtype != tensor.dtype)
     return (True, grad_dtype) if overridden else (False, None)
 
 
