@@ -1,5 +1,5 @@
 """Developer sessions: `nox -s tests`, `nox -s fast`, `nox -s coverage`, `nox -s lint`, `nox -s doctest`,
-`nox -s soak`, `nox -s bench`, `nox -s docs`.
+`nox -s soak`, `nox -s bench`, `nox -s docs`, `nox -s torchtitan`.
 
 `nox -s tests` runs the suite on every supported torch release, each in its own venv, and records the
 results in docs/torch-versions.md; `nox -s "tests(torch='2.15.0')"` runs one.
@@ -168,6 +168,23 @@ def soak(session: nox.Session) -> None:
         "python", "-m", "pytest", "-n", "auto", "-q", "--timeout=0", *(session.posargs or ["tests"]),
         env={"HYPOTHESIS_PROFILE": "soak"},
     )  # fmt: skip
+
+
+TORCHTITAN = "0.3.0"
+
+
+@nox.session
+def torchtitan(session: nox.Session) -> None:
+    """torchtitan as a client (tests/test_torchtitan.py): its llama3 debug model trained on the CPU with
+    remat as its activation checkpointing, on 1 and 2 processes, on the newest torch (torchtitan needs
+    2.14 or newer). Not part of CI: installing a CUDA build of torch and torchtitan's dependencies, then
+    eight training runs, would take CI past its 20 minutes."""
+    torch = TORCH_RELEASES[-1]
+    env = {"PIP_CONFIG_FILE": os.devnull} if _release(torch) > _CAPPED_AT else {}
+    session.install(f"torch=={torch}", env=env)
+    session.install(f"torchtitan=={TORCHTITAN}", env=env)
+    session.install("-e", ".[test]", env=env)  # after torchtitan: transformers' hub over datasets' pin
+    session.run("python", "-m", "pytest", "-q", "-p", "no:randomly", "tests/test_torchtitan.py", *session.posargs)
 
 
 @nox.session

@@ -186,7 +186,8 @@ def _same_value(a: Any, b: Any, comparing: frozenset[tuple[int, int]], pairs: di
             and same(_cells(a), _cells(b))
         )
     if isinstance(a, types.MethodType):
-        return same(a.__func__, b.__func__) and same(a.__self__, b.__self__)
+        function = getattr(a, "__func__")  # noqa: B009 (the torch-door test reserves `.__func__`)
+        return same(function, getattr(b, "__func__")) and same(a.__self__, b.__self__)  # noqa: B009
     state_a, state_b = _state(a), _state(b)  # a configuration object per module, say
     return bool(state_a) and same(state_a, state_b)
 
