@@ -152,14 +152,14 @@ def flex_backward_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(flex, "_validate_device", lambda *args: None)
 
 
-def document_mask(seed: int) -> Any:
+def document_mask(seed: int, device: str = "cpu") -> Any:
     """Document masking: a causal mask within documents whose ids a `mask_mod` closure holds."""
-    documents = torch.randint(0, 3, (T,), generator=torch.Generator().manual_seed(seed)).sort().values
+    documents = torch.randint(0, 3, (T,), generator=torch.Generator().manual_seed(seed)).sort().values.to(device)
 
     def mask_mod(b: Any, h: Any, q_index: Any, kv_index: Any) -> Any:
         return (documents[q_index] == documents[kv_index]) & (q_index >= kv_index)
 
-    return flex.create_block_mask(mask_mod, None, None, T, T, device="cpu")
+    return flex.create_block_mask(mask_mod, None, None, T, T, device=device)
 
 
 def relative_bias(score: Any, b: Any, h: Any, q_index: Any, kv_index: Any) -> Any:
@@ -188,6 +188,25 @@ def test_flex_attention_with_a_block_mask_checkpoints_with_eagers_gradients(poli
             torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
     assert checkpointed.cache_info().traces == 1
     assert [call.op.name() for call in remat.trace(attention, q, k, v, block_mask)] == ["flex_attention"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_flex_attention_on_cuda_checkpoints_with_eagers_gradients(policy: Any, compiled: bool) -> None:
+    checkpointed = remat.checkpoint(attention, policy=policy)
+    run, reference = (torch.compile(checkpointed), torch.compile(attention)) if compiled else (checkpointed, attention)
+    for step in range(2):
+        q, k, v = (torch.randn(B, H, T, D, device="cuda", requires_grad=True) for _ in range(3))
+        block_mask = document_mask(step, "cuda")
+        expected = reference(q, k, v, block_mask)
+        expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+        actual = run(q, k, v, block_mask)
+        grads = torch.autograd.grad(actual.square().sum(), (q, k, v))
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        for a, e in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
