@@ -450,6 +450,28 @@ def sdpa_stack(n: int = 4, d: int = 32, vocab: int = 64) -> Stack:
     return Stack([models.GPT2Block(d, 4, "sdpa", seed=i) for i in range(n)], d, vocab).to(torch.float32)
 
 
+def counting_probes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at each probe step (each planning) from now on."""
+    probes: list[int] = []
+    probe = remat._fit._probe
+    monkeypatch.setattr(remat._fit, "_probe", lambda *a: probes.append(1) or probe(*a))
+    return probes
+
+
+def assert_the_plan_holds_once_materialized(
+    model: nn.Module, real: nn.Module, x: torch.Tensor, plan: remat.Fit, target: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`model`, planned on meta, materialized where `x` is with `real`'s weights: it runs without planning
+    again, within the target, at the predicted peak (within 2%)."""
+    model.to_empty(device=x.device)
+    model.load_state_dict(real.state_dict())
+    probes = counting_probes(monkeypatch)
+    peak = measured_peak(model, x)
+    assert probes == []  # the batch has the planned signature: not planned again
+    assert peak <= target
+    assert abs(peak - plan.predicted_peak) <= 0.02 * peak
+
+
 def test_a_plan_made_on_the_meta_device_holds_on_the_materialized_model(monkeypatch: pytest.MonkeyPatch) -> None:
     real = sdpa_stack()
     with torch.device("meta"):
@@ -460,15 +482,7 @@ def test_a_plan_made_on_the_meta_device_holds_on_the_materialized_model(monkeypa
     plan = remat.fit(model, models.GPT2Block, x.to("meta"), peak_bytes=target, loss=square_loss, device="cpu")
     assert plan.predicted_peak <= target
     assert any(block.kept_bytes for block in plan.blocks)  # not the materialized model's default plan
-    model.to_empty(device="cpu")
-    model.load_state_dict(real.state_dict())
-    probes: list[int] = []
-    probe = remat._fit._probe
-    monkeypatch.setattr(remat._fit, "_probe", lambda *a: probes.append(1) or probe(*a))
-    peak = measured_peak(model, x)
-    assert probes == []  # the batch has the planned signature: not planned again
-    assert peak <= target
-    assert abs(peak - plan.predicted_peak) <= 0.02 * peak
+    assert_the_plan_holds_once_materialized(model, real, x, plan, target, monkeypatch)
     # The probe ran on fake CPU tensors: the blocks were traced with the CPU's attention kernel (the meta
     # device's own is the math kernel, which keeps the T x T scores), and the plan is the one made on the CPU.
     on_cpu = remat.fit(real, models.GPT2Block, x, peak_bytes=target, loss=square_loss)
@@ -483,9 +497,7 @@ def test_a_fitted_model_trains_under_torch_compile(monkeypatch: pytest.MonkeyPat
     x = torch.randn(2, 48, 32)
     high, low = eager_and_lowest(eager, models.GPT2Block, x)
     remat.fit(model, models.GPT2Block, x, peak_bytes=(high + low) // 2, loss=square_loss)
-    probes: list[int] = []
-    probe = remat._fit._probe
-    monkeypatch.setattr(remat._fit, "_probe", lambda *a: probes.append(1) or probe(*a))
+    probes = counting_probes(monkeypatch)
     compiled = torch.compile(model, backend="aot_eager")
     for batch in (2, 3):  # the second batch size is planned (outside the compiled graph) for the same target
         x = torch.randn(batch, 48, 32)
@@ -532,15 +544,7 @@ def test_a_plan_made_on_meta_for_cuda_holds_on_the_gpu(dtype: torch.dtype, monke
     on_gpu = remat.fit(real, models.GPT2Block, x, peak_bytes=target, loss=square_loss)
     assert [b.decisions for b in on_gpu.blocks] == [b.decisions for b in plan.blocks]
     assert on_gpu.predicted_peak == plan.predicted_peak
-    model.to_empty(device="cuda")
-    model.load_state_dict(real.state_dict())
-    probes: list[int] = []
-    probe = remat._fit._probe
-    monkeypatch.setattr(remat._fit, "_probe", lambda *a: probes.append(1) or probe(*a))
-    peak = measured_peak(model, x)
-    assert probes == []  # the batch has the planned signature: not planned again
-    assert peak <= target
-    assert abs(peak - plan.predicted_peak) <= 0.02 * peak
+    assert_the_plan_holds_once_materialized(model, real, x, plan, target, monkeypatch)
 
 
 def test_fit_asks_for_the_device_to_plan_a_model_on_meta_for() -> None:

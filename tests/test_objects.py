@@ -170,43 +170,36 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any
     return flex.flex_attention(q, k, v, score_mod=relative_bias, block_mask=block_mask)
 
 
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.usefixtures("flex_backward_on_cpu")
+@pytest.mark.parametrize(
+    ("device", "compiled"),
+    [("cpu", False), pytest.param("cuda", False, marks=ON_CUDA), pytest.param("cuda", True, marks=ON_CUDA)],
+    ids=["cpu", "cuda", "cuda-torch.compile"],  # inductor's flex kernels are for GPUs
+)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_flex_attention_with_a_block_mask_checkpoints_with_eagers_gradients(policy: Any) -> None:
+def test_flex_attention_with_a_block_mask_checkpoints_with_eagers_gradients(
+    policy: Any, device: str, compiled: bool
+) -> None:
     # It was `TypeError: ... args[3] is a BlockMask, which is neither a tensor nor a static value`.
     checkpointed = remat.checkpoint(attention, policy=policy)
-    for step in range(3):  # a new mask each step, over other documents: one trace, each mask's values
-        q, k, v = (randn(B, H, T, D) for _ in range(3))
-        block_mask = document_mask(step)
-        expected = attention(q, k, v, block_mask)
-        expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
-        actual = checkpointed(q, k, v, block_mask)
-        grads = torch.autograd.grad(actual.square().sum(), (q, k, v))
-        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
-        for a, e in zip(grads, expected_grads, strict=True):
-            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
-    assert checkpointed.cache_info().traces == 1
-    assert [call.op.name() for call in remat.trace(attention, q, k, v, block_mask)] == ["flex_attention"]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
-@pytest.mark.parametrize("policy", POLICIES)
-def test_flex_attention_on_cuda_checkpoints_with_eagers_gradients(policy: Any, compiled: bool) -> None:
-    checkpointed = remat.checkpoint(attention, policy=policy)
     run, reference = (torch.compile(checkpointed), torch.compile(attention)) if compiled else (checkpointed, attention)
-    for step in range(2):
-        q, k, v = (torch.randn(B, H, T, D, device="cuda", requires_grad=True) for _ in range(3))
-        block_mask = document_mask(step, "cuda")
+    dtype, tolerance = (torch.float64, 1e-12) if device == "cpu" else (torch.float32, 1e-4)
+    for step in range(3):  # a new mask each step, over other documents: one trace, each mask's values
+        q, k, v = (torch.randn(B, H, T, D, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+        block_mask = document_mask(step, device)
         expected = reference(q, k, v, block_mask)
         expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
         actual = run(q, k, v, block_mask)
         grads = torch.autograd.grad(actual.square().sum(), (q, k, v))
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
         for a, e in zip(grads, expected_grads, strict=True):
-            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a, e, rtol=tolerance, atol=tolerance)
+    assert checkpointed.cache_info().traces == 1
+    assert [call.op.name() for call in remat.trace(attention, q, k, v, block_mask)] == ["flex_attention"]
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
