@@ -149,7 +149,10 @@ def same_value(a: Any, b: Any, pairs: dict[int, nn.Module] | None = None) -> boo
     hold no tensors by their class and attributes; Python functions by their code, globals, defaults,
     attributes and what their closures hold; bound methods by function and object; other objects of
     Python classes that have state by their class and state; anything else by identity."""
-    return _same_value(a, b, frozenset(), pairs or {})
+    try:
+        return _same_value(a, b, frozenset(), pairs or {})
+    except RecursionError:  # objects nested deeper than Python recurses: not shown the same
+        return False
 
 
 def _same_value(a: Any, b: Any, comparing: frozenset[tuple[int, int]], pairs: dict[int, nn.Module]) -> bool:

@@ -416,6 +416,17 @@ def test_same_value(a: Any, b: Any, same: bool) -> None:
     assert same_value(a, b) is same
 
 
+def test_objects_nested_deeper_than_python_recurses_are_not_the_same() -> None:
+    def chain(length: int) -> Any:
+        head: Any = Layout(0.0)
+        for _ in range(length):
+            head = Layout(0.0, (head,))  # type: ignore[arg-type]
+        return head
+
+    assert same_value(chain(3), chain(3))
+    assert not same_value(chain(5_000), chain(5_000))
+
+
 def test_the_modules_of_the_block_compare_by_position() -> None:
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)
     pairs = {id(second): first}  # `second` is at the position `first` had in the block that traced
