@@ -40,7 +40,8 @@ def test_no_module_imports_itself_through_others() -> None:
 
 def test_the_policies_and_the_public_entry_points_sit_on_top() -> None:
     graph = _imports()
-    assert "_checkpoint" not in set().union(*(graph[m] for m in graph if m not in ("__init__", "testing")))
+    public = ("__init__", "testing", "_equivalence")  # remat.testing checkpoints the functions it checks
+    assert "_checkpoint" not in set().union(*(graph[m] for m in graph if m not in public))
     assert "_api" not in graph["_dynamo"]  # the compile integration reaches a checkpoint through a Protocol
 
 

@@ -1,0 +1,213 @@
+"""The torch.func transforms `remat.testing.assert_checkpoint_equivalent` compares a function under
+(`TRANSFORMS`), and the copies of arguments each comparison runs on."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from . import _objects
+from ._pytree import NAMESPACE
+from ._torch import import_jvp_decompositions
+
+TRANSFORMS = (
+    "grad",
+    "vmap",
+    "jvp",
+    "vjp",
+    "jvp_of_vmap",
+    "vmap_of_jvp",
+    "forward_ad",
+    "grad_of_jvp",
+    "grad_of_jvp_of_vmap",
+    "grad_of_forward_ad",
+    "grad_of_grad",
+)
+_BATCHED = frozenset({"vmap", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp_of_vmap"})  # of stacked arguments
+_UNDER_FUNC_JVP = frozenset({"jvp", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp", "grad_of_jvp_of_vmap"})
+_FORWARD_MODE = _UNDER_FUNC_JVP | {"forward_ad", "grad_of_forward_ad"}
+
+
+def _through_objects(function: Callable[[Any], Any], tree: Any) -> Any:
+    """`function` of every leaf of `tree`, the leaves inside the objects a checkpointed function is handed
+    included (made again around the new leaves): see NOTE [objects handed to a checkpointed function]."""
+    mapped = optree.tree_map(function, _objects.opened(tree, NAMESPACE), none_is_leaf=False, namespace=NAMESPACE)
+    return _objects.closed(mapped, NAMESPACE)
+
+
+def _to_device(tree: Any, device: str | torch.device | None) -> Any:
+    def move(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and device is not None:
+            return leaf.detach().to(device).requires_grad_(leaf.requires_grad)
+        return leaf
+
+    return _through_objects(move, tree)
+
+
+def _fresh(tree: Any) -> Any:
+    def copy(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+        return leaf
+
+    return _through_objects(copy, tree)
+
+
+def _detach(leaf: Any) -> Any:
+    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+
+
+def _detached(tree: Any) -> Any:
+    return optree.tree_map(_detach, tree, none_is_leaf=False)
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    leaves = optree.tree_leaves(_objects.opened(tree, NAMESPACE), none_is_leaf=False, namespace=NAMESPACE)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _random_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(tensor.shape, generator=generator, dtype=torch.float64).to(tensor.dtype).to(tensor.device)
+
+
+def _is_float(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _scalar(fn: Callable[..., Any], seed: int) -> Callable[..., torch.Tensor]:
+    """A scalar reduction of `fn`: the sum of each float output times a fixed random weight."""
+
+    def scalar(*args: Any, **kwargs: Any) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed + 1)
+        outputs = [o for o in _tensor_leaves(fn(*args, **kwargs)) if _is_float(o)]
+        return sum(((o * _random_like(o, generator)).sum() for o in outputs), torch.zeros(()))
+
+    return scalar
+
+
+def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+    """`fn` under the torch.func transform `name`, as a function of the same arguments (or stacked
+    positional ones); keyword arguments are passed through, neither differentiated nor batched."""
+    if name == "grad":
+        return torch.func.grad(_scalar(fn, seed))
+    if name == "grad_of_grad":  # reverse mode over reverse mode, as `hessian` by `jacrev(jacrev(fn))`
+        # Compared by value: a second derivative's layout is that of how its paths meet, not of the program.
+        # Where the first backward both replays a call from an input and reads a value kept from it, the
+        # input's second derivative arrives by two paths, summed (into a fresh tensor) at the input; eager's
+        # meets before the call's derivative, whose view of the sum (a `stack`'s `select`) it returns.
+        return _valued(torch.func.grad(_scalar(torch.func.grad(_scalar(fn, seed)), seed + 4)))
+    if name == "vmap":
+        return torch.func.vmap(fn, randomness="different")
+    if name in _FORWARD_MODE:
+        # The first forward-mode AD call in a process imports torch's jvp decompositions, which
+        # warn (an error where warnings are errors): import them here, quietly.
+        import_jvp_decompositions()
+    if name == "jvp_of_vmap":
+        return _jvp(torch.func.vmap(fn, randomness="different"), seed)
+    # The derivatives of forward mode's results are compared by value, as tangents are: see `_by_value`.
+    if name == "grad_of_jvp":  # reverse mode over forward mode
+        return _valued(torch.func.grad(_scalar(_jvp(fn, seed), seed)))
+    if name == "grad_of_jvp_of_vmap":  # and over a batch, as `jacrev(jacfwd(fn))`
+        return _valued(torch.func.grad(_scalar(_jvp(torch.func.vmap(fn, randomness="different"), seed), seed)))
+    if name == "grad_of_forward_ad":
+        return _valued(_backward_of(_forward_ad(fn, seed), seed))
+    if name == "vmap_of_jvp":
+
+        def jvp_per_example(*primals_and_tangents: Any, **kwargs: Any) -> Any:
+            half = len(primals_and_tangents) // 2
+            primals, tangents = primals_and_tangents[:half], primals_and_tangents[half:]
+            return torch.func.jvp(_bound(fn, kwargs), primals, tangents)
+
+        def vmap_of_jvp(*primals: Any, **kwargs: Any) -> Any:
+            tangents = _tangents(primals, seed)
+            outputs, output_tangents = torch.func.vmap(
+                functools.partial(jvp_per_example, **kwargs), randomness="different"
+            )(*primals, *tangents)
+            return outputs, _by_value(output_tangents)
+
+        return vmap_of_jvp
+    if name == "jvp":
+        return _jvp(fn, seed)
+    if name == "forward_ad":
+        return _forward_ad(fn, seed)
+
+    def vjp(*primals: Any, **kwargs: Any) -> Any:
+        outputs, pullback = torch.func.vjp(_bound(fn, kwargs), *primals)[:2]
+        generator = torch.Generator().manual_seed(seed + 3)
+        cotangents = optree.tree_map(lambda t: _random_like(t, generator) if _is_float(t) else None, outputs)
+        return outputs, pullback(cotangents)
+
+    return vjp
+
+
+def _valued(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *args, **kwargs: _by_value(fn(*args, **kwargs))
+
+
+def _backward_of(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+    """The gradient, by `torch.autograd.grad`, of a fixed random weighted sum of `fn`'s outputs with respect
+    to its first argument (zeros where they do not depend on it)."""
+
+    def backward(first: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
+        first = first.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = _scalar(fn, seed)(first, *rest, **kwargs)
+            if not loss.requires_grad:
+                return torch.zeros_like(first)
+            (grad,) = torch.autograd.grad(loss, first, allow_unused=True)
+        return torch.zeros_like(first) if grad is None else grad
+
+    return backward
+
+
+def _bound(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """`fn` with the keyword arguments a transform passes through, neither differentiated nor batched."""
+    return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def _tangents(primals: Sequence[Any], seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed + 2)
+    return tuple(_random_like(t, generator) for t in primals)
+
+
+def _by_value(tangents: Any) -> Any:
+    """Tangents (and their derivatives) to compare by value alone. Their layouts are those of torch's
+    derivative formulas (a zero tangent of an op without a derivative may be a broadcast, under vmap
+    unbatched), not of the program."""
+    return optree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, tangents, none_is_leaf=False)
+
+
+def _jvp(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+    def jvp(*primals: Any, **kwargs: Any) -> Any:
+        outputs, tangents = torch.func.jvp(_bound(fn, kwargs), primals, _tangents(primals, seed))[:2]
+        return outputs, _by_value(tangents)
+
+    return jvp
+
+
+def _forward_ad(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+    """`fn` on dual tensors of `torch.autograd.forward_ad`: each output becomes (primal, tangent), a
+    tangent autograd did not attach given as zeros (eager attaches zeros where an op has a derivative of
+    zero, a random draw from a dual mean, where remat attaches none)."""
+
+    def forward_ad(*primals: Any, **kwargs: Any) -> Any:
+        with torch.autograd.forward_ad.dual_level():
+            duals = [
+                torch.autograd.forward_ad.make_dual(p, t) if isinstance(p, torch.Tensor) and _is_float(p) else p
+                for p, t in zip(primals, _tangents(primals, seed), strict=True)
+            ]
+            outputs = fn(*duals, **kwargs)
+
+            def unpacked(leaf: Any) -> Any:
+                if not isinstance(leaf, torch.Tensor):
+                    return leaf
+                primal, tangent = torch.autograd.forward_ad.unpack_dual(leaf)
+                return primal, _by_value(torch.zeros_like(primal) if tangent is None else tangent)
+
+            return optree.tree_map(unpacked, outputs, none_is_leaf=False)
+
+    return forward_ad
