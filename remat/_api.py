@@ -32,7 +32,7 @@ from ._pytree import FlatArgs, flatten_args
 from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure_of
 from ._specialize import ValuesChanged
 from ._torch import HigherOrderOperator, functorch_active
-from ._trace import JointGraph, is_tracing, nested_checkpoint, trace_joint
+from ._trace import JointGraph, is_tracing, joint_graph_of, nested_checkpoint
 from .policies import save_nothing
 from .report import Report, ReportRow
 
@@ -201,7 +201,7 @@ class Checkpointed(Generic[P, T]):
             contextlib.nullcontext(lambda: None) if structure is None else recording_attribute_reads(roots.modules)
         )
         with recording as attribute_reads:
-            joint = with_dataflow(trace_joint(self.__wrapped__, flat, roots, forward_mode=forward_mode))
+            joint = with_dataflow(joint_graph_of(self.__wrapped__, flat, roots, forward_mode=forward_mode))
         lifted = [slot.fetch() for slot in joint.lifted]
         executable = _executable(joint, self.policy, forward_mode, self._compile_options, self._shared)
         entry = _Entry(joint, executable, _guard(joint, lifted))
@@ -251,7 +251,7 @@ class Checkpointed(Generic[P, T]):
 
     def _rebuilt(self, joint: JointGraph, executable: Executable) -> Executable:
         """The programs of `joint` under this checkpoint's policy, for the mode `executable` was built for."""
-        forward_mode = executable.programs.pure_returns_outputs  # traced for forward mode
+        forward_mode = executable.programs.traced_for_forward_mode
         return _executable(joint, self.policy, forward_mode, self._compile_options, self._shared)
 
     def _prefer(self, key: SignatureKey, entry: _Entry) -> None:
@@ -344,7 +344,7 @@ def _joint_of(
         return entry.joint, fn.policy
     if not callable(fn):
         raise TypeError(f"{api}: expected a function or nn.Module, but got {fn!r} of type {type(fn).__qualname__}.")
-    return with_dataflow(trace_joint(fn, flat, find_module_roots(fn))), None
+    return with_dataflow(joint_graph_of(fn, flat, find_module_roots(fn))), None
 
 
 def trace(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Trace:

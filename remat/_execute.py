@@ -13,7 +13,7 @@ from . import _step
 from ._calls import TensorMeta
 from ._compiled import CompiledPrograms
 from ._contexts import autocast_disabled
-from ._partition import Programs
+from ._partition import KeptActivation, KeptGeneratorState, KeptInput, KeptOutput, Programs
 from ._torch import (
     CtxCustomSave,
     HigherOrderOperator,
@@ -156,23 +156,18 @@ class _CheckpointFunction(torch.autograd.Function):
         programs = executable.programs
         n_returned = len(programs.returned)
         ctx.executable = executable
-        kept = [
-            primals[k.primal]
-            if k.primal is not None
-            else output[k.output]
-            if k.output is not None
-            else output[n_returned + k.activation]  # type: ignore[operator]
-            for k in programs.kept
-        ]
+        kept = [_kept_value(k.where, primals, output, n_returned) for k in programs.kept]
         ctx.save_for_backward(*kept)
-        if programs.pure_returns_outputs:  # traced under forward mode: for the jvp rule
+        if programs.traced_for_forward_mode:  # for the jvp rule
             ctx.save_for_forward(*kept)
             ctx.remat_output_metas = [TensorMeta.of(o) for o in output]  # zeros where it finds no tangent
             if not functorch_active():  # See NOTE [tangents in their outputs' layouts].
                 ctx.remat_output_layouts = [_Layout.of(o) for o in output]
         if executable.dirty:  # (each skipped call is a microsecond of every cached call's overhead)
             ctx.mark_dirty(*_as_seen_by_autograd(ctx, [primals[i] for i in executable.dirty]))
-        non_differentiable = [o for o, skip in zip(output, _without_grad(ctx, programs), strict=True) if skip]
+        non_differentiable = [
+            o for o, skip in zip(output, _marked_non_differentiable(ctx, programs), strict=True) if skip
+        ]
         if non_differentiable:
             ctx.mark_non_differentiable(*_as_seen_by_autograd(ctx, non_differentiable))
         ctx.set_materialize_grads(False)
@@ -232,7 +227,7 @@ class _CheckpointFunction(torch.autograd.Function):
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         executable: Executable = ctx.executable
         programs = executable.programs
-        assert programs.pure_returns_outputs, "traced without forward mode: see forward_mode_active()"
+        assert programs.traced_for_forward_mode, "traced without forward mode: see forward_mode_active()"
         primal_tangents = tangents[1:]
         chosen: list[tuple[int, torch.Tensor]] = []
         for i, primal in programs.pure_inputs:
@@ -260,7 +255,7 @@ class _CheckpointFunction(torch.autograd.Function):
             None if skip else _zeros(meta) if tangent is None else tangent.to(meta.device)  # offloaded: the host's
             for tangent, skip, meta in zip(
                 (*output_tangents, *([None] * n_states)),
-                programs.without_tangent,
+                programs.non_differentiable,
                 ctx.remat_output_metas,
                 strict=True,
             )
@@ -366,7 +361,7 @@ def _activations_vjp(
         return grads
     values, inputs = _differentiable(kept, [i for i, _ in chosen])
     with torch.enable_grad(), autocast_disabled():
-        recomputed = programs.pure.forward(*values)[len(programs.returned) if programs.pure_returns_outputs else 0 :]
+        recomputed = programs.pure.forward(*values)[len(programs.returned) if programs.traced_for_forward_mode else 0 :]
     pairs = [  # the cotangent of an offloaded value is in host memory, as the value was
         (v, g.to(v.device)) for v, g in zip(recomputed, cotangents, strict=True) if g is not None and v.requires_grad
     ]
@@ -444,22 +439,38 @@ class _Layout:
         return storage.as_strided(self.shape, self.stride, self.offset)
 
 
+def _kept_value(
+    where: KeptInput | KeptOutput | KeptActivation | KeptGeneratorState,
+    primals: Sequence[torch.Tensor],
+    output: Sequence[torch.Tensor],
+    n_returned: int,
+) -> torch.Tensor:
+    """The tensor `setup_context` saves for one kept value: an input, a returned output, or an extra output."""
+    match where:
+        case KeptInput(index):
+            return primals[index]
+        case KeptOutput(position):
+            return output[position]
+        case KeptActivation(index) | KeptGeneratorState(index):
+            return output[n_returned + index]
+
+
 def _zeros(meta: TensorMeta) -> torch.Tensor:
     return torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
 
 
-def _without_grad(ctx: Any, programs: Programs) -> Iterator[bool]:
+def _marked_non_differentiable(ctx: Any, programs: Programs) -> Iterator[bool]:
     """For each output of the Function, whether it is marked non-differentiable: as traced,
     and, under torch.func transforms, also when it has a derivative from no input that
     requires grad at this level.
 
-    The trace differentiates the inputs that require grad at any level (see `trace_joint`),
+    The trace differentiates the inputs that require grad at any level (see `joint_graph_of`),
     so its answer is eager's outside transforms; never under forward mode, where inputs carry
     tangents without requiring grad.
     """
-    per_level = not programs.pure_returns_outputs and functorch_active()
+    per_level = not programs.traced_for_forward_mode and functorch_active()
     needs_grad = ctx.needs_input_grad[1:]
-    for skip, sources in zip(programs.without_tangent, programs.output_sources, strict=True):
+    for skip, sources in zip(programs.non_differentiable, programs.output_sources, strict=True):
         yield skip or (per_level and not any(needs_grad[i] for i in sources))
 
 

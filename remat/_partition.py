@@ -37,29 +37,65 @@ from ._rules import (
 )
 from ._trace import JointGraph, stops_gradient
 
-__all__ = ["Kept", "Programs", "partition"]
+__all__ = [
+    "Kept",
+    "KeptActivation",
+    "KeptGeneratorState",
+    "KeptInput",
+    "KeptOutput",
+    "Programs",
+    "partition",
+]
 
 aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
-class Kept:
-    """One value the backward program reads, and where the forward finds it.
+class KeptInput:
+    """An input of the Function, kept by reference (no new memory): `primals[index]`."""
 
-    `primal` is the index of an input kept by reference (no new memory);
-    `output` the position of one of the Function's returned outputs;
-    otherwise the value is the `activation`-th extra output of the forward
-    program: the value of `node`, or, with `rng_state`, the state of the
-    generator right before `node` (a random call) ran. An `offloaded`
-    activation is kept in host memory (see NOTE [offloading kept values]).
-    """
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptOutput:
+    """One of the Function's returned outputs: `outputs[position]`."""
+
+    position: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptActivation:
+    """The `index`-th extra output of the forward program, kept on the device or, `offloaded`, in host
+    memory (see NOTE [offloading kept values])."""
+
+    index: int
+    offloaded: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptGeneratorState:
+    """The `index`-th extra output of the forward program: the state of the generator right before the
+    node (a random call) ran."""
+
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """One value the backward program reads (`node`'s, or the generator state before it), and where the
+    forward finds it."""
 
     node: fx.Node
-    primal: int | None = None
-    output: int | None = None
-    activation: int | None = None
-    rng_state: bool = False
-    offloaded: bool = False
+    where: KeptInput | KeptOutput | KeptActivation | KeptGeneratorState
+
+    @property
+    def rng_state(self) -> bool:
+        return isinstance(self.where, KeptGeneratorState)
+
+    @property
+    def offloaded(self) -> bool:
+        return isinstance(self.where, KeptActivation) and self.where.offloaded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +110,15 @@ class Programs:
 
     forward: fx.GraphModule  # primals -> (*returned outputs, *activations, *states)
     backward: fx.GraphModule  # (*kept, *tangents) -> grads
-    pure: fx.GraphModule  # *kept -> (*returned outputs if pure_returns_outputs, *activations), from the inputs
-    pure_returns_outputs: bool
+    pure: fx.GraphModule  # *kept -> (*returned outputs if traced_for_forward_mode, *activations), from the inputs
+    traced_for_forward_mode: bool  # traced under forward-mode AD: `pure` returns the outputs too, for jvp
     pure_inputs: tuple[tuple[int, int], ...]  # (position in kept, primal index) of each input pure reads
     # primals -> views of them taken before the Function: NOTE [where views of inputs are rebuilt]
     prologue: fx.GraphModule | None
     epilogue: fx.GraphModule | None  # (*primals, *prologue's, *returned outputs) -> user outputs; None: all returned
     returned: tuple[int, ...]  # indices of the outputs the Function returns
     n_activations: int
-    without_tangent: tuple[bool, ...]  # per Function output: marked non-differentiable
+    non_differentiable: tuple[bool, ...]  # per Function output: marked non-differentiable
     output_sources: tuple[frozenset[int], ...]  # per Function output: the primals it has a gradient for
     pure_unsupported: str | None  # why the programs cannot be differentiated again, if they cannot
     kept: tuple[Kept, ...]
@@ -119,12 +155,13 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
     copied = {a for a in activations if a.op == "placeholder"}
     for node in split.kept_values:
         if node.op == "placeholder" and node not in copied:  # by reference: see NOTE [kept inputs]
-            kept.append(Kept(node, primal=primal_index[node]))
+            kept.append(Kept(node, KeptInput(primal_index[node])))
         elif node in position:
-            kept.append(Kept(node, output=position[node]))
+            kept.append(Kept(node, KeptOutput(position[node])))
     offloaded = _offloaded(joint, decisions, activations)
-    kept += [Kept(node, activation=k, offloaded=node in offloaded) for k, node in enumerate(activations)]
-    kept += [Kept(node, activation=len(activations) + k, rng_state=True) for k, node in enumerate(random_states)]
+    kept += [Kept(node, KeptActivation(k, node in offloaded)) for k, node in enumerate(activations)]
+    n = len(activations)
+    kept += [Kept(node, KeptGeneratorState(n + k)) for k, node in enumerate(random_states)]
     kept_pairs = [(k.node, k.rng_state) for k in kept]
     holder = {k.node: i for i, k in enumerate(kept) if k.node.op == "placeholder" and not k.rng_state}
     returned = split.returned
@@ -146,14 +183,14 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             {**{p: p for p in holder}, **{c: c for c in split.constants}},
             [*split.returned_nodes, *activations] if forward_mode else activations,  # copies of inputs included
         ),
-        pure_returns_outputs=forward_mode,
+        traced_for_forward_mode=forward_mode,
         pure_inputs=tuple((i, primal_index[node]) for node, i in holder.items()),
         prologue=prologue,
         epilogue=epilogue,
         returned=returned,
         n_activations=len(activations),
         pure_unsupported=_pure_unsupported(joint, split),
-        without_tangent=_without_tangent(
+        non_differentiable=_non_differentiable(
             joint,
             returned,
             activations,
@@ -238,7 +275,7 @@ _NOT_TWICE_DIFFERENTIABLE = {
 }
 
 
-def _without_tangent(
+def _non_differentiable(
     joint: JointGraph,
     returned: Sequence[int],
     activations: Sequence[fx.Node],

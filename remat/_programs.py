@@ -211,7 +211,7 @@ def _emit_views(graph: fx.Graph, env: dict[fx.Node, fx.Node], node: fx.Node) -> 
     for view in reversed(chain):
         env[view] = graph.node_copy(view, lambda n: env[n])
         if view.meta.get("remat_stops_gradient") == "no_grad":  # a view `fn` took under no_grad
-            env[view].target, env[view].args = _without_grad, (view.target, *env[view].args)  # type: ignore[arg-type]
+            env[view].target, env[view].args = _run_under_no_grad, (view.target, *env[view].args)  # type: ignore[arg-type]
     return env[chain[0] if chain else node]
 
 
@@ -268,7 +268,7 @@ def _with_history_of(value: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return _WithHistoryOf.apply(value, tensor)  # type: ignore[no-any-return]
 
 
-def _without_grad(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _run_under_no_grad(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`op` run as `fn` ran it, under `torch.no_grad()` (in a view rebuilt outside the Function)."""
     with torch.no_grad():
         return op(*args, **kwargs)
@@ -327,7 +327,7 @@ def _emitter(
             copy.meta = dict(node.meta)
         else:
             copy = _copy(graph, node, env)
-            if _stops_gradient(node, forward_mode):
+            if _value_stops_gradient(node, forward_mode):
                 copy = graph.call_function(aten.detach.default, (copy,))
             history = history_of(node, forward_mode=forward_mode)
             if history is not None and _computable(history, env):
@@ -429,7 +429,7 @@ def _select_scattered(base: torch.Tensor, source: torch.Tensor, dim: int, index:
     return aten.slice_scatter.default(base, source.unsqueeze(dim), dim, index, index + 1)
 
 
-def _stops_gradient(node: fx.Node, forward_mode: bool) -> bool:
+def _value_stops_gradient(node: fx.Node, forward_mode: bool) -> bool:
     """Whether `fn` computed the tensor `node` where autograd does not see (see `stops_gradient`)."""
     producer = node.args[0] if node.target is operator.getitem else node
     if node is producer and not isinstance(node.meta.get("val"), torch.Tensor):

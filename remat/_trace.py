@@ -68,7 +68,7 @@ from ._torch import (
     version_counter,
 )
 
-__all__ = ["JointGraph", "is_tracing", "nested_checkpoint", "stops_gradient", "trace_joint"]
+__all__ = ["JointGraph", "is_tracing", "joint_graph_of", "nested_checkpoint", "stops_gradient"]
 
 aten = torch.ops.aten
 
@@ -122,7 +122,7 @@ class JointGraph:
         return tuple(value for value in self.constants.values() if isinstance(value, torch.Generator))
 
 
-def trace_joint(
+def joint_graph_of(
     fn: Callable[..., Any], flat_args: FlatArgs, roots: ModuleRoots, *, forward_mode: bool = False
 ) -> JointGraph:
     """Trace `fn` at the signature of `flat_args` into a `JointGraph` (for forward-mode AD too,
@@ -139,19 +139,19 @@ def trace_joint(
             unset_fake_temporarily(),  # a fake mode of the caller's: the trace has its own
         ):
             try:
-                joint = _trace_once(fn, flat_args, roots, forward_mode, under_functorch, with_values=False)
+                joint = _joint_graph_attempt(fn, flat_args, roots, forward_mode, under_functorch, with_values=False)
             except GuardOnDataDependentSymNode:
                 if under_functorch:  # the inputs' values are not reachable under a transform
                     raise
                 with real_values_traced():  # See NOTE [values Python reads].
-                    joint = _trace_once(fn, flat_args, roots, forward_mode, under_functorch, with_values=True)
+                    joint = _joint_graph_attempt(fn, flat_args, roots, forward_mode, under_functorch, with_values=True)
         _warn_about_hooks(joint.reached_modules, roots)
         return joint
     finally:
         _regions.recorded = outer_regions
 
 
-def _trace_once(
+def _joint_graph_attempt(
     fn: Callable[..., Any],
     flat_args: FlatArgs,
     roots: ModuleRoots,
@@ -518,7 +518,7 @@ def _trace(
 ) -> JointGraph:
     real_primals = [*flat_args.tensors, *discovery.closed_over]
     fake_primals = [_fake_like(fake_mode, t) for t in real_primals]
-    joint = _JointFunction(fn, flat_args, roots, discovery, fake_primals, fake_mode, under_functorch, with_values)
+    joint = _ForwardThenBackward(fn, flat_args, roots, discovery, fake_primals, fake_mode, under_functorch, with_values)
     outputs = [*discovery.output_fakes, *(fake_primals[i] for i in discovery.dirty), *discovery.bases]
     first_base = len(outputs) - len(discovery.bases)
     with fake_mode:
@@ -541,7 +541,7 @@ def _trace(
     return _joint_graph(gm, fn, roots, fake_mode, discovery, joint, under_functorch, len(real_primals), regions)
 
 
-class _JointFunction:
+class _ForwardThenBackward:
     """`fn` and its gradients, as one function of (primals, tangents) for `make_fx` to trace.
 
     Tracing it also records what the graph alone does not say: the nodes `fn` itself ran
@@ -677,7 +677,7 @@ def _joint_graph(
     roots: ModuleRoots,
     fake_mode: FakeTensorMode,
     discovery: _Discovery,
-    joint: _JointFunction,
+    joint: _ForwardThenBackward,
     under_functorch: bool,
     n_primals: int,
     regions: list[tuple[Any, frozenset[fx.Node]]],
