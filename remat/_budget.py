@@ -22,6 +22,7 @@ from scipy.sparse import lil_array
 from ._accounting import Accounting, account, offloaded_calls, saved_calls
 from ._calls import Dataflow, Decision, Trace, Value
 from ._decide import is_collective
+from ._peak import peak_of
 from .costs import estimate_seconds, resolve_device
 
 __all__ = [
@@ -525,8 +526,7 @@ PEAK_CANDIDATES = 16  # byte budgets tried, evenly spaced
 def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool, offload: bool = False) -> Plan:
     """The cheapest of the byte-budget planner's plans, and of saving everything and saving nothing,
     whose predicted peak is at most `peak_bytes`."""
-    peak_of = trace.peak_of
-    assert trace.dataflow is not None and peak_of is not None
+    assert trace.dataflow is not None and trace.joint is not None
     started = time.perf_counter()
     costs = call_costs(trace, cost)
     forced = {call.index for call in trace if is_collective(call)}
@@ -539,7 +539,7 @@ def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool, offload: b
     peaks: dict[tuple[Decision, ...], int] = {}  # candidates often repeat a plan: partition each once
     for plan in candidates:
         if plan.decisions not in peaks:
-            peaks[plan.decisions] = peak_of(plan.decisions).bytes
+            peaks[plan.decisions] = peak_of(trace, plan.decisions).bytes
         peak = peaks[plan.decisions]
         if peak <= peak_bytes and (best is None or (plan.cost, peak) < best[:2]):
             best = (plan.cost, peak, plan)

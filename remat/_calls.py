@@ -200,11 +200,11 @@ class Trace(Sequence[Call]):
         self,
         calls: Sequence[Call],
         dataflow: Dataflow | None = None,
-        peak_of: Callable[[Sequence[Decision]], Any] | None = None,
+        joint: Any = None,
     ):
         self._calls = tuple(calls)
         self._dataflow = dataflow
-        self._peak_of = peak_of
+        self._joint = joint
         self._plans: dict[Any, Any] = {}  # planners' results, each solved once (see `plan_once`)
         self._plans_lock = threading.RLock()
 
@@ -214,10 +214,10 @@ class Trace(Sequence[Call]):
         return self._dataflow
 
     @property
-    def peak_of(self) -> Callable[[Sequence[Decision]], Any] | None:
-        """The predicted `remat.Peak` of running the function under given decisions (for planners);
-        None for a trace made of hand-picked calls."""
-        return self._peak_of
+    def joint(self) -> Any:
+        """The joint graph the calls were traced from, which planners partition to predict a peak
+        (`remat._peak.peak_of`); None for a trace made of hand-picked calls."""
+        return self._joint
 
     def plan_once(self, planner: Any, solve: Callable[[], Any]) -> Any:
         """`planner`'s result for this trace: `solve()` the first time, the same result after (a trace

@@ -7,17 +7,13 @@ backward reads, which values each replayed call reads, what keeping each one cos
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
-from collections.abc import Sequence
 
 from torch import fx
 
 from . import _rng
-from ._calls import Dataflow, Decision, Trace, Value
+from ._calls import Dataflow, Trace, Value
 from ._measure import tensor_nbytes
-from ._partition import partition
-from ._peak import predict_peak
 from ._programs import device_of
 from ._rules import (
     backward_nodes_of,
@@ -29,20 +25,15 @@ from ._rules import (
     varying,
 )
 from ._trace import JointGraph
-from .report import Peak
 
 __all__ = ["with_dataflow"]
 
 
 def with_dataflow(joint: JointGraph) -> JointGraph:
-    """`joint`, its trace carrying what planners read: the graph's `Dataflow`, and the peak
-    bytes of the programs any decisions give (`Trace.peak_of`)."""
-    trace = Trace(joint.trace, dataflow_of(joint), functools.partial(_peak_of, joint))
+    """`joint`, its trace carrying what planners read: the graph's `Dataflow`, and the graph itself,
+    whose programs under any decisions give their peak (`remat._peak.peak_of`)."""
+    trace = Trace(joint.trace, dataflow_of(joint), joint)
     return dataclasses.replace(joint, trace=trace)
-
-
-def _peak_of(joint: JointGraph, decisions: Sequence[Decision]) -> Peak:
-    return predict_peak(joint, partition(joint, decisions))
 
 
 def dataflow_of(joint: JointGraph) -> Dataflow:

@@ -23,6 +23,7 @@ from ._apply import NOTHING, CheckpointedForward, InstalledForward, Which, check
 from ._cache import LRUCache, tensor_key
 from ._calls import Decision, Trace, format_bytes
 from ._decide import decide, decide_nested
+from ._peak import peak_of
 from .report import Peak
 
 __all__ = ["BlockPlan", "Fit", "StepReport", "fit"]
@@ -204,7 +205,7 @@ def candidates(trace: Trace, regions: Any, cost: str, exact: bool) -> list[_Cand
     from . import policies
     from ._budget import call_costs, minimum_bytes, replay_cost
 
-    assert trace.peak_of is not None, "a block's trace carries its peak predictions"
+    assert trace.joint is not None, "a block's trace carries its graph, for peak predictions"
     costs = call_costs(trace, cost)
     found: dict[tuple[Decision, ...], _Candidate] = {}
 
@@ -212,7 +213,7 @@ def candidates(trace: Trace, regions: Any, cost: str, exact: bool) -> list[_Cand
         decisions = decide_nested(_Fixed(tuple(planned)), trace, regions)  # as the block will run them
         if decisions not in found:
             replay = replay_cost(account(trace, saved_calls(decisions)), costs)
-            found[decisions] = _Candidate(label, decisions, replay, trace.peak_of(decisions))  # type: ignore[misc]
+            found[decisions] = _Candidate(label, decisions, replay, peak_of(trace, decisions))
 
     builtins = {
         "save_nothing": policies.save_nothing,

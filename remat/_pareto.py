@@ -12,6 +12,7 @@ from ._accounting import account, saved_calls
 from ._api import trace as trace_of
 from ._calls import Decision, Trace, format_bytes
 from ._decide import is_collective
+from ._peak import peak_of
 from .costs import estimate_seconds
 
 __all__ = ["Pareto", "ParetoPoint", "pareto"]
@@ -110,7 +111,7 @@ def _point(label: str, trace: Trace, saved: set[int], device: str) -> ParetoPoin
         kept.saved_bytes,
         kept.recompute_flops,
         sum(estimate_seconds(trace[c], device) for c in kept.replayed_calls),
-        trace.peak_of(decisions).bytes,  # type: ignore[misc]
+        peak_of(trace, decisions).bytes,
     )
 
 

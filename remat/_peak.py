@@ -15,8 +15,9 @@ import torch
 from torch import fx
 
 from . import _rng
+from ._calls import Decision, Trace
 from ._measure import storage_key, storage_nbytes, tensors_in
-from ._partition import Programs
+from ._partition import Programs, partition
 from ._programs import device_of
 from ._trace import JointGraph
 from .report import Peak
@@ -141,3 +142,11 @@ def _placeholder_values(graph: fx.Graph, nodes: Sequence[fx.Node]) -> dict[fx.No
 
 def _output_node(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def peak_of(trace: Trace, decisions: Sequence[Decision]) -> Peak:
+    """The predicted peak of running the function `trace` was traced from under `decisions` (for
+    planners): its joint graph partitioned, then `predict_peak`."""
+    if trace.joint is None:
+        raise ValueError("remat: this trace was made of hand-picked calls: it has no graph to predict a peak from.")
+    return predict_peak(trace.joint, partition(trace.joint, decisions))

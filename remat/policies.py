@@ -496,7 +496,7 @@ class Budget(Policy):
     def solve(self, trace: Trace) -> Plan:
         """The `Plan` for `trace`: decisions, bytes kept, replay cost, a lower bound on the
         optimal cost (the gap), and the solve time. Cached with the trace."""
-        if trace.dataflow is None or (self.peak_bytes is not None and trace.peak_of is None):
+        if trace.dataflow is None or (self.peak_bytes is not None and trace.joint is None):
             raise TypeError(
                 f"remat.policies.{self!r}: a budget plans over the dataflow of a whole trace, which this trace does "
                 "not carry (a budget inside a nested checkpoint, or a hand-made Trace). Use it on the outermost "

@@ -19,7 +19,7 @@ from remat import policies
 from remat._accounting import account
 from remat._api import _joint_of
 from remat._measure import storage_key, storage_nbytes, tensor_nbytes, tensors_in
-from remat._partition import partition
+from remat._partition import KeptActivation, partition
 from remat._programs import device_of
 from remat._rng import state_nbytes
 from remat.testing import RandomFunction, Step, assert_checkpoint_equivalent, functions, inputs
@@ -57,7 +57,7 @@ def _programs_figures(fn: Any, args: Any, saved: set[int]) -> tuple[set[int], in
         if kept.rng_state:
             nbytes += state_nbytes(device_of(kept.node))
         elif kept.node.op == "placeholder":
-            nbytes += tensor_nbytes(kept.node.meta["val"]) if kept.activation is not None else 0  # a copy
+            nbytes += tensor_nbytes(kept.node.meta["val"]) if isinstance(kept.where, KeptActivation) else 0  # a copy
         else:
             for tensor in tensors_in(kept.node.meta["val"]):
                 if storage_key(tensor) not in inputs:

@@ -18,6 +18,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import remat
 from remat import policies
 from remat import testing as rt
+from remat._peak import peak_of
 from remat.testing import assert_checkpoint_equivalent
 
 # A probe in the function: its backward runs after the backward of everything computed from its
@@ -252,7 +253,7 @@ def test_a_peak_budget_plan_records_its_peak() -> None:
     plan = policy.solve(trace)
     assert repr(policy) == "budget(peak_bytes=20000)"
     assert plan.peak_bytes is not None and plan.peak_bytes <= 20_000
-    assert trace.peak_of is not None and trace.peak_of(plan.decisions).bytes == plan.peak_bytes
+    assert peak_of(trace, plan.decisions).bytes == plan.peak_bytes
     assert plan.lower_bound <= plan.cost
 
 
@@ -262,9 +263,8 @@ def test_a_peak_budget_never_predicts_over_its_bound_on_random_functions(data: s
     fn = data.draw(rt.functions(return_inputs=False), label="fn")
     args = data.draw(rt.inputs(fn), label="args")
     trace = remat.trace(fn, *args)
-    assert trace.peak_of is not None
-    nothing = trace.peak_of(policies.save_nothing.plan(trace)).bytes
-    everything = trace.peak_of(policies.save_everything.plan(trace)).bytes
+    nothing = peak_of(trace, policies.save_nothing.plan(trace)).bytes
+    everything = peak_of(trace, policies.save_everything.plan(trace)).bytes
     bound = data.draw(st.integers(0, max(nothing, everything)), label="bound")
     try:
         plan = policies.budget(peak_bytes=bound).solve(trace)
