@@ -336,15 +336,17 @@ class DelegatesToCheckpointed:
 
 def _joint_of(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], api: str
-) -> tuple[JointGraph, Any]:
+) -> tuple[JointGraph, Any, Executable | None]:
+    """The joint graph of `fn` at these arguments, and, for a checkpointed function, its policy and the
+    programs its cache holds for them (the policy's decisions, partitioned)."""
     flat = flatten_args(api, args, kwargs)
     fn = getattr(fn, "checkpointed", fn)  # a CheckpointedModule
     if isinstance(fn, Checkpointed):
         _, entry, _, _ = fn._lookup(flat)
-        return entry.joint, fn.policy
+        return entry.joint, fn.policy, entry.executable
     if not callable(fn):
         raise TypeError(f"{api}: expected a function or nn.Module, but got {fn!r} of type {type(fn).__qualname__}.")
-    return with_dataflow(joint_graph_of(fn, flat, find_module_roots(fn))), None
+    return with_dataflow(joint_graph_of(fn, flat, find_module_roots(fn))), None, None
 
 
 def trace(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Trace:
@@ -363,7 +365,7 @@ def trace(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Trace:
     >>> [(call.index, call.name) for call in trace]
     [(0, 'aten.mm.default'), (1, 'aten.relu.default')]
     """
-    joint, _ = _joint_of(fn, args, kwargs, "remat.trace")
+    joint, _, _ = _joint_of(fn, args, kwargs, "remat.trace")
     return joint.trace
 
 
@@ -387,9 +389,13 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
     >>> r.saved_bytes  # the tanh output (4 x 8 floats); the input and w cost nothing
     128
     """
-    joint, own_policy = _joint_of(fn, args, kwargs, "remat.report")
-    policy = policy if policy is not None else own_policy
-    decisions = decide_nested(policy, joint.trace, joint.regions)
+    joint, own_policy, cached = _joint_of(fn, args, kwargs, "remat.report")
+    if policy is None and cached is not None:  # the checkpoint's own policy: its cached decisions and programs
+        policy, decisions, programs = own_policy, cached.programs.decisions, cached.programs
+    else:
+        policy = policy if policy is not None else own_policy
+        decisions = decide_nested(policy, joint.trace, joint.regions)
+        programs = partition(joint, decisions)
     accounting = account(joint.trace, saved_calls(decisions), offloaded_calls(decisions))
     rows = []
     for call in joint.trace:
@@ -415,7 +421,7 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
         trace=joint.trace,
         policy=policy if policy is not None else save_nothing,
         nested_policies=tuple({id(p): p if p is not None else save_nothing for p, _ in joint.regions}.values()),
-        peak=predict_peak(joint, partition(joint, decisions)),
+        peak=predict_peak(joint, programs),
         value_checks=joint.value_checks,
         offloaded_bytes=accounting.offloaded_bytes,
     )

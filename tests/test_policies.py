@@ -367,6 +367,24 @@ def test_report_of_a_checkpointed_function_uses_its_policy():
     assert [row.decision for row in remat.report(f, *_args(), policy=save_calls(2)).rows] == [R, R, S, R]
 
 
+def test_report_of_a_checkpointed_function_reuses_its_cached_decisions_and_programs(monkeypatch):
+    f = remat.checkpoint(two_matmuls, policy=save_calls(1))
+    f(*_args())
+    expected = remat.report(two_matmuls, *_args(), policy=save_calls(1))
+    partitions = []
+    partition = remat._api.partition
+    monkeypatch.setattr(remat._api, "partition", lambda *a: partitions.append(1) or partition(*a))
+    monkeypatch.setattr(remat._api, "decide_nested", lambda *a: pytest.fail("decided again"))
+    report = remat.report(f, *_args())
+    assert partitions == []
+    assert [row.decision for row in report.rows] == [R, S, R, R]
+    assert (report.saved_bytes, report.peak, report.replayed_calls) == (
+        expected.saved_bytes,
+        expected.peak,
+        expected.replayed_calls,
+    )
+
+
 def test_report_saved_bytes_and_replays():
     # mm #0 -> 2x4, sin -> 2x4, mm #2 -> 2x5, sum -> scalar; backward reads
     # mm #0's output (for sin's gradient) and sin's output (for mm #2's gradient).
