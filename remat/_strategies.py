@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -198,19 +198,24 @@ def inputs(
     dtype: torch.dtype = torch.float64,
     device: str | torch.device = "cpu",
     pytree: bool = False,
+    objects: bool = False,
     all_require_grad: bool = False,
 ) -> tuple[Any, ...]:
     """Draw positional arguments for a random function: float tensors, optionally nested in a pytree.
 
     Each input requires grad unless hypothesis decides otherwise (at least
     one always does). With `pytree=True` the tensors come nested in a random
-    structure of tuples, lists and dicts, which `RandomFunction` accepts.
+    structure of tuples, lists and dicts, which `RandomFunction` accepts; with
+    `objects=True` also in plain objects (as attributes) and in functions (as
+    what their closures hold), which remat opens (docs/modules.md, "Objects
+    handed to a layer").
 
     Args:
         fn: the function the inputs are for.
         dtype: a floating dtype.
         device: where to put the tensors.
         pytree: whether to nest them in tuples, lists and dicts.
+        objects: whether to nest them in objects and closures too (implies `pytree`).
         all_require_grad: make every input require grad (by default each may not).
 
     Returns:
@@ -238,23 +243,50 @@ def inputs(
         torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device).requires_grad_(rg)
         for shape, rg in zip(fn.input_shapes, requires_grad, strict=True)
     ]
-    if not pytree:
+    if not (pytree or objects):
         return tuple(tensors)
+    kinds = ["leaf", "tuple", "list", "dict", *(["object", "closure"] if objects else [])]
     groups: list[Any] = []
     remaining = list(tensors)
     while remaining:
         size = draw(st.integers(1, len(remaining)))
         group, remaining = remaining[:size], remaining[size:]
-        kind = draw(st.sampled_from(["leaf", "tuple", "list", "dict"]))
+        kind = draw(st.sampled_from(kinds))
         if kind == "leaf" and len(group) == 1:
             groups.append(group[0])
         elif kind == "list":
             groups.append(list(group))
         elif kind == "dict":
             groups.append({f"t{i}": t for i, t in enumerate(group)})
+        elif kind == "object":
+            groups.append(Holder(*group))
+        elif kind == "closure":
+            groups.append(_closing_over(group))
         else:
             groups.append(tuple(group))
     return tuple(groups)
+
+
+class Holder:
+    """A plain object handed to a function: its tensors are attributes (`t0`, `t1`, ...), in order."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        for i, tensor in enumerate(tensors):
+            setattr(self, f"t{i}", tensor)
+
+    def __repr__(self) -> str:
+        return f"Holder({', '.join(f'{k}={type(v).__name__}{tuple(v.shape)}' for k, v in vars(self).items())})"
+
+
+def _closing_over(tensors: Sequence[torch.Tensor]) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """A function handed to a function: the tensors are what its closure holds, in order."""
+    held = tuple(tensors)
+
+    def closure() -> tuple[torch.Tensor, ...]:
+        return held
+
+    closure.__qualname__ = f"closure over {len(held)} tensor(s)"
+    return closure
 
 
 # --- policies ----------------------------------------------------------------------------------------

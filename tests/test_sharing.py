@@ -365,6 +365,28 @@ def test_random_stacks_share_exactly_between_identical_blocks(
     assert counts(model) == expected
 
 
+@examples(ci=5, soak=200)
+@given(
+    kinds=st.lists(st.tuples(st.sampled_from([0.5, 2.0]), st.sampled_from([0.0, 0.25])), min_size=2, max_size=5),
+    policy=st.sampled_from(sorted(POLICIES)),
+)
+def test_random_stacks_of_blocks_with_objects_of_their_own_share_exactly_between_equal_ones(
+    kinds: list[tuple[float, float]], policy: str
+) -> None:
+    # Each block's module has its own forward closure, configuration object and dict: equal ones share.
+    def build() -> Stack:
+        return Stack(
+            [ParallelizedBlock(Layout(scale), {"offset": offset}, seed=i) for i, (scale, offset) in enumerate(kinds)]
+        )
+
+    reference, model = build(), checkpoint_modules(build(), ParallelizedBlock, policy=POLICIES[policy])
+    models.compare(reference, model, x_input())
+    first_of_kind: dict[tuple[float, float], int] = {}
+    for i, kind in enumerate(kinds):
+        first_of_kind.setdefault(kind, i)
+    assert counts(model) == [(1, 0) if first_of_kind[kind] == i else (0, 1) for i, kind in enumerate(kinds)]
+
+
 # --- comparing attribute values ------------------------------------------------------------------
 
 

@@ -75,6 +75,20 @@ def test_random_functions_with_pytree_inputs(data: st.DataObject) -> None:
     assert_checkpoint_equivalent(fn, *args, policy=policy)
 
 
+# NOTE [random functions handed objects]
+# The property over objects handed to a function: random functions whose tensors come nested in plain
+# objects and in closures as well as in pytrees (`inputs(objects=True)`), under random policies, give
+# eager's outputs and gradients; remat opens the objects into their tensors (NOTE [objects handed to a
+# checkpointed function]), and the checker copies and compares through them.
+@examples(ci=15, soak=2_000)
+@given(st.data())
+def test_random_functions_handed_objects(data: st.DataObject) -> None:
+    fn = data.draw(functions(max_inputs=3, refusable=True), label="fn")
+    args = data.draw(inputs(fn, objects=True), label="args")
+    policy = _draw_policy(data, fn, args)
+    assert_checkpoint_equivalent(fn, *args, policy=policy)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @examples(ci=15, soak=2_000)
 @given(st.data())
