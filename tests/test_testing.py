@@ -66,25 +66,17 @@ def test_random_functions_and_policies_checkpoint_equivalently(data: st.DataObje
     assert_checkpoint_equivalent(fn, *args, policy=policy, seed=seed, calls=calls)
 
 
-@examples(ci=15, soak=2_000)
-@given(st.data())
-def test_random_functions_with_pytree_inputs(data: st.DataObject) -> None:
-    fn = data.draw(functions(max_inputs=3, refusable=True), label="fn")
-    args = data.draw(inputs(fn, pytree=True), label="args")
-    policy = _draw_policy(data, fn, args)
-    assert_checkpoint_equivalent(fn, *args, policy=policy)
-
-
 # NOTE [random functions handed objects]
-# The property over objects handed to a function: random functions whose tensors come nested in plain
-# objects and in closures as well as in pytrees (`inputs(objects=True)`), under random policies, give
+# The property over nested inputs: random functions whose tensors come nested in pytrees, and (with
+# `objects`) in plain objects and closures as well (`inputs(objects=True)`), under random policies, give
 # eager's outputs and gradients; remat opens the objects into their tensors (NOTE [objects handed to a
 # checkpointed function]), and the checker copies and compares through them.
+@pytest.mark.parametrize("objects", [False, True], ids=["pytrees", "objects"])
 @examples(ci=15, soak=2_000)
 @given(st.data())
-def test_random_functions_handed_objects(data: st.DataObject) -> None:
+def test_random_functions_with_pytree_inputs(objects: bool, data: st.DataObject) -> None:
     fn = data.draw(functions(max_inputs=3, refusable=True), label="fn")
-    args = data.draw(inputs(fn, objects=True), label="args")
+    args = data.draw(inputs(fn, pytree=True, objects=objects), label="args")
     policy = _draw_policy(data, fn, args)
     assert_checkpoint_equivalent(fn, *args, policy=policy)
 
