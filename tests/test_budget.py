@@ -45,7 +45,7 @@ def _everything_bytes(trace: remat.Trace) -> int:
 def _programs_figures(fn: Any, args: Any, saved: set[int]) -> tuple[set[int], int]:
     """The calls the partition's backward program replays, and the bytes its forward keeps for it
     (new storages of kept values, copies of inputs, generator states), read off the programs."""
-    joint, _ = _joint_of(fn, args, {}, "test")
+    joint, _, _ = _joint_of(fn, args, {}, "test")
     decisions = [remat.SAVE if i in saved else remat.RECOMPUTE for i in range(len(joint.trace))]
     programs = partition(joint, decisions)
     in_backward = {id(node.meta.get("val")) for node in programs.backward.graph.nodes}  # copies share `val`
