@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.flop_counter import flop_registry
 
 import remat
-from remat._measure import estimate_flops
+from remat.costs import estimate_flops
 
 DEFAULT_LAYERS = (1, 4, 12)
 DEFAULT_FRACTIONS = (0.10, 0.25, 0.50, 0.75)
@@ -104,7 +104,7 @@ def stack_input(batch: int, seq: int, d: int, *, seed: int = 1) -> torch.Tensor:
 
 # --- FLOP counting shared by both sides -----------------------------------------------------------
 #
-# Two counts. "All ops" is `remat._measure.estimate_flops`, the count remat's planner minimizes
+# Two counts. "All ops" is `remat.costs.estimate_flops`, the count remat's planner minimizes
 # (torch's formulas for matmul-like ops, one FLOP per output element otherwise). "Matmul" keeps
 # only the ops torch's FLOP counter has a formula for (here addmm, mm, bmm), which is what
 # `torch.utils.flop_counter.FlopCounterMode` counts. torch.compile's graph is decomposed

@@ -35,11 +35,25 @@ _FORMULAS: dict[Any, Any] = {aten._grouped_mm: _grouped_mm_flops}
 
 
 def estimate_flops(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
-    """Estimate the forward FLOPs of `op(*args, **kwargs) -> out`.
+    """Estimate the forward FLOPs of `op(*args, **kwargs) -> out` (the count `Call.flops` holds, and the
+    default cost remat's planners minimize; public as `remat.costs.estimate_flops`).
 
     Matmul-like ops use torch's own FLOP formulas (`torch.utils.flop_counter`);
     any other op is counted as one FLOP per output element, which is the right
     order of magnitude for pointwise ops and reductions.
+
+    Args:
+        op: an aten op overload (`torch.ops.aten.mm.default`).
+        args, kwargs: its arguments (tensors, fake tensors or meta tensors).
+        out: its output.
+
+    >>> import torch
+    >>> from remat.costs import estimate_flops
+    >>> a, b = torch.ones(4, 8), torch.ones(8, 16)
+    >>> estimate_flops(torch.ops.aten.mm.default, (a, b), {}, a @ b)  # 2 * 4 * 8 * 16
+    1024
+    >>> estimate_flops(torch.ops.aten.relu.default, (a,), {}, a.relu())  # one per output element
+    32
     """
     packet = getattr(op, "overloadpacket", None)
     count_flops = _FORMULAS.get(packet) or flop_registry.get(_SAME_FORMULA.get(packet, packet))

@@ -29,9 +29,10 @@ from collections.abc import Iterable
 import torch
 
 from ._calls import Call, TensorMeta
+from ._measure import estimate_flops
 from ._torch import OpOverloadPacket
 
-__all__ = ["DEVICES", "MATMUL_OPS", "Device", "estimate_seconds"]
+__all__ = ["DEVICES", "MATMUL_OPS", "Device", "estimate_flops", "estimate_seconds"]
 
 aten = torch.ops.aten
 
