@@ -25,6 +25,7 @@ from ._decide import decide_nested
 from ._dynamo import call_under_dynamo, register
 from ._errors import TraceError
 from ._execute import Executable, forward_mode_active, nested_forward_mode, run, unsupported_under
+from ._joint import JointGraph, is_tracing, joint_graph_of, nested_checkpoint
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import partition
 from ._peak import predict_peak
@@ -32,7 +33,6 @@ from ._pytree import FlatArgs, flatten_args
 from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure_of
 from ._specialize import ValuesChanged
 from ._torch import HigherOrderOperator, functorch_active
-from ._trace import JointGraph, is_tracing, joint_graph_of, nested_checkpoint
 from .policies import save_nothing
 from .report import Report, ReportRow
 

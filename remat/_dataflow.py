@@ -13,6 +13,7 @@ from torch import fx
 
 from . import _rng
 from ._calls import Dataflow, Trace, Value
+from ._joint import JointGraph
 from ._measure import tensor_nbytes
 from ._programs import device_of
 from ._rules import (
@@ -24,7 +25,6 @@ from ._rules import (
     returned_outputs,
     varying,
 )
-from ._trace import JointGraph
 
 __all__ = ["with_dataflow"]
 

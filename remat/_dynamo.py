@@ -20,6 +20,7 @@ from torch.utils.checkpoint import (
 
 from ._calls import Call, Decision
 from ._errors import TraceError
+from ._joint import is_free_op
 from ._pytree import _is_static, flatten_args
 from ._torch import (
     SAC_BYPASSES_HOOKS,
@@ -29,7 +30,6 @@ from ._torch import (
     overload_name,
     unset_fake_temporarily,
 )
-from ._trace import is_free_op
 
 
 class Checkpointed(Protocol):

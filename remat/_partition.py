@@ -23,6 +23,7 @@ from torch import fx
 from . import _rng
 from ._calls import Decision
 from ._capture import history_of
+from ._joint import JointGraph, stops_gradient
 from ._programs import backward_program, forward_program, pure_forward, views_of_inputs
 from ._rules import (
     backward_nodes_of,
@@ -35,7 +36,6 @@ from ._rules import (
     varying,
     views_taken_before_a_read,
 )
-from ._trace import JointGraph, stops_gradient
 
 __all__ = [
     "Kept",

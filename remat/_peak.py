@@ -16,10 +16,10 @@ from torch import fx
 
 from . import _rng
 from ._calls import Decision, Trace
+from ._joint import JointGraph
 from ._measure import storage_key, storage_nbytes, tensors_in
 from ._partition import Programs, partition
 from ._programs import device_of
-from ._trace import JointGraph
 from .report import Peak
 
 __all__ = ["predict_peak"]

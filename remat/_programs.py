@@ -16,8 +16,8 @@ from torch import fx
 from . import _offload, _rng
 from ._capture import SCATTERS, history_of
 from ._fidelity import fill_in_eager_layout, is_dense, runnable
+from ._joint import JointGraph, is_free, stops_gradient
 from ._torch import BoxedCodeGen, LazyGraphModule, memory_layout
-from ._trace import JointGraph, is_free, stops_gradient
 
 __all__ = ["backward_program", "device_of", "forward_program", "pure_forward", "views_of_inputs"]
 

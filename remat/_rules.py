@@ -17,8 +17,8 @@ from torch import fx
 
 from . import _rng
 from ._capture import history_of
+from ._joint import JointGraph, is_free, stops_gradient
 from ._measure import storage_key, storage_nbytes, tensors_in
-from ._trace import JointGraph, is_free, stops_gradient
 
 __all__ = [
     "backward_nodes_of",

@@ -7,8 +7,8 @@ from typing import Any, TypeVar
 import optree
 import torch
 
+from ._joint import is_tracing, name_producer
 from ._pytree import NAMESPACE
-from ._trace import is_tracing, name_producer
 
 __all__ = ["tag"]
 

@@ -179,7 +179,7 @@ def _joint_graph_attempt(
         forget_pending_sizes(fake_mode)
         put_streams_back()
         _regions.recorded = []
-        joint = _trace(fn, flat_args, roots, fake_mode, discovery, under_functorch, with_values)
+        joint = _make_joint_graph(fn, flat_args, roots, fake_mode, discovery, under_functorch, with_values)
         _rng.check_generators_outlive_fn(joint.generators, discovered_generators)
         return joint
     finally:
@@ -507,7 +507,7 @@ def _requires_grad(tensor: torch.Tensor) -> bool:
     return _all_floats(tensor) and requires_grad_at_any_level(tensor)
 
 
-def _trace(
+def _make_joint_graph(
     fn: Callable[..., Any],
     flat_args: FlatArgs,
     roots: ModuleRoots,
