@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -205,8 +204,6 @@ class Trace(Sequence[Call]):
         self._calls = tuple(calls)
         self._dataflow = dataflow
         self._joint = joint
-        self._plans: dict[Any, Any] = {}  # planners' results, each solved once (see `plan_once`)
-        self._plans_lock = threading.RLock()
 
     @property
     def dataflow(self) -> Dataflow | None:
@@ -218,14 +215,6 @@ class Trace(Sequence[Call]):
         """The joint graph the calls were traced from, which planners partition to predict a peak
         (`remat._peak.peak_of`); None for a trace made of hand-picked calls."""
         return self._joint
-
-    def plan_once(self, planner: Any, solve: Callable[[], Any]) -> Any:
-        """`planner`'s result for this trace: `solve()` the first time, the same result after (a trace
-        is shared by the threads that call one checkpointed function: they take turns)."""
-        with self._plans_lock:
-            if planner not in self._plans:
-                self._plans[planner] = solve()
-            return self._plans[planner]
 
     def __len__(self) -> int:
         return len(self._calls)

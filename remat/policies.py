@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-from collections.abc import Iterable
+import threading
+import weakref
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._accounting import account
@@ -471,6 +473,30 @@ def save_by_cost(seconds_per_byte: float, device: str | Device = "h100") -> Poli
     return _SaveByCost(float(seconds_per_byte), resolve_device(device))
 
 
+class _Solved:
+    """The plans solved for one trace, by planner, and the lock the threads calling its function take
+    turns on (a trace is shared by the threads that call one checkpointed function)."""
+
+    def __init__(self) -> None:
+        self.plans: dict[Any, Any] = {}
+        self.lock = threading.Lock()
+
+
+_solved: weakref.WeakKeyDictionary[Trace, _Solved] = weakref.WeakKeyDictionary()
+_solved_lock = threading.Lock()
+
+
+def _solved_once(trace: Trace, planner: Any, solve: Callable[[Trace], Any]) -> Any:
+    """`planner`'s result for `trace`: `solve(trace)` the first time, the same result after, for as
+    long as the trace lives."""
+    with _solved_lock:
+        solved = _solved.setdefault(trace, _Solved())
+    with solved.lock:
+        if planner not in solved.plans:
+            solved.plans[planner] = solve(trace)
+        return solved.plans[planner]
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class Budget(Policy):
     """A memory-budget planner: see `budget`.
@@ -502,7 +528,7 @@ class Budget(Policy):
                 "not carry (a budget inside a nested checkpoint, or a hand-made Trace). Use it on the outermost "
                 "checkpoint, or a per-call policy inside."
             )
-        return trace.plan_once(self, lambda: self._solve(trace))
+        return _solved_once(trace, self, self._solve)
 
     def _solve(self, trace: Trace) -> Plan:
         from ._budget import InfeasibleBudget, InfeasiblePeak, solve, solve_peak  # scipy, on first use
