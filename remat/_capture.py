@@ -26,6 +26,7 @@ import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
+from ._facts import CallSite, StopGradient, note_site, note_stop_gradient, stop_gradient_of
 from ._higher_order import with_closures_lifted
 from ._torch import (
     FakeTensor,
@@ -199,16 +200,6 @@ def find_module_roots(fn: Callable[..., Any]) -> ModuleRoots:
     return ModuleRoots(paths, state_slots(modules), tuple(modules), "" if is_method else None)
 
 
-@dataclasses.dataclass(frozen=True)
-class CallSite:
-    """Where an op call came from: module path, source line, and the custom
-    `autograd.Function`s it runs inside (outermost first, joined by "/")."""
-
-    module: str | None
-    source: str | None
-    scope: str | None = None
-
-
 class _CaptureMode(TorchFunctionMode):
     def __init__(
         self,
@@ -245,16 +236,18 @@ class _CaptureMode(TorchFunctionMode):
         nodes_before = len(graph.nodes)
         # What autograd must not see through when the graph is differentiated
         # again: see NOTE [differentiating the forward again].
-        stops_gradient = "detach" if func in _DETACHES else None if torch.is_grad_enabled() else _no_grad_kind(func)
+        stops_gradient: StopGradient | None = (
+            "detach" if func in _DETACHES else None if torch.is_grad_enabled() else _no_grad_kind(func)
+        )
         kept = _histories_to_keep(func, args, stops_gradient, self.detached_views)
         result = _keeping_histories(graph, func, args, kwargs, kept) if kept else func(*args, **kwargs)
         new_nodes = len(graph.nodes) - nodes_before
         if new_nodes > 0:
             site = CallSite(self._module_path(), *source_and_scope(1))
             for node, _ in zip(reversed(graph.nodes), range(new_nodes), strict=False):
-                node.meta.setdefault("remat_site", site)
+                note_site(node, site)
                 if stops_gradient:  # (`_keeping_histories` may have said None: a view passing a history on)
-                    node.meta.setdefault("remat_stops_gradient", stops_gradient)
+                    note_stop_gradient(node, stops_gradient, unless_noted=True)
                 if stops_gradient == "detach" and node.target in _ALIASES:
                     self.detached.add(node.args[0])
             if self.detached_views is not None:
@@ -398,7 +391,7 @@ def _pass_histories_through_rebuilt_views(new_nodes: list[fx.Node], seen_by_forw
             continue
         passes_on = first not in made or first in with_history
         if getattr(node.target, "is_view", False) and passes_on:
-            node.meta["remat_stops_gradient"] = None
+            note_stop_gradient(node, None)
             with_history.add(node)
         elif node.target in SCATTERS and passes_on:
             node.meta.setdefault("remat_history_of", History(first, seen_by_forward_mode))
@@ -462,8 +455,8 @@ class DetachedViews:
                 node = _views_below(node_behind(tensor), depth)
                 # (An update through the tensor rebuilds its chain, under the update's grad mode, with views
                 # that pass a history on: not this one, which is `fn`'s detach.)
-                if node is not None and node.target in _ALIASES and node.meta.get("remat_stops_gradient") != "detach":
-                    node.meta["remat_stops_gradient"] = "detach"
+                if node is not None and node.target in _ALIASES and stop_gradient_of(node) != "detach":
+                    note_stop_gradient(node, "detach")
 
     def _tracked_as(self, tensor: Any) -> _Tracked | None:
         found = self._tracked.get(id(tensor))
@@ -518,7 +511,7 @@ _DETACHES = (torch.Tensor.detach, torch.detach, torch.Tensor.detach_)
 _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)  # what a detach traces as
 
 
-def _no_grad_kind(func: Any) -> str:
+def _no_grad_kind(func: Any) -> StopGradient:
     """How a call under no_grad stops gradients: an in-place method ("no_grad_update") leaves the
     tensor it updates its history, as in eager; any other call ("no_grad") makes a value without one."""
     return "no_grad_update" if _is_in_place(func) else "no_grad"

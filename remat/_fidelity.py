@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ._facts import fill_of, note_fill
 from ._rng import DrawnGenerators
 from ._torch import (
     FAKE_DTYPE_ERRATA,
@@ -147,7 +148,7 @@ def _op_named(name: str) -> Any:
 
 def runnable(node: Any) -> Callable[..., Any]:
     """What the programs call for a traced node: its op, or how eager ran it."""
-    return node.meta.get("remat_fill") or node.target  # type: ignore[no-any-return]
+    return fill_of(node) or node.target  # type: ignore[no-any-return]
 
 
 class OverlappingWrite(RuntimeError):
@@ -383,7 +384,7 @@ class EagerFidelity(TorchDispatchMode):
         finally:
             self.fake_mode.fill_strides = None
         if random_nodes:
-            random_nodes[0].meta["remat_fill"] = fill
+            note_fill(random_nodes[0], fill)
         return result
 
 

@@ -26,7 +26,6 @@ from . import _rng
 from ._cache import requires_grad_at_any_level
 from ._calls import Call, TensorMeta, Trace
 from ._capture import (
-    CallSite,
     DetachedViews,
     ModuleRoots,
     StateSlot,
@@ -37,6 +36,14 @@ from ._capture import (
 )
 from ._contexts import autocast_disabled, outside_functorch, without_saved_tensors_hooks
 from ._errors import TraceError, explain_tracing_errors
+from ._facts import (
+    add_tag,
+    note_differentiable_outputs,
+    note_stop_gradient,
+    site_of,
+    stop_gradient_of,
+    tags_of,
+)
 from ._fidelity import EagerLayoutFakeMode, FunctionalModeKeepingChecks, eager_fidelity, kept_as_dead_code
 from ._measure import estimate_flops, output_nbytes
 from ._pytree import FlatArgs, flatten_outputs
@@ -244,7 +251,7 @@ def name_producer(tensor: torch.Tensor, name: str) -> None:
             producer = node.args[0]
             while is_free(producer) and producer.op == "call_function" and isinstance(producer.args[0], fx.Node):
                 producer = producer.args[0]
-            producer.meta["remat_tags"] = producer.meta.get("remat_tags", frozenset()) | {name}
+            add_tag(producer, name)
         graph.erase_node(node)
 
 
@@ -705,7 +712,7 @@ def _joint_graph(
     call_nodes = tuple(n for n in graph.nodes if n in forward_nodes and is_call(n) and n not in mutations)
     for node in call_nodes:
         if isinstance(node.meta.get("val"), (tuple, list)):
-            node.meta["remat_differentiable_outputs"] = _differentiable_outputs(node, fake_mode)
+            note_differentiable_outputs(node, _differentiable_outputs(node, fake_mode))
     variables = variable_slots(fn)
     return JointGraph(
         graph=graph,
@@ -753,11 +760,11 @@ def _mark_replayed_detaches(
     detached = detached | {m.args[1] for m in mutations if m.args[0] in detached}  # type: ignore[misc]
     for node in forward_nodes:
         if node.target in (aten.detach.default, aten.alias.default) and node.args[0] in detached:
-            node.meta["remat_stops_gradient"] = "detach"
+            note_stop_gradient(node, "detach")
         value = returned.get(node)
         if node.target is aten.alias.default and isinstance(value, torch.Tensor) and _is_detached(value):
-            node.meta["remat_stops_gradient"] = "detach"
-        if node.target is aten.alias.default and node.meta.get("remat_stops_gradient") == "detach":
+            note_stop_gradient(node, "detach")
+        if node.target is aten.alias.default and stop_gradient_of(node) == "detach":
             node.target = aten.detach.default
 
 
@@ -871,8 +878,8 @@ def _forward_nodes(
 def stops_gradient(node: fx.Node, *, forward_mode: bool = False) -> bool:
     """Whether `fn` computed `node` where autograd does not see: through a `detach()`, or under
     `no_grad`, which forward-mode AD sees through (as it does in eager). `capture_mode` notes
-    which in `node.meta["remat_stops_gradient"]`: "detach", "no_grad" or "no_grad_update"."""
-    why = node.meta.get("remat_stops_gradient")
+    which (`_facts.stop_gradient_of`): "detach", "no_grad" or "no_grad_update"."""
+    why = stop_gradient_of(node)
     return why == "detach" if forward_mode else why is not None
 
 
@@ -924,7 +931,7 @@ def _describe(index: int, node: fx.Node, occurrence: int) -> Call:
     out = node.meta.get("val")
     fake_args = fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
     fake_kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
-    site: CallSite = node.meta.get("remat_site", CallSite(None, None))
+    site = site_of(node)
     outputs = out if isinstance(out, (tuple, list)) else (out,)
     return Call(
         index=index,
@@ -933,7 +940,7 @@ def _describe(index: int, node: fx.Node, occurrence: int) -> Call:
         inputs=tuple(args),
         kwargs=tuple(kwargs.items()),
         outputs=tuple(TensorMeta.of(o) for o in outputs if isinstance(o, torch.Tensor)),
-        tags=node.meta.get("remat_tags", frozenset()),
+        tags=tags_of(node),
         module=site.module,
         source=site.source,
         scope=_custom_op_name(node.target) or site.scope,

@@ -15,6 +15,7 @@ from torch import fx
 
 from . import _offload, _rng
 from ._capture import SCATTERS, history_of
+from ._facts import fill_of, stop_gradient_of
 from ._fidelity import fill_in_eager_layout, is_dense, runnable
 from ._joint import JointGraph, is_free, stops_gradient
 from ._torch import BoxedCodeGen, LazyGraphModule, memory_layout
@@ -210,7 +211,7 @@ def _emit_views(graph: fx.Graph, env: dict[fx.Node, fx.Node], node: fx.Node) -> 
         node = node.args[0]  # type: ignore[assignment]
     for view in reversed(chain):
         env[view] = graph.node_copy(view, lambda n: env[n])
-        if view.meta.get("remat_stops_gradient") == "no_grad":  # a view `fn` took under no_grad
+        if stop_gradient_of(view) == "no_grad":  # a view `fn` took under no_grad
             env[view].target, env[view].args = _run_under_no_grad, (view.target, *env[view].args)  # type: ignore[arg-type]
     return env[chain[0] if chain else node]
 
@@ -371,7 +372,7 @@ def _emitter(
 def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.Node:
     """A copy of `node` in `graph` that runs as eager ran it. See NOTE [random fills draw in eager's layout]."""
     copy = graph.node_copy(node, lambda n: env[n])
-    fill = node.meta.get("remat_fill")
+    fill = fill_of(node)
     if fill is not None:  # a NamedTuple prints as an argument, not as a target
         copy.target, copy.args = fill_in_eager_layout, (fill, *copy.args)
     elif node.target in _SCATTERS:

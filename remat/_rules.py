@@ -17,6 +17,7 @@ from torch import fx
 
 from . import _rng
 from ._capture import history_of
+from ._facts import differentiable_outputs
 from ._joint import JointGraph, is_free, stops_gradient
 from ._measure import storage_key, storage_nbytes, tensors_in
 
@@ -199,7 +200,7 @@ def differentiable(node: fx.Node) -> bool:
     rstd outputs of `native_layer_norm`: double backward must not ask for their derivative)."""
     if node.target is operator.getitem:
         producer, index = node.args
-        flags = producer.meta.get("remat_differentiable_outputs")  # type: ignore[union-attr]
+        flags = differentiable_outputs(producer)  # type: ignore[arg-type]
         return flags is None or bool(flags[index])  # type: ignore[index]
     return True
 
