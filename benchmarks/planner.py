@@ -448,7 +448,7 @@ def plot_block(path: Path, *, d: int, heads: int, seq: int, batch: int) -> None:
 
 
 def _warm_up() -> None:
-    """Import scipy and run HiGHS once, so the first timed solve does not pay for it."""
+    """Import highspy and run HiGHS once, so the first timed solve does not pay for it."""
     policy: Any = remat.policies.budget(fraction=0.5)  # typed `Policy`, which does not declare `.solve`
     policy.solve(remat.trace(lambda t: t.sin().sin().sum(), torch.ones(4)))
 

@@ -7,7 +7,7 @@ built-in policies beside the curve. The script prints the curve, saves its plot
 as a PNG, then checkpoints the block with `policies.budget(fraction=0.3)` (keep at
 most 30% of what `save_everything` keeps), prints what it keeps against the
 budget, and checks that it stays within it and that the gradients equal those of
-the block without checkpointing (float64). Needs scipy and matplotlib.
+the block without checkpointing (float64). Needs highspy and matplotlib.
 
 Run: python examples/budget.py [--out DIR]
 """

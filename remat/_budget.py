@@ -5,20 +5,15 @@ See NOTE [the budget problem].
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
-import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import lil_array
 
+from . import _milp
 from ._accounting import Accounting, account, offloaded_calls, saved_calls
 from ._calls import Dataflow, Decision, Trace, Value
 from ._decide import is_collective
@@ -131,7 +126,7 @@ def call_costs(trace: Trace, cost: str) -> list[float]:
 
 
 class _Program:
-    """The 0-1 program of NOTE [the budget problem], as matrices for scipy."""
+    """The 0-1 program of NOTE [the budget problem], as sparse rows for the solver (`_milp`)."""
 
     def __init__(
         self,
@@ -312,75 +307,26 @@ class _Program:
                 if value in self.dataflow.varying and value not in self.dataflow.returned:
                     self._row({self._k(value): 1, self._p(call): -1}, 0)
 
-    def constraints(self, budget: float) -> Any:
-        matrix = lil_array((len(self.rows) + 1, self.size))
-        for i, coefficients in enumerate([*self.rows, self.budget_row]):
-            for j, a in coefficients.items():
-                matrix[i, j] = a
-        upper = np.asarray([*self.upper, budget], dtype=float)
-        return LinearConstraint(matrix.tocsr(), -np.inf, upper)
-
     def solve(
         self, budget: float, *, integral: bool, time_limit: float | None = None, objective: Any = None
     ) -> tuple[np.ndarray | None, float]:
         """A solution (None if none was found) and a lower bound on the objective's optimum."""
-        options: dict[str, Any] = {"presolve": True, "mip_rel_gap": 1e-9}
-        if time_limit is not None:
-            options["time_limit"] = time_limit
-        integrality = np.ones(self.size) if integral else np.zeros(self.size)
+        integrality = np.full(self.size, integral)
         upper = np.ones(self.size)
         if self.link is not None:  # queued and exposed copy seconds
-            integrality[self.continuous] = 0
+            integrality[self.continuous] = False
             upper[self.continuous] = np.inf
-        with stdout_without(HIGHS_DEBUG_LINE) if integral else contextlib.nullcontext():
-            result = milp(
-                self.objective if objective is None else objective,
-                constraints=self.constraints(budget),
-                integrality=integrality,
-                bounds=Bounds(0, upper),
-                options=options,
-            )
-        bound = getattr(result, "mip_dual_bound", None) if integral else result.fun
-        return result.x, float(bound) if bound is not None and np.isfinite(bound) else -math.inf
-
-
-# HiGHS (scipy's MILP solver) prints this line to the process's standard output when it repairs an integer
-# solution found for its presolved problem, whatever its output options say (a leftover debug print, HiGHS
-# issue 2783). A user planning a large model would see it in their training log, many times over.
-HIGHS_DEBUG_LINE = b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
-
-
-@contextlib.contextmanager
-def stdout_without(line: bytes) -> Iterator[None]:
-    """Run the body with file descriptor 1 captured, then write back what it wrote, each `line` left out.
-
-    What other threads print meanwhile comes out late, not lost. Where descriptor 1 cannot be duplicated
-    (closed), the body runs as it is.
-    """
-    _flush_stdout()
-    try:
-        saved = os.dup(1)
-    except OSError:
-        yield
-        return
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 1)
-        try:
-            yield
-        finally:
-            _flush_stdout()
-            os.dup2(saved, 1)
-            os.close(saved)
-            captured.seek(0)
-            lines = captured.read().splitlines(keepends=True)
-            kept = b"".join(written for written in lines if written.rstrip() != line)
-            while kept:
-                kept = kept[os.write(1, kept) :]
-
-
-def _flush_stdout() -> None:
-    if sys.stdout is not None:  # None where Python runs without a console
-        sys.stdout.flush()
+        solution = _milp.solve(
+            self.objective if objective is None else objective,
+            [*self.rows, self.budget_row],
+            [-np.inf] * (len(self.rows) + 1),
+            [*self.upper, budget],
+            column_upper=upper,
+            integral=integrality,
+            time_limit=time_limit,
+            relative_gap=1e-9,
+        )
+        return solution.x, solution.bound
 
 
 # How long the fast mode lets branch and bound run before it settles for the rounded relaxation.

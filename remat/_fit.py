@@ -44,7 +44,7 @@ __all__ = ["BlockPlan", "Fit", "StepReport", "fit"]
 # 0-1 program: one candidate per block call, every segment within the target,
 # the least replay cost. A stack of blocks called once each, backward in reverse,
 # is a chain, solved exactly by dynamic programming over the calls in order
-# (`_solve_chain`); any other step by scipy's HiGHS. A single policy applied to
+# (`_solve_chain`); any other step by HiGHS (`_milp`). A single policy applied to
 # every block is one of the program's solutions, so `fit` is never costlier than
 # the best uniform plan that fits. Blocks that share a trace may be given
 # different candidates.
@@ -366,9 +366,8 @@ def _solve(
     """The cheapest choice (an option per group) whose predicted peak is at most `target`; with
     `target=None`, the choice of the lowest predicted peak. (None if none fits, and the optimum.)"""
     import numpy as np
-    from scipy.optimize import Bounds, LinearConstraint, milp
 
-    from ._budget import HIGHS_DEBUG_LINE, stdout_without
+    from . import _milp
 
     offsets = [0]
     for group in groups:
@@ -383,37 +382,33 @@ def _solve(
         for g, group in enumerate(groups):
             for k, option in enumerate(group.options):
                 objective[offsets[g] + k] = option.cost / scale
-    one_each = np.zeros((len(groups), n))
-    for g in range(len(groups)):
-        one_each[g, offsets[g] : offsets[g + 1]] = 1.0
-    constraints = [LinearConstraint(one_each, 1.0, 1.0)]
-    matrix = np.zeros((len(rows), n))
-    upper = np.zeros(len(rows))
-    for r, row in enumerate(rows):
-        for (g, k), term in row.terms.items():
-            matrix[r, offsets[g] + k] = term / unit
+    one_each = [{offsets[g] + k: 1.0 for k in range(len(group.options))} for g, group in enumerate(groups)]
+    peaks: list[dict[int, float]] = []
+    upper: list[float] = []
+    for row in rows:
+        peaks.append({offsets[g] + k: term / unit for (g, k), term in row.terms.items()})
         if target is None:
-            matrix[r, -1] = -1.0
-            upper[r] = -row.segment.peak / unit
+            peaks[-1][n - 1] = -1.0
+            upper.append(-row.segment.peak / unit)
         else:
-            upper[r] = (target - row.segment.peak) / unit
-    if len(rows):
-        constraints.append(LinearConstraint(matrix, -np.inf, upper))
-    integrality = np.ones(n)
-    bounds_upper = np.ones(n)
+            upper.append((target - row.segment.peak) / unit)
+    integral = np.ones(n, dtype=bool)
+    column_upper = np.ones(n)
     if target is None:
-        integrality[-1], bounds_upper[-1] = 0, np.inf
-    options: dict[str, Any] = {"presolve": True}
-    if not exact:
-        options["time_limit"] = 5.0
-    with stdout_without(HIGHS_DEBUG_LINE):
-        result = milp(
-            objective, constraints=constraints, integrality=integrality, bounds=Bounds(0, bounds_upper), options=options
-        )
-    if result.x is None:
+        integral[-1], column_upper[-1] = False, np.inf
+    solution = _milp.solve(
+        objective,
+        [*one_each, *peaks],
+        [1.0] * len(one_each) + [-np.inf] * len(peaks),
+        [1.0] * len(one_each) + upper,
+        column_upper=column_upper,
+        integral=integral,
+        time_limit=None if exact else 5.0,
+    )
+    if solution.x is None:
         return None, math.inf
-    choice = [int(np.argmax(result.x[offsets[g] : offsets[g + 1]])) for g in range(len(groups))]
-    return choice, float(result.fun)
+    choice = [int(np.argmax(solution.x[offsets[g] : offsets[g + 1]])) for g in range(len(groups))]
+    return choice, solution.objective
 
 
 # --- fit -------------------------------------------------------------------------------------------------

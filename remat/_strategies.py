@@ -333,7 +333,7 @@ def policies(trace: Trace, *, save_calls: bool = True, offload: bool = False) ->
     Mixes the constant policies, `remat.policies.save_calls` of random subsets
     of the calls, plain callables that answer per call (with `bool`s or
     `remat.Decision`s), so that every save/recompute split is reachable, and,
-    where scipy is installed, the planner `remat.policies.budget`. With
+    where highspy is installed, the planner `remat.policies.budget`. With
     `offload`, also per-call tables of SAVE, OFFLOAD and RECOMPUTE (every
     three-way split is reachable) and `remat.policies.offload_dots`.
 
@@ -364,7 +364,7 @@ def policies(trace: Trace, *, save_calls: bool = True, offload: bool = False) ->
     ]
     if save_calls:
         choices.append(subsets.map(lambda indices: _policies.save_calls(*sorted(indices))))
-    if importlib.util.find_spec("scipy") is not None:  # the planner's solver
+    if importlib.util.find_spec("highspy") is not None:  # the planner's solver
         choices.append(st.just(_policies.budget(fraction=1.0)))  # a smaller budget may be infeasible
     if offload:
         three_way = st.lists(st.sampled_from(list(Decision)), min_size=n, max_size=n).map(tuple)

@@ -30,7 +30,7 @@ from ._sac import from_sac
 from ._torch import HigherOrderOperator, OpOverload, OpOverloadPacket
 from .costs import DEVICES, MATMUL_OPS, Device, estimate_seconds, resolve_device
 
-if TYPE_CHECKING:  # scipy, which solving needs, is imported on first use
+if TYPE_CHECKING:  # highspy, which solving needs, is imported on first use
     from ._budget import Plan
 
 __all__ = [
@@ -531,7 +531,7 @@ class Budget(Policy):
         return _solved_once(trace, self, self._solve)
 
     def _solve(self, trace: Trace) -> Plan:
-        from ._budget import InfeasibleBudget, InfeasiblePeak, solve, solve_peak  # scipy, on first use
+        from ._budget import InfeasibleBudget, InfeasiblePeak, solve, solve_peak  # highspy, on first use
 
         assert trace.dataflow is not None
         if self.peak_bytes is not None:
@@ -605,7 +605,7 @@ def budget(
         peak_bytes: a bound on the predicted peak bytes of forward and backward.
         cost: `"flops"` (the calls' FLOPs) or `"roofline:<device>"` (estimated seconds
             on a device of `remat.costs.DEVICES`, such as `"roofline:h100"`).
-        exact: solve to optimality (a 0-1 program, with scipy's HiGHS); the default
+        exact: solve to optimality (a 0-1 program, with HiGHS); the default
             gives branch and bound half a second, falls back on its LP relaxation
             rounded and repaired, and reports its largest possible gap to the optimum
             (`policy.solve(trace).gap`).
@@ -616,7 +616,7 @@ def budget(
             hide; copies queue on one link. Needs `cost="roofline:<device>"`, so that replays
             and copies are both in seconds. The device bytes stay within the budget.
 
-    Needs scipy (`pip install scipy`, or `remat[planner]`).
+    Needs highspy, HiGHS's Python binding (`pip install highspy`, or `remat[planner]`).
 
     >>> import torch, remat
     >>> def f(x):

@@ -295,7 +295,7 @@ def test_faults_runs_on_a_heap_that_keeps_freed_memory() -> None:
 
 
 def test_offload_benchmark_runs_small_and_checks_its_twin(tmp_path: Path) -> None:
-    pytest.importorskip("scipy")
+    pytest.importorskip("highspy")
     from benchmarks import offload
 
     out = tmp_path / "offload-cpu.json"
@@ -314,7 +314,7 @@ def test_offload_benchmark_runs_small_and_checks_its_twin(tmp_path: Path) -> Non
 
 
 def test_fit_benchmark_keeps_every_plan_within_its_target_and_renders_the_comparison(tmp_path: Path) -> None:
-    pytest.importorskip("scipy")
+    pytest.importorskip("highspy")
     from benchmarks import fit
 
     out = tmp_path / "fit-cpu.json"

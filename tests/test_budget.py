@@ -269,15 +269,3 @@ def test_regression_the_planner_cannot_claim_a_replay_nothing_needs() -> None:
     report = remat.report(fn, x, policy=policies.budget(max_bytes=limit, exact=True))
     assert plan.saved_bytes == report.saved_bytes <= limit
     assert plan.cost <= report.recompute_flops <= remat.report(fn, x).recompute_flops
-
-
-def test_the_solvers_debug_line_is_kept_out_of_standard_output(capfd: pytest.CaptureFixture[str]) -> None:
-    """HiGHS prints a debug line to descriptor 1 whatever its options say; the rest of the output stays."""
-    import os
-
-    from remat._budget import HIGHS_DEBUG_LINE, stdout_without
-
-    with stdout_without(HIGHS_DEBUG_LINE):
-        os.write(1, b"before\n" + HIGHS_DEBUG_LINE + b"\n" + HIGHS_DEBUG_LINE + b"\nafter\n")
-    os.write(1, b"later\n")
-    assert capfd.readouterr().out == "before\nafter\nlater\n"

@@ -463,7 +463,7 @@ def _long_block() -> tuple[torch.nn.Module, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5])
 def test_budget_offloads_where_the_link_is_hidden_and_keeps_the_device_budget(fraction: float) -> None:
-    pytest.importorskip("scipy")
+    pytest.importorskip("highspy")
     block, x = _long_block()
     trace = remat.trace(block, x)
     budget = int(fraction * remat.report(block, x, policy=policies.save_everything).saved_bytes)
@@ -477,14 +477,14 @@ def test_budget_offloads_where_the_link_is_hidden_and_keeps_the_device_budget(fr
 
 
 def test_budget_prefers_the_device_when_the_budget_allows() -> None:
-    pytest.importorskip("scipy")
+    pytest.importorskip("highspy")
     block, x = _long_block()
     plan = policies.budget(fraction=1.0, cost="roofline:h100", offload=True).solve(remat.trace(block, x))
     assert OFFLOAD not in plan.decisions and plan.offloaded_bytes == 0
 
 
 def test_a_free_link_offloads_everything_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("scipy")
+    pytest.importorskip("highspy")
     from remat.costs import DEVICES, Device
 
     monkeypatch.setitem(

@@ -332,7 +332,7 @@ def test_import_is_quiet_and_pulls_in_no_optional_dependency():
         """
         import sys
         import remat
-        optional = ["hypothesis", "scipy", "matplotlib", "pytest", "pandas", "IPython"]
+        optional = ["hypothesis", "highspy", "scipy", "matplotlib", "pytest", "pandas", "IPython"]
         loaded = sorted(name for name in optional if name in sys.modules)
         if loaded:
             raise SystemExit(f"import remat pulled in {loaded}")
