@@ -49,7 +49,8 @@ from torch import nn
 
 import remat
 
-from .planner import GPT2Block, _expected_compile_warnings, _is_view, _recording_backend, gpt2_stack, stack_input
+from . import aot_graphs
+from .workloads import MatmulAttentionBlock, matmul_attention_stack, stack_input
 
 RESULTS = Path(__file__).parent / "results"
 BISECTION_STEPS = 6
@@ -141,8 +142,8 @@ def partitioned(model: nn.Module, x: torch.Tensor, budget: float | None = None) 
     settings: dict[str, Any] = {"enable_autograd_cache": False}
     if budget is not None:
         settings["activation_memory_budget"] = budget
-    with torch._functorch.config.patch(**settings), _expected_compile_warnings():
-        torch.compile(model, backend=_recording_backend(partition, graphs))(x).sum().backward()
+    with torch._functorch.config.patch(**settings), aot_graphs.expected_compile_warnings():
+        torch.compile(model, backend=aot_graphs.recording_backend(partition, graphs))(x).sum().backward()
     model.zero_grad(set_to_none=True)
     forward = {node.name: node for node in graphs["forward"].graph.nodes}
     kept: collections.Counter[str] = collections.Counter()
@@ -153,7 +154,7 @@ def partitioned(model: nn.Module, x: torch.Tensor, budget: float | None = None) 
             value = source.meta.get("val")
             if source.op != "placeholder" and isinstance(value, torch.Tensor):
                 kept[f"{_op(source)} {_describe(value)}"] += 1
-        elif node.op == "call_function" and node.name in forward and not _is_view(node):
+        elif node.op == "call_function" and node.name in forward and not aot_graphs.is_view(node):
             recomputed[_op(node)] += 1
     return {"kept": dict(sorted(kept.items())), "recomputed": dict(sorted(recomputed.items()))}
 
@@ -203,7 +204,7 @@ def run_layers(args: argparse.Namespace, layers: int, log: Callable[[str], None]
     policy = getattr(remat.policies, args.policy)
 
     def fresh() -> nn.Module:
-        return gpt2_stack(layers, args.d, args.heads)
+        return matmul_attention_stack(layers, args.d, args.heads)
 
     variants: list[Variant] = []
 
@@ -222,7 +223,7 @@ def run_layers(args: argparse.Namespace, layers: int, log: Callable[[str], None]
         return torch.compile(model, backend=inductor(budget, **settings))  # type: ignore[return-value]
 
     def checkpointed(model: nn.Module, block_policy: Any, compile: Any = False) -> nn.Module:
-        return remat.checkpoint_modules(model, GPT2Block, policy=block_policy, compile=compile)
+        return remat.checkpoint_modules(model, MatmulAttentionBlock, policy=block_policy, compile=compile)
 
     model = fresh()
     variants.append(build("eager", model, model))
@@ -235,7 +236,7 @@ def run_layers(args: argparse.Namespace, layers: int, log: Callable[[str], None]
     variants.append(build(f"remat {args.policy}, compile=True", model, model))
     model = checkpointed(fresh(), policy)
     variants.append(build(f"torch.compile(remat {args.policy})", model, compiled(model)))
-    block = gpt2_stack(1, args.d, args.heads)[0]  # one block, to plan and report on
+    block = matmul_attention_stack(1, args.d, args.heads)[0]  # one block, to plan and report on
     outside = variants[-1].saved_bytes - layers * remat.report(block, x, policy=policy).saved_bytes
 
     # The largest activation_memory_budget whose compiled step keeps no more than remat does.

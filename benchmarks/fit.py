@@ -35,8 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import functools
-import importlib.util
 import json
 import os
 import random
@@ -54,16 +52,14 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import remat
 from remat import policies
-from remat._torch import SAC_BYPASSES_HOOKS
 
+from . import peers
 from .harness import standalone_environment
 from .heap import DEFAULT, keep_freed_memory
-from .methods import _sac_policy
-from .workloads import Block, Classifier, Embedding, Head, ResidualConv, torch_remat_annotations
+from .workloads import Block, Classifier, Embedding, Head, ResidualConv
 
 RESULTS = Path(__file__).parent / "results"
 MIB = 2**20
@@ -197,27 +193,6 @@ def _per_block(
         module.forward = wrap(module.forward)  # type: ignore[method-assign]
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-    return functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
-
-
-def _sac(forward: Callable[..., Any]) -> Callable[..., Any]:
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
-    return functools.partial(
-        torch.utils.checkpoint.checkpoint, forward, use_reentrant=False, context_fn=context_fn, **SAC_BYPASSES_HOOKS
-    )
-
-
-def _torch_remat(forward: Callable[..., Any]) -> Callable[..., Any]:
-    import torch_remat
-
-    def annotated(x: torch.Tensor) -> torch.Tensor:
-        with torch_remat_annotations():  # the regions, inside the function its backward replays
-            return forward(x)
-
-    return torch_remat.checkpoint(region_name="block")(annotated)
-
-
 @dataclasses.dataclass
 class Row:
     """One method at one setting: the callable stepped, and what was measured of it."""
@@ -239,10 +214,10 @@ def _peer_rows(case: Case) -> list[Row]:
         rows.append(Row(name, model, list(model.parameters())))
 
     add("eager", lambda model: None)
-    add("checkpoint", lambda model: _per_block(model, case.block, _checkpointed))
-    add("sac", lambda model: _per_block(model, case.block, _sac))
-    if getattr(case.block, "supports_torch_remat", False) and _has("torch_remat"):
-        add("torch_remat", lambda model: _per_block(model, case.block, _torch_remat))
+    add("checkpoint", lambda model: _per_block(model, case.block, peers.checkpointed))
+    add("sac", lambda model: _per_block(model, case.block, peers.selective))
+    if getattr(case.block, "supports_torch_remat", False) and peers.has_torch_remat():
+        add("torch_remat", lambda model: _per_block(model, case.block, lambda f: peers.torch_remat_regions(f, "block")))
     uniform = {
         "remat save_nothing": policies.save_nothing,
         "remat dots_saveable": policies.dots_saveable,
@@ -252,10 +227,6 @@ def _peer_rows(case: Case) -> list[Row]:
     for name, policy in uniform.items():
         add(name, lambda model, policy=policy: remat.checkpoint_modules(model, case.block, policy=policy))
     return rows
-
-
-def _has(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def _whole(case: Case, target: int) -> Row:

@@ -7,34 +7,18 @@ Methods that do not apply to a workload, or whose package is missing, give a rea
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 from collections.abc import Callable
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
 from remat import policies
-from remat._torch import SAC_BYPASSES_HOOKS
 
-from .workloads import ATTENTION_OPS, Workload, torch_remat_annotations
-
-aten = torch.ops.aten
+from . import peers
+from .workloads import Workload
 
 Unit = Callable[[torch.Tensor], torch.Tensor]
-
-# The op list SAC users save (torchtitan's `_save_list`, minus the collectives): matmuls, attention
-# kernels, convolutions.
-SAC_SAVE_LIST = frozenset(
-    {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default, *ATTENTION_OPS}
-)
-
-
-def _sac_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAC_SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _eager(unit: nn.Module, workload: Workload) -> Unit:
@@ -42,29 +26,19 @@ def _eager(unit: nn.Module, workload: Workload) -> Unit:
 
 
 def _checkpoint(unit: nn.Module, workload: Workload) -> Unit:
-    return lambda x: torch.utils.checkpoint.checkpoint(unit, x, use_reentrant=False)
+    return peers.checkpointed(unit)
 
 
 def _sac(unit: nn.Module, workload: Workload) -> Unit:
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
-    return lambda x: torch.utils.checkpoint.checkpoint(
-        unit, x, use_reentrant=False, context_fn=context_fn, **SAC_BYPASSES_HOOKS
-    )
+    return peers.selective(unit)
 
 
 def _torch_remat(unit: nn.Module, workload: Workload) -> Unit:
-    import torch_remat
-
-    def annotated(x: torch.Tensor) -> torch.Tensor:
-        # Inside the checkpointed function, so that the replay in backward takes the same path.
-        with torch_remat_annotations():
-            return unit(x)
-
-    return torch_remat.checkpoint(region_name=type(unit).__name__)(annotated)
+    return peers.torch_remat_regions(unit, type(unit).__name__)
 
 
 def _torch_remat_skip(workload: Workload) -> str | None:
-    if importlib.util.find_spec("torch_remat") is None:
+    if not peers.has_torch_remat():
         return "torch_remat is not installed: pip install torch-remat"
     if not all(getattr(unit, "supports_torch_remat", False) for unit in workload.units):
         return "not applicable: only the GPT-2 block carries torch_remat.region annotations"

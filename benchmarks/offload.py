@@ -44,7 +44,7 @@ from remat import policies
 
 from .harness import standalone_environment
 from .heap import DEFAULT, keep_freed_memory
-from .planner import GPT2Block, gpt2_stack, stack_input
+from .workloads import MatmulAttentionBlock, matmul_attention_stack, stack_input
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -118,7 +118,7 @@ def methods(model: nn.Module, device: torch.device) -> dict[str, Method]:
     }
     for name, policy in POLICIES.items():
         checkpointed = copy.deepcopy(model)
-        remat.checkpoint_modules(checkpointed, GPT2Block, policy=policy)
+        remat.checkpoint_modules(checkpointed, MatmulAttentionBlock, policy=policy)
         found[name] = Method(checkpointed)
     if device.type == "cuda":
         found["torch.compile offload"] = Method(torch.compile(copy.deepcopy(model)), _compile_offloading)
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model = gpt2_stack(args.layers, args.d, args.heads).to(device)
+    model = matmul_attention_stack(args.layers, args.d, args.heads).to(device)
     x = stack_input(args.batch, args.seq, args.d).to(device).detach().requires_grad_()
     steps = methods(model, device)
     measure = device if device.type == "cuda" else None

@@ -20,27 +20,26 @@ Timings are wall clock on whatever machine runs it; nothing here asserts on them
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import functools
 import json
 import math
-import operator
 import platform
 import time
 import traceback
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
 import remat
 from remat.costs import estimate_flops
+
+from . import aot_graphs
+from .workloads import matmul_attention_stack, stack_input
 
 DEFAULT_LAYERS = (1, 4, 12)
 DEFAULT_FRACTIONS = (0.10, 0.25, 0.50, 0.75)
@@ -53,53 +52,6 @@ _MATMUL_ALIASES = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
     torch.ops.aten._scaled_dot_product_attention_math,
 }
-
-
-# --- the model ------------------------------------------------------------------------------------
-
-
-class GPT2Block(nn.Module):
-    """A pre-LayerNorm GPT-2 block (as `tests/models.py`'s, with attention spelled out), float32.
-
-    Attention is `q @ k^T / sqrt(d_head)`, a causal mask, softmax, `@ v`, so that remat's trace
-    and torch.compile's decomposed graph contain the same matmuls (`bmm`/`addmm`), which is what
-    the FLOP comparison counts.
-    """
-
-    def __init__(self, d: int, heads: int, generator: torch.Generator):
-        super().__init__()
-        self.d, self.heads = d, heads
-        self.ln_1 = nn.LayerNorm(d)
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
-        self.ln_2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
-        with torch.no_grad():
-            for param in self.parameters():
-                fan_in = param.shape[-1] if param.dim() > 1 else param.numel()
-                param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, d = x.shape
-        head_dim = d // self.heads
-        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=-1)
-        q, k, v = (t.reshape(batch, seq, self.heads, head_dim).transpose(1, 2) for t in (q, k, v))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-        y = F.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
-        x = x + self.c_proj(y.transpose(1, 2).reshape(batch, seq, d))
-        return x + self.mlp(self.ln_2(x))
-
-
-def gpt2_stack(layers: int, d: int, heads: int, *, seed: int = 0) -> nn.Sequential:
-    """`layers` GPT-2 blocks in sequence, initialized from a private seeded generator."""
-    generator = torch.Generator().manual_seed(seed)
-    return nn.Sequential(*[GPT2Block(d, heads, generator) for _ in range(layers)])
-
-
-def stack_input(batch: int, seq: int, d: int, *, seed: int = 1) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, seq, d, generator=generator).requires_grad_(True)
 
 
 # --- FLOP counting shared by both sides -----------------------------------------------------------
@@ -116,14 +68,6 @@ def stack_input(batch: int, seq: int, d: int, *, seed: int = 1) -> torch.Tensor:
 def is_matmul(op: Any) -> bool:
     """Whether torch's FLOP counter has a formula for `op` (the ops `FlopCounterMode` counts)."""
     return op in _MATMUL_ALIASES or getattr(op, "overloadpacket", None) in flop_registry
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    """A getitem or an op whose output aliases an input: no arithmetic, and remat does not trace it."""
-    if node.target is operator.getitem:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
 def _node_flops(node: torch.fx.Node) -> int:
@@ -159,42 +103,6 @@ def remat_point(model: nn.Module, x: torch.Tensor, policy: Any) -> dict[str, Any
 # --- torch.compile --------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _expected_compile_warnings() -> Iterator[None]:
-    """Silence the warnings torch.compile is known to raise here, and nothing else.
-
-    Importing inductor's decomposition table imports `torch.utils.mkldnn`, whose module body
-    uses the deprecated `torch.jit.script_method` (a DeprecationWarning at import, about torch's
-    own code); pytest runs with filterwarnings=error.
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", r"`torch\.jit\.script_method` is deprecated", DeprecationWarning)
-        yield
-
-
-def _recording_backend(partition_fn: Callable[..., Any], graphs: dict[str, torch.fx.GraphModule]) -> Any:
-    """`aot_eager_decomp_partition` with compilers that record the partitioned graphs and run them as they are."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    with _expected_compile_warnings():
-        from torch._inductor.compile_fx import select_decomp_table
-
-    def compiler(kind: str) -> Callable[..., Any]:
-        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-            graphs[kind] = gm
-            return make_boxed_func(gm.forward)
-
-        return compile_graph
-
-    return aot_autograd(
-        fw_compiler=compiler("forward"),
-        bw_compiler=compiler("backward"),
-        decompositions=select_decomp_table,
-        partition_fn=partition_fn,
-    )
-
-
 def _compiled_graphs(model: nn.Module, x: torch.Tensor, partition_fn: Callable[..., Any], budget: float) -> Any:
     """Compile model's forward and backward afresh under `activation_memory_budget=budget`."""
     import torch._dynamo
@@ -205,9 +113,9 @@ def _compiled_graphs(model: nn.Module, x: torch.Tensor, partition_fn: Callable[.
     with (
         torch._functorch.config.patch(activation_memory_budget=budget, enable_autograd_cache=False),
         torch._dynamo.config.patch(cache_size_limit=64),
-        _expected_compile_warnings(),
+        aot_graphs.expected_compile_warnings(),
     ):
-        compiled = torch.compile(model, backend=_recording_backend(partition_fn, graphs))
+        compiled = torch.compile(model, backend=aot_graphs.recording_backend(partition_fn, graphs))
         compiled(x.detach().requires_grad_(True)).sum().backward()
     torch._dynamo.reset()
     return graphs["forward"], graphs["backward"]
@@ -244,7 +152,7 @@ def compile_point(model: nn.Module, x: torch.Tensor, fraction: float, forward_na
     recomputed = [
         node
         for node in backward.graph.nodes
-        if node.op == "call_function" and node.name in forward_names and not _is_view(node)
+        if node.op == "call_function" and node.name in forward_names and not aot_graphs.is_view(node)
     ]
     return {
         "flops": sum(_node_flops(node) for node in recomputed),
@@ -272,7 +180,7 @@ def run_layers(
     layers: int, fractions: Sequence[float], *, d: int, heads: int, seq: int, batch: int, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """Every budget on one stack depth."""
-    model = gpt2_stack(layers, d, heads)
+    model = matmul_attention_stack(layers, d, heads)
     x = stack_input(batch, seq, d)
     everything = remat.report(model, x, policy=remat.policies.save_everything).saved_bytes
     calls = len(remat.trace(model, x))
@@ -441,7 +349,7 @@ def plot_block(path: Path, *, d: int, heads: int, seq: int, batch: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure = remat.pareto(gpt2_stack(1, d, heads)[0], stack_input(batch, seq, d)).plot()
+    figure = remat.pareto(matmul_attention_stack(1, d, heads)[0], stack_input(batch, seq, d)).plot()
     figure.axes[0].set_title(f"one GPT-2 block, d={d}, T={seq}, B={batch}, float32")
     figure.savefig(path, dpi=120)
     plt.close(figure)

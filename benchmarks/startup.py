@@ -4,7 +4,7 @@
                                  [--trials 3] [--repeats 3] [--threads N]
                                  [--out benchmarks/results/startup-cpu.json]
 
-Models: a stack of GPT-2-style blocks (`benchmarks.planner.GPT2Block`, d=128, 4 heads, batch 2 x 32
+Models: a stack of GPT-2-style blocks (`benchmarks.workloads.MatmulAttentionBlock`, d=128, 4 heads, batch 2 x 32
 tokens) and transformers' Llama at a tiny config (hidden 64, 4 heads, batch 2 x 16 tokens), every
 block checkpointed with `--policy`. Methods, each on a fresh model:
 
@@ -51,7 +51,7 @@ from torch.utils.checkpoint import checkpoint
 import remat
 
 from . import models
-from .planner import GPT2Block, gpt2_stack, stack_input
+from .workloads import MatmulAttentionBlock, matmul_attention_stack, stack_input
 
 RESULTS = Path(__file__).parent / "results"
 TARGET = 1.2
@@ -78,9 +78,9 @@ def _replace_blocks(model: nn.Module, block_type: type[nn.Module], wrap: Callabl
 
 
 def _gpt2(layers: int) -> tuple[nn.Module, type[nn.Module], Callable[[nn.Module], torch.Tensor]]:
-    model = gpt2_stack(layers, d=128, heads=4)
+    model = matmul_attention_stack(layers, d=128, heads=4)
     x = stack_input(2, 32, 128)
-    return model, GPT2Block, lambda m: m(x).sum()
+    return model, MatmulAttentionBlock, lambda m: m(x).sum()
 
 
 def _llama(layers: int) -> tuple[nn.Module, type[nn.Module], Callable[[nn.Module], torch.Tensor]]:
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
 
 def _gpt2_structures(layers: int, structures: int) -> nn.Sequential:
     """The GPT-2 stack, with twice the heads in every other block when `structures` is 2."""
-    model = gpt2_stack(layers, d=128, heads=4)
+    model = matmul_attention_stack(layers, d=128, heads=4)
     for i, block in enumerate(model):
         block.heads *= 1 + i % structures
     return model
@@ -190,11 +190,11 @@ def measure_fit(layers: int, structures: int) -> dict[str, Any]:
     nothing and keeping everything (read off a plan without a binding target, untimed)."""
     x = stack_input(2, 32, 128)
     model = _gpt2_structures(layers, structures)
-    loose = remat.fit(model, GPT2Block, x, peak_bytes=2**62, loss=_mean_square).report
+    loose = remat.fit(model, MatmulAttentionBlock, x, peak_bytes=2**62, loss=_mean_square).report
     target = (loose.peak_keeping_nothing + loose.peak_keeping_everything) // 2
     model = _gpt2_structures(layers, structures)
     started = time.perf_counter()
-    plan = remat.fit(model, GPT2Block, x, peak_bytes=target, loss=_mean_square)
+    plan = remat.fit(model, MatmulAttentionBlock, x, peak_bytes=target, loss=_mean_square)
     return {
         "layers": layers,
         "structures": structures,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import re
 import warnings
 from collections.abc import Callable
@@ -37,11 +36,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call, grad, grad_and_value, hessian, jacfwd, jacrev, jvp, vjp, vmap
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
 from remat import policies
-from remat._torch import SAC_BYPASSES_HOOKS
+
+from . import peers
 
 aten = torch.ops.aten
 DTYPE = torch.float64
@@ -54,21 +53,8 @@ Fn = Callable[..., Any]
 # --- the checkpointing methods ---------------------------------------------------------------------
 
 
-def _sac_saves_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if op in (aten.mm.default, aten.addmm.default):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _torch_checkpoint(fn: Fn) -> Fn:
-    return lambda *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-
-
 def _sac_checkpoint(fn: Fn) -> Fn:
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _sac_saves_matmuls)
-    return lambda *args: torch.utils.checkpoint.checkpoint(
-        fn, *args, use_reentrant=False, context_fn=context_fn, **SAC_BYPASSES_HOOKS
-    )
+    return peers.selective(fn, save=(aten.mm.default, aten.addmm.default))
 
 
 class _SharingModule(nn.Module):
@@ -105,7 +91,7 @@ def _remat(name: str, policy: Any) -> Method:
 REFERENCE = Method("no checkpoint", lambda fn: fn, lambda module: module)
 METHODS = (
     REFERENCE,
-    _peer("torch.utils.checkpoint", _torch_checkpoint),
+    _peer("torch.utils.checkpoint", peers.checkpointed),
     _peer("SAC (save matmuls)", _sac_checkpoint),
     _remat("remat (save_nothing)", policies.save_nothing),
     _remat("remat (save matmuls)", policies.save_ops(aten.mm, aten.addmm)),

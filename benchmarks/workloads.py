@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -83,6 +84,50 @@ class Block(nn.Module):
         x = x + _saved_region(self.c_proj, "c_proj", attention)
         hidden = _saved_region(self.c_fc, "c_fc", self.ln_2(x))
         return x + _saved_region(self.mlp_proj, "mlp_proj", F.gelu(hidden, approximate="tanh"))
+
+
+class MatmulAttentionBlock(nn.Module):
+    """A pre-LayerNorm GPT-2 block with attention spelled out (unlike `Block`, which calls SDPA), float32.
+
+    Attention is `q @ k^T / sqrt(d_head)`, a causal mask, softmax, `@ v`, so that remat's trace
+    and torch.compile's decomposed graph contain the same matmuls (`bmm`/`addmm`), which is what
+    the FLOP comparison counts.
+    """
+
+    def __init__(self, d: int, heads: int, generator: torch.Generator):
+        super().__init__()
+        self.d, self.heads = d, heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
+        with torch.no_grad():
+            for param in self.parameters():
+                fan_in = param.shape[-1] if param.dim() > 1 else param.numel()
+                param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d = x.shape
+        head_dim = d // self.heads
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=-1)
+        q, k, v = (t.reshape(batch, seq, self.heads, head_dim).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+        y = F.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+        x = x + self.c_proj(y.transpose(1, 2).reshape(batch, seq, d))
+        return x + self.mlp(self.ln_2(x))
+
+
+def matmul_attention_stack(layers: int, d: int, heads: int, *, seed: int = 0) -> nn.Sequential:
+    """`layers` `MatmulAttentionBlock`s in sequence, initialized from a private seeded generator."""
+    generator = torch.Generator().manual_seed(seed)
+    return nn.Sequential(*[MatmulAttentionBlock(d, heads, generator) for _ in range(layers)])
+
+
+def stack_input(batch: int, seq: int, d: int, *, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, seq, d, generator=generator).requires_grad_(True)
 
 
 class ResidualConv(nn.Module):

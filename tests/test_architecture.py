@@ -67,3 +67,24 @@ def test_each_module_imports_only_from_its_layer_or_above() -> None:
         if layers[imported] > layers[module]
     )
     assert not upward, f"imports from a later layer than the importer's: {upward}"
+
+
+def test_the_benchmarks_use_only_remats_public_api() -> None:
+    """Benchmarks measure what users run: no `remat._module`, by import or by attribute."""
+    private = []
+    for path in sorted((PACKAGE.parent / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "remat":
+                names = [f"remat.{node.attr}"]
+            private += [
+                f"{path.name}:{node.lineno}: {name}"  # type: ignore[attr-defined]
+                for name in names
+                if name.startswith("remat.")
+                and any(part.startswith("_") and part != "__version__" for part in name.split("."))
+            ]
+    assert not private, private

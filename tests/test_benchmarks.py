@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import harness, heap, render
+from benchmarks import harness, heap, render, workloads
 from benchmarks.methods import METHODS
 from benchmarks.workloads import SUITES
 
@@ -244,16 +244,18 @@ def test_compiled_benchmark_renders_each_depth_and_the_rows_at_the_compilers_byt
 def test_a_per_block_budget_keeps_the_stack_within_the_total_it_is_derived_from() -> None:
     """remat's budget counts one block without its input; the benchmark counts the stack, input excluded."""
     import remat
-    from benchmarks import compiled, planner
+    from benchmarks import compiled
 
-    layers, x = 3, planner.stack_input(2, 16, 32)
+    layers, x = 3, workloads.stack_input(2, 16, 32)
 
     def stack(policy: object) -> object:
-        return remat.checkpoint_modules(planner.gpt2_stack(layers, 32, 4), planner.GPT2Block, policy=policy)
+        return remat.checkpoint_modules(
+            workloads.matmul_attention_stack(layers, 32, 4), workloads.MatmulAttentionBlock, policy=policy
+        )
 
     model = stack(remat.policies.dots_saveable)
     kept, tensors = compiled.kept_tensors(model, x, model)
-    block = planner.gpt2_stack(1, 32, 4)[0]
+    block = workloads.matmul_attention_stack(1, 32, 4)[0]
     outside = kept - layers * remat.report(block, x, policy=remat.policies.dots_saveable).saved_bytes
     assert outside == (layers - 1) * x.numel() * x.element_size()  # each later block's input, for its LayerNorm
     assert tensors["float32[2,16,32]"] >= layers - 1
