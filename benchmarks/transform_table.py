@@ -10,11 +10,13 @@ same transform of the unwrapped MLP:
 - otherwise the first line of the error it raised.
 
 The methods: `torch.utils.checkpoint.checkpoint(use_reentrant=False)`, selective
-activation checkpointing (SAC) with a policy that saves matmuls, and
-`remat.checkpoint` under `save_nothing` and under a policy that saves matmuls.
-Everything runs on CPU in seconds. With `--out`, it writes the whole page
-`docs/torch-func.md`: the table, how it was made, and a guide to composing
-remat with torch.func.
+activation checkpointing (SAC) with a policy that saves matmuls, `torch_remat.checkpoint`,
+and `remat.checkpoint` under `save_nothing` and under a policy that saves matmuls.
+Everything runs on CPU in seconds. Each row says which peers fail it, and what they
+raise: `tests/test_torch_func_table.py` runs every cell, the peers' failures as
+expected failures (strict: a peer that starts working fails the test until its row
+says so). With `--out`, it writes the generated part of `docs/torch-func.md` (between
+its markers): the table and what each row runs; the rest of the page is written by hand.
 
 Run: python -m benchmarks.transform_table [--out docs/torch-func.md]
 """
@@ -25,8 +27,9 @@ import argparse
 import dataclasses
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import optree
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call, grad, grad_and_value, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.utils.checkpoint import CheckpointError
 
 import remat
 from remat import policies
@@ -88,11 +92,13 @@ def _remat(name: str, policy: Any) -> Method:
     return Method(name, lambda fn: remat.checkpoint(fn, policy=policy), lambda m: remat.checkpoint(m, policy=policy))
 
 
+CHECKPOINT, SAC, TORCH_REMAT = "torch.utils.checkpoint", "SAC (save matmuls)", "torch_remat"
 REFERENCE = Method("no checkpoint", lambda fn: fn, lambda module: module)
 METHODS = (
     REFERENCE,
-    _peer("torch.utils.checkpoint", peers.checkpointed),
-    _peer("SAC (save matmuls)", _sac_checkpoint),
+    _peer(CHECKPOINT, peers.checkpointed),
+    _peer(SAC, _sac_checkpoint),
+    _peer(TORCH_REMAT, lambda fn: peers.torch_remat_regions(fn, "mlp")),
     _remat("remat (save_nothing)", policies.save_nothing),
     _remat("remat (save matmuls)", policies.save_ops(aten.mm, aten.addmm)),
 )
@@ -270,7 +276,9 @@ def run_functional_call(method: Method) -> Any:
 def run_double_backward(method: Method) -> Any:
     args = leaves(*inputs())
     loss = _loss(method.function(mlp))(*args)
-    loss.backward(create_graph=True)
+    with warnings.catch_warnings():  # torch's note on `.grad` cycles, for the row's own call; the grads are reset below
+        warnings.filterwarnings("ignore", "Using backward\\(\\) with create_graph=True", UserWarning)
+        loss.backward(create_graph=True)
     first = [a.grad for a in args]
     for a in args:
         a.grad = None
@@ -331,64 +339,113 @@ class Row:
     name: str
     what: str
     run: Callable[[Method], Any]
+    fails: Mapping[str, type[BaseException]] = dataclasses.field(default_factory=dict)  # peer -> what it raises
 
+
+# How the peers fail. torch.func's reverse-mode transforms refuse saved-tensor hooks, which every peer
+# installs; vmap over them loses track of the batch; torch_remat's autograd.Function has no vmap or jvp
+# rule; SAC replays a region once, so a second backward through it fails.
+_HOOKS = {CHECKPOINT: RuntimeError, SAC: RuntimeError, TORCH_REMAT: RuntimeError}
+_NO_FUNCTORCH_RULE = {TORCH_REMAT: RuntimeError}
+_SAC_ONCE = {SAC: RuntimeError}
 
 ROWS = (
-    Row("`grad`", "`torch.func.grad` of a scalar loss of the MLP, for every argument", run_grad),
-    Row("`grad_and_value`", "`grad_and_value` with `argnums=(0, 1, 3)`", run_grad_and_value),
-    Row("`vjp`", "`torch.func.vjp` and its pullback", run_vjp),
-    Row("`jacrev`", "`jacrev` with respect to the input and the first weight", run_jacrev),
-    Row("`jacfwd`", "`jacfwd`, likewise", run_jacfwd),
-    Row("`jvp`", "`torch.func.jvp` with a tangent for every argument", run_jvp),
-    Row("`jvp(vmap)`", "`torch.func.jvp` of the `vmap` below, a tangent for every argument", run_jvp_of_vmap),
-    Row("`hessian`", "`hessian` of the loss with respect to the first weight", run_hessian),
-    Row("`jacrev(jacfwd)`", "the same Hessian, reverse mode over forward mode", run_jacrev_of_jacfwd),
-    Row("`jacfwd(jacfwd)`", "the same Hessian, forward mode over forward mode", run_jacfwd_of_jacfwd),
-    Row("`jvp(jvp)`", "`torch.func.jvp` of the tangent of another, for every argument", run_jvp_of_jvp),
-    Row("`vmap`", "`vmap(checkpointed, in_dims=(0, None, ...))`, then `backward` to the weights", run_vmap),
+    Row("`grad`", "`torch.func.grad` of a scalar loss of the MLP, for every argument", run_grad, _HOOKS),
+    Row("`grad_and_value`", "`grad_and_value` with `argnums=(0, 1, 3)`", run_grad_and_value, _HOOKS),
+    Row("`vjp`", "`torch.func.vjp` and its pullback", run_vjp, _HOOKS),
+    Row("`jacrev`", "`jacrev` with respect to the input and the first weight", run_jacrev, _HOOKS),
+    Row("`jacfwd`", "`jacfwd`, likewise", run_jacfwd, _NO_FUNCTORCH_RULE),
+    Row("`jvp`", "`torch.func.jvp` with a tangent for every argument", run_jvp, _NO_FUNCTORCH_RULE),
+    Row(
+        "`jvp(vmap)`",
+        "`torch.func.jvp` of the `vmap` below, a tangent for every argument",
+        run_jvp_of_vmap,
+        _NO_FUNCTORCH_RULE,
+    ),
+    Row("`hessian`", "`hessian` of the loss with respect to the first weight", run_hessian, _HOOKS),
+    Row("`jacrev(jacfwd)`", "the same Hessian, reverse mode over forward mode", run_jacrev_of_jacfwd, _HOOKS),
+    Row(
+        "`jacfwd(jacfwd)`",
+        "the same Hessian, forward mode over forward mode",
+        run_jacfwd_of_jacfwd,
+        _NO_FUNCTORCH_RULE,
+    ),
+    Row(
+        "`jvp(jvp)`",
+        "`torch.func.jvp` of the tangent of another, for every argument",
+        run_jvp_of_jvp,
+        _NO_FUNCTORCH_RULE,
+    ),
+    Row("`vmap`", "`vmap(checkpointed, in_dims=(0, None, ...))`, then `backward` to the weights", run_vmap, _HOOKS),
     Row(
         "`checkpoint(vmap)`",
         "the method applied to `vmap(mlp)`, then `backward` to the weights",
         run_checkpoint_of_vmap,
     ),
-    Row("`vmap(grad)`", "per-sample gradients of the weights", run_per_sample_grads),
+    Row("`vmap(grad)`", "per-sample gradients of the weights", run_per_sample_grads, _HOOKS),
     Row(
         '`vmap(grad)`, dropout, `randomness="different"`',
         "per-sample gradients of an MLP with dropout, seeded; and the next random number drawn after them",
         run_randomness_different,
+        _HOOKS,
     ),
-    Row('`vmap(grad)`, dropout, `randomness="same"`', 'the same with `randomness="same"`', run_randomness_same),
-    Row("`grad(grad)`", "`grad` of the squared norm of the full inner `grad`", run_grad_of_grad),
+    Row(
+        '`vmap(grad)`, dropout, `randomness="same"`',
+        'the same with `randomness="same"`',
+        run_randomness_same,
+        _HOOKS,
+    ),
+    Row("`grad(grad)`", "`grad` of the squared norm of the full inner `grad`", run_grad_of_grad, _HOOKS),
     Row(
         "`grad(grad)`, inner `argnums=0`",
         "`grad` (every argument) of the squared norm of the inner `grad` with respect to the input only",
         run_grad_of_grad_fewer,
+        _HOOKS,
     ),
     Row(
         "`functional_call` + `vmap(grad)`",
         "per-sample gradients of the `nn.Module` form, parameters passed by name to `functional_call`",
         run_functional_call,
+        _HOOKS,
     ),
     Row(
         "double backward",
         "`loss.backward(create_graph=True)`, then `backward` of the squared gradient norm",
         run_double_backward,
+        _SAC_ONCE,
     ),
-    Row("`autograd.grad` twice", "`torch.autograd.grad(..., retain_graph=True)`, then again", run_backward_twice),
-    Row("`gradcheck`", "`torch.autograd.gradcheck` of the MLP", run_gradcheck),
-    Row("`gradgradcheck`", "`torch.autograd.gradgradcheck` of the MLP", run_gradgradcheck),
-    Row("`forward_ad` dual tensors", "`torch.autograd.forward_ad.make_dual` on the input", run_forward_ad),
+    Row(
+        "`autograd.grad` twice",
+        "`torch.autograd.grad(..., retain_graph=True)`, then again",
+        run_backward_twice,
+        _SAC_ONCE,
+    ),
+    Row("`gradcheck`", "`torch.autograd.gradcheck` of the MLP", run_gradcheck, _SAC_ONCE),
+    Row("`gradgradcheck`", "`torch.autograd.gradgradcheck` of the MLP", run_gradgradcheck, _SAC_ONCE),
+    Row(
+        "`forward_ad` dual tensors",
+        "`torch.autograd.forward_ad.make_dual` on the input",
+        run_forward_ad,
+        {TORCH_REMAT: NotImplementedError},
+    ),
     Row(
         "`forward_ad`, then backward",
         "`backward` to the weights of a loss of the dual input's output and its tangent",
         run_backward_of_forward_ad,
+        {CHECKPOINT: CheckpointError, SAC: RuntimeError, TORCH_REMAT: NotImplementedError},
     ),
     Row(
         "`forward_ad` dual tensors through `vmap`",
         "the `vmap` below of the method, called on a dual input",
         run_forward_ad_of_vmap,
+        _NO_FUNCTORCH_RULE,
     ),
-    Row("nested checkpoints", "the method applied to a function that calls the MLP through the method", run_nested),
+    Row(
+        "nested checkpoints",
+        "the method applied to a function that calls the MLP through the method",
+        run_nested,
+        {TORCH_REMAT: NotImplementedError},
+    ),
 )
 
 # --- running the cells -----------------------------------------------------------------------------
@@ -416,15 +473,22 @@ def same(got: Any, expected: Any) -> bool:
     return True
 
 
-def run_cell(row: Row, method: Method) -> tuple[str | None, Any]:
-    """(None, result) if the cell ran, else (error text, None)."""
+def run(row: Row, method: Method) -> Any:
+    """What `row` gives through `method`, from a fixed seed. The peers' warnings (about `use_reentrant` and
+    the like) are silenced; remat's are not."""
     torch.manual_seed(0)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # peers warn about use_reentrant and the like; the table says what matters
-        try:
-            return None, row.run(method)
-        except Exception as error:
-            return error_text(error), None
+        if method.name in (CHECKPOINT, SAC, TORCH_REMAT):
+            warnings.simplefilter("ignore")
+        return row.run(method)
+
+
+def run_cell(row: Row, method: Method) -> tuple[str | None, Any]:
+    """(None, result) if the cell ran, else (error text, None)."""
+    try:
+        return None, run(row, method)
+    except Exception as error:
+        return error_text(error), None
 
 
 def table() -> list[dict[str, str]]:
@@ -454,188 +518,44 @@ def render(cells: list[dict[str, str]]) -> str:
 
 # --- the page --------------------------------------------------------------------------------------
 
-INTRO = """\
-# Composing remat with torch.func
-
-`remat.checkpoint` composes with `torch.func` transforms and with higher-order autograd. The table below
-runs each transform on a small float64 MLP checkpointed by each method and compares the result with the
-same transform of the MLP without checkpointing."""
-
-FOOTNOTE = f"""\
-"works": the transform ran and every result equals the unwrapped MLP's (`torch.allclose`); "wrong result":
-it ran, but a result differs; otherwise the cell holds the first line of the error raised. SAC is
-`torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, context_fn=...)` with
-`create_selective_checkpoint_contexts` and a policy that saves `aten.mm` and `aten.addmm`; "remat (save
-matmuls)" is `remat.policies.save_ops(aten.mm, aten.addmm)`. The MLP is `tanh(x @ w1 + b1) @ w2 + b2` with
-`x` of shape ({BATCH}, {IN}); for `nn.Module` rows, `nn.Sequential(Linear, Tanh, Linear)` with the same
-weights, and the peers wrapped in a module that shares its parameter names.
-
-Generated by `{COMMAND}`; what each row runs is in
-[`benchmarks/transform_table.py`](../benchmarks/transform_table.py):"""
-
-GUIDE = """\
-## Per-sample gradients of a checkpointed module
-
-`remat.checkpoint(module, policy=...)` of an `nn.Module` returns a `remat.CheckpointedModule`: a module that
-shares the wrapped module's parameters, buffers and submodules, under the same names. So
-`torch.func.functional_call` takes the same dictionary of parameters for both, and per-sample gradients
-are the usual recipe:
-
-```python
-import torch
-from torch.func import functional_call, grad, vmap
-import remat
-
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
-checkpointed = remat.checkpoint(model, policy=remat.policies.save_ops(torch.ops.aten.addmm))
-params = {name: p.detach() for name, p in model.named_parameters()}   # same names in `checkpointed`
-
-def loss(params, x, y):  # one example: x of shape (16,), y of shape (1,)
-    return (functional_call(checkpointed, params, (x,)) - y).square().mean()
-
-x, y = torch.randn(8, 16), torch.randn(8, 1)
-per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)    # {name: (8, *param.shape)}
-```
-
-Under `vmap`, remat traces the function at the per-example shape, outside the transforms, and runs the
-traced programs on the batched tensors: the trace is the one the function has outside `vmap` at that
-shape, and shares its cache entry (unless it applies dropout to a non-contiguous tensor: see Randomness
-under vmap below). [`examples/per_sample_grads.py`](../examples/per_sample_grads.py) does
-this for a small transformer and checks the result against the unwrapped model.
-
-## Randomness under vmap
-
-A random call inside a checkpointed function (dropout) is replayed in backward from the generator state
-the forward kept, so the mask of the gradient is the mask of the forward. Under `vmap`:
-
-- `randomness="different"` works: each example gets its own mask, the same ones (and the same gradients)
-  as without checkpointing for the same seed, and the random stream ends where it would without
-  checkpointing.
-- `randomness="same"` works for random calls on contiguous tensors (dropout of a contiguous input
-  included): remat runs an in-place random fill (`bernoulli_`, `normal_`, dropout's mask) as eager does,
-  in place on a tensor of eager's layout, so functorch's rule for in-place random ops draws one mask for
-  the whole batch. It fails for dropout of a non-contiguous input: there eager draws the mask from an
-  unbatched tensor, remat into one shaped like the (batched) input, and functorch refuses a random call on
-  a batched tensor under same randomness ("Vmap does not currently support same randomness with a batched
-  tensor input"). Make the input contiguous, draw the mask outside `vmap`, or use `"different"`.
-- `randomness="error"` (the default) raises for any random call, as it does without checkpointing.
-
-Random calls draw eager's numbers whatever the layout of the tensor they fill: a transposed, permuted or
-strided tensor is filled in its own memory order, as eager fills it (NOTE [random fills draw in eager's
-layout] in `remat/_fidelity.py`). Under a transform (`grad`, `vmap`) torch's dropout functions draw their
-mask out of place, into a contiguous tensor; for a non-contiguous input that gives other numbers than
-without a transform, so remat traces such a function separately for calls under a transform, and each
-trace draws what eager draws in its setting (NOTE [dropout under torch.func]).
-
-## Higher-order derivatives
-
-On the MLP of the table, double backward (`create_graph=True`), `grad(grad)`, `hessian`, `jacfwd`, `jvp`
-and `gradgradcheck` through `remat.checkpoint` equal the same derivatives of the MLP without
-checkpointing: they are derivatives of the function itself, not of an approximation. The values the
-backward keeps are differentiable outputs of remat's `autograd.Function`; a second-order derivative that
-flows through them is carried to the inputs by differentiating a pure program that recomputes those values
-from the inputs (random calls replayed from their kept generator states, in-place updates of inputs
-skipped). Forward mode (`jvp`, `jacfwd`, `hessian`) takes its tangents from the same program, by the
-forward-mode formulas of its ops (as eager computes tangents), so a transform outside (`jacrev(jacfwd)`, a
-`backward` of a `forward_ad` tangent) differentiates them as it does eager's. See NOTE [differentiating
-the forward again] in `remat/_programs.py`.
-
-Under two levels of forward mode (`jvp(jvp)`, `jacfwd(jacfwd)`, and `grad` of those) the checkpointed
-function runs as it is written, without remat: torch does not differentiate the tangents of a custom
-`autograd.Function`'s jvp rule at an outer forward-mode level (every such derivative comes out zero, for
-any Function: pytorch/pytorch#197867), and forward mode keeps nothing for a backward, so there is nothing
-to leave out. A reverse-mode level inside them keeps what eager keeps. NOTE [forward mode over forward
-mode] in `remat/_execute.py`.
-
-Under `jvp(vmap(f))` (and `jacfwd`), remat's jvp rule runs forward mode inside the batching, the order
-of `vmap(jvp(f))`. There torch warns that it resized an `out=` tensor (a deprecation) for a random draw
-followed by a log-sigmoid, as it does for eager's `vmap(jvp(f))`; the values are eager's.
-
-Forward mode sees through `torch.no_grad()`, as in eager (a value computed under `no_grad` still carries
-a tangent), and not through `.detach()`. An input that the function updates in place has its tangent
-updated in place too, under `torch.autograd.forward_ad`; under `torch.func.jvp` (and `jacfwd`,
-`hessian`) torch does not let a custom `autograd.Function` do that, and remat raises
-`NotImplementedError` saying so (under `vmap` of `jvp` too): update a copy of the input instead. An
-update of an input through `.detach()` keeps the input's old tangent beside its new value, as in eager.
-
-For most functions this keeps nothing beyond what the policy keeps. When a kept value depends on an input
-that requires grad, the pure program may need two more kinds of values, and they are kept whether or not a
-second derivative is ever taken (both show in `remat.report`):
-
-- the generator state (5,056 bytes on CPU, in `rng_state_bytes`) of a random call whose output has a
-  derivative with respect to its inputs and that the kept value depends on. Dropout needs none: its mask
-  (`aten.bernoulli`) has no derivative, and a kept value that depends on it stands for it;
-- a copy of an input that the function overwrites in place (in `saved_bytes`), when the kept value was
-  computed from its old value.
-
-## Nested checkpoints
-
-A `remat.checkpoint` called inside a function that is itself checkpointed does not trace separately: its
-calls become part of the outer trace, and its own policy decides them (asked as if its calls were a
-trace of their own, indexed from 0), while the outer policy decides the rest. `remat.report` of the outer
-function shows the result:
-
-```python
-import torch
-import remat
-
-w1, w2 = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
-inner = remat.checkpoint(lambda h: (h @ w1).sin(), policy=remat.policies.save_everything)
-outer = remat.checkpoint(lambda x: (inner(x.tanh()) @ w2).cos(), policy=remat.policies.save_nothing)
-print(remat.report(outer, torch.randn(3, 4)))   # inner's mm and sin: SAVE; outer's tanh, mm, cos: RECOMPUTE
-```
-
-Its gradients equal those of the function without checkpoints (the last row of the table).
-"""
+PAGE = Path(__file__).parent.parent / "docs" / "torch-func.md"
+BEGIN = f"<!-- generated by `{COMMAND}`: edit the rows in benchmarks/transform_table.py, not this part -->"
+END = "<!-- end of the generated part -->"
 
 
-def known_issues(cells: list[dict[str, str]]) -> str:
-    """Lines for the remat cells that do not work, with what is known about them."""
-    notes = {
-        '`vmap(grad)`, dropout, `randomness="same"`': "see Randomness under vmap below.",
-        "`grad(grad)`, inner `argnums=0`": (
-            "the inner `grad` does not differentiate the weights, so remat traces them as not requiring grad, "
-            "and the outer `grad` misses the part of their derivative that flows through kept values."
-        ),
-        "`forward_ad` dual tensors": (
-            "remat's `jvp` rule calls `torch.func.jvp`, which cannot enter a second `forward_ad.dual_level`; "
-            "`torch.func.jvp` and `jacfwd` of a checkpointed function work."
-        ),
-    }
-    lines = []
-    for row, row_cells in zip(ROWS, cells, strict=True):
-        failing = [m.name for m in METHODS if m.name.startswith("remat") and row_cells[m.name] != "works"]
-        if failing:
-            lines.append(f"- {row.name} ({', '.join(failing)}): {notes.get(row.name, row_cells[failing[0]])}")
-    if not lines:
-        return ""
-    return "Where remat does not work yet:\n\n" + "\n".join(lines)
-
-
-def page(cells: list[dict[str, str]]) -> str:
+def generated(cells: list[dict[str, str]]) -> str:
+    """The page's generated part: the torch it ran on, the table, and what each row runs."""
     date = datetime.now(timezone.utc).date().isoformat()
     rows = "\n".join(f"- {row.name}: {row.what}." for row in ROWS)
-    parts = [
-        INTRO,
-        f"torch {torch.__version__}, remat {remat.__version__}, generated {date}.",
-        render(cells),
-        FOOTNOTE + "\n\n" + rows,
-        known_issues(cells),
-        GUIDE,
-    ]
-    return "\n\n".join(part.strip() for part in parts if part) + "\n"
+    return "\n\n".join(
+        [
+            f"torch {torch.__version__}, remat {remat.__version__}, generated {date}.",
+            render(cells),
+            "What each row runs ([`benchmarks/transform_table.py`](../benchmarks/transform_table.py)):",
+            rows,
+        ]
+    )
+
+
+def write_page(path: Path, cells: list[dict[str, str]]) -> None:
+    """Replace the generated part of the page at `path` (between its markers) with `cells`'."""
+    text = path.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1:
+        raise SystemExit(f"{path}: expected one line {BEGIN!r} and one line {END!r} around the generated part")
+    before, rest = text.split(BEGIN)
+    _, after = rest.split(END)
+    path.write_text(f"{before}{BEGIN}\n\n{generated(cells)}\n\n{END}{after}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None, help="write the markdown page to this file")
+    parser.add_argument("--out", type=Path, default=None, help="the page whose generated part to write")
     args = parser.parse_args()
     cells = table()
     print(render(cells))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(page(cells))
-        print(f"wrote {args.out}")
+        write_page(args.out, cells)
+        print(f"wrote the generated part of {args.out}")
 
 
 if __name__ == "__main__":
