@@ -26,6 +26,7 @@ import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
+from . import _quirks
 from ._facts import CallSite, StopGradient, note_site, note_stop_gradient, stop_gradient_of
 from ._higher_order import with_closures_lifted
 from ._torch import (
@@ -508,7 +509,7 @@ def _views_between(node: Any, below: Any, most: int = 64) -> int | None:
 
 
 _DETACHES = (torch.Tensor.detach, torch.detach, torch.Tensor.detach_)
-_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)  # what a detach traces as
+_ALIASES = _quirks.DETACH_TRACES_AS_ALIAS.table  # what a detach traces as
 
 
 def _no_grad_kind(func: Any) -> StopGradient:

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from . import _quirks
 from ._calls import Call, Decision
 from ._errors import TraceError
 from ._joint import is_free_op
@@ -187,8 +188,8 @@ class _RecomputeTags:
         self.checkpointed = checkpointed
         self.calls = calls
         self.decisions = decisions
-        # Where the region's forward is, and where its recomputation is: some releases (2.12) ask
-        # the policy again for each op they recompute, from the first call on.
+        # Where the region's forward is, and where its recomputation is: some releases ask the policy
+        # again for each op they recompute (`_quirks.SAC_ASKS_AGAIN_WHILE_RECOMPUTING`).
         self.positions = {False: 0, True: 0}
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -233,13 +234,9 @@ class _RecomputeTags:
 # [checkpoints inside torch.compile]) and its own compilation never runs.
 
 
-# Calls a region makes that remat's trace of the function has no counterpart of: allocations the
-# region makes for an op that then fills them in place (training-mode batch norm under torch.compile;
-# functionalization folds them into the op), and the reads of Python numbers Dynamo passes in as
-# tensors (a float, or a size under `dynamic=True`), which remat's trace has as constants.
-_NOT_IN_THE_TRACE = frozenset(
-    {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten._local_scalar_dense.default}
-)
+# Calls a region makes that remat's trace of the function has no counterpart of: see
+# `_quirks.REGIONS_ALLOCATE_FOR_IN_PLACE_OPS`.
+_NOT_IN_THE_TRACE = _quirks.REGIONS_ALLOCATE_FOR_IN_PLACE_OPS.table
 
 
 def _functional(op: Any) -> tuple[str, str]:

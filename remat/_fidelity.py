@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import _quirks
 from ._facts import fill_of, note_fill
 from ._rng import DrawnGenerators
 from ._torch import (
@@ -299,7 +300,7 @@ class _Unfold:
 # already was). Dead-code elimination must keep the node (`kept_as_dead_code`):
 # on a release that does not mark the op effectful, fx would remove it, and
 # with it the check.
-_ERROR_CHECKS = frozenset({aten._linalg_check_errors.default})
+_ERROR_CHECKS = _quirks.LINALG_CHECKS_ARE_EFFECTFUL.table
 
 
 def kept_as_dead_code(node: Any) -> bool:
@@ -486,79 +487,8 @@ def is_dense(shape: Sequence[Any], strides: Sequence[Any]) -> bool:
 # metadata) sees the layouts eager sees. The table is PyTorch's OpInfo database
 # swept on torch 2.13 and 2.15 for real CPU strides that differ from the fake
 # ones (docs/debugging.md).
-class _CpuLayout(NamedTuple):
-    """The layout a CPU kernel gives its outputs: contiguous in the suggested memory format of the
-    argument at `position`, plainly contiguous (`CONTIGUOUS`), or TensorIterator's over its tensor
-    arguments (`ELEMENTWISE`)."""
-
-    position: int
-    outputs: tuple[int, ...] = (0,)  # which of its outputs
-
-
-CONTIGUOUS, ELEMENTWISE = -1, -2
-
-_CPU_LAYOUT = {
-    **{
-        op: _CpuLayout(0)
-        for op in (
-            aten.native_batch_norm.default,
-            aten._native_batch_norm_legit.default,
-            aten._native_batch_norm_legit.no_stats,
-            aten._native_batch_norm_legit_functional.default,
-            aten._native_batch_norm_legit_no_training.default,
-            aten._batch_norm_with_update.default,
-            aten._batch_norm_no_update.default,
-            aten.channel_shuffle.default,
-            aten.reflection_pad3d.default,
-            aten.replication_pad3d.default,
-        )
-    },
-    **{
-        op: _CpuLayout(1)  # the input's (or `self`'s), whatever the incoming gradient's layout
-        for op in (
-            aten.native_batch_norm_backward.default,
-            aten.batch_norm_backward.default,
-            aten.reflection_pad2d_backward.default,
-            aten.reflection_pad3d_backward.default,
-            aten.replication_pad2d_backward.default,
-            aten.replication_pad3d_backward.default,
-        )
-    },
-    **{
-        op: _CpuLayout(CONTIGUOUS)
-        for op in (
-            aten.native_layer_norm_backward.default,
-            aten.mse_loss_backward.default,
-            aten.huber_loss_backward.default,
-            aten.smooth_l1_loss_backward.default,
-            aten._log_softmax_backward_data.default,
-            aten.glu_backward.default,
-            aten.nll_loss2d_forward.default,
-            aten.normal.Tensor_Tensor,
-            aten.normal.float_Tensor,
-            aten.rrelu_with_noise.default,
-            aten.pow.Scalar,
-        )
-    },
-    aten.log_sigmoid_forward.default: _CpuLayout(CONTIGUOUS, (0, 1)),
-    **{
-        op: _CpuLayout(ELEMENTWISE)
-        for op in (
-            aten.heaviside.default,
-            aten.logaddexp.default,
-            aten.logaddexp2.default,
-            aten.logical_and.default,
-            aten.logical_or.default,
-            aten.logical_xor.default,
-            aten.copysign.Tensor,
-            aten.floor_divide.default,
-            aten.div.Tensor_mode,
-            aten.xlogy.Tensor,
-            aten.special_xlog1py.default,
-            aten.native_dropout_backward.default,
-        )
-    },
-}
+# The table is `_quirks.CPU_KERNELS_CHOOSE_LAYOUTS`.
+_CPU_LAYOUT = _quirks.CPU_KERNELS_CHOOSE_LAYOUTS.table
 
 
 # NOTE [fake results from the cache lose their storage offset]
@@ -652,15 +582,17 @@ def _on_cuda(args: Sequence[Any]) -> bool:
     return any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args)
 
 
-def _eager_strides(layout: _CpuLayout, output: torch.Tensor, args: Sequence[Any]) -> tuple[int, ...] | None:
+def _eager_strides(layout: _quirks.CpuLayout, output: torch.Tensor, args: Sequence[Any]) -> tuple[int, ...] | None:
     """The strides the CPU kernel gives `output`, by `layout`; None where the fake's can stand."""
-    if layout.position == ELEMENTWISE:
+    if layout.position == _quirks.ELEMENTWISE:
         operands = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]  # 0-d ones lead nothing
         if not operands or torch.broadcast_shapes(*(o.shape for o in operands)) != output.shape:
             return None
         return elementwise_output_strides(operands)
     memory_format = (
-        torch.contiguous_format if layout.position == CONTIGUOUS else _suggested_memory_format(args[layout.position])
+        torch.contiguous_format
+        if layout.position == _quirks.CONTIGUOUS
+        else _suggested_memory_format(args[layout.position])
     )
     return tuple(torch.empty(output.shape, device="meta", memory_format=memory_format).stride())
 

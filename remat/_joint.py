@@ -22,7 +22,7 @@ import optree
 import torch
 from torch import fx
 
-from . import _rng
+from . import _quirks, _rng
 from ._cache import requires_grad_at_any_level
 from ._calls import Call, TensorMeta, Trace
 from ._capture import (
@@ -759,7 +759,7 @@ def _mark_replayed_detaches(
     shares came between (a detach of an input updated in place before and after)."""
     detached = detached | {m.args[1] for m in mutations if m.args[0] in detached}  # type: ignore[misc]
     for node in forward_nodes:
-        if node.target in (aten.detach.default, aten.alias.default) and node.args[0] in detached:
+        if node.target in _quirks.DETACH_TRACES_AS_ALIAS.table and node.args[0] in detached:
             note_stop_gradient(node, "detach")
         value = returned.get(node)
         if node.target is aten.alias.default and isinstance(value, torch.Tensor) and _is_detached(value):
@@ -837,9 +837,11 @@ def _end_slices_at_the_size(graph: fx.Graph) -> None:
 def _drop_unread_batch_norm_arguments(graph: fx.Graph) -> None:
     """A training-mode batch norm's backward takes the running statistics but does not read
     them (it uses the batch statistics): pass None, so that backward does not keep them."""
+    unread_by = _quirks.BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS.table["backward"]
     for node in graph.nodes:
-        if node.target is aten.native_batch_norm_backward.default and node.args[7] is True:
-            node.args = (*node.args[:3], None, None, *node.args[5:])
+        unread = unread_by.get(node.target)
+        if unread is not None and node.args[unread[0]] is True:
+            node.args = tuple(None if i in unread[1] else a for i, a in enumerate(node.args))
 
 
 def _check_no_unlifted_parameters(constants: dict[str, Any]) -> None:

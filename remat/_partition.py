@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
-from . import _rng
+from . import _quirks, _rng
 from ._calls import Decision
 from ._capture import history_of
 from ._joint import JointGraph, stops_gradient
@@ -266,13 +266,8 @@ def _pure_unsupported(joint: JointGraph, split: _Split) -> str | None:
     return None
 
 
-# Ops whose functional form torch differentiates wrongly a second time.
-_NOT_TWICE_DIFFERENTIABLE = {
-    torch.ops.aten.rrelu_with_noise_functional.default: (
-        "torch 2.13's derivative of the functional `rrelu_with_noise` reads its uninitialized `noise` input; "
-        "save this call with the policy, or take second derivatives outside remat.checkpoint"
-    ),
-}
+# Ops whose functional form torch differentiates wrongly a second time, and why.
+_NOT_TWICE_DIFFERENTIABLE = _quirks.RRELU_FUNCTIONAL_DERIVATIVE.table
 
 
 def _non_differentiable(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from . import _rng
+from . import _quirks, _rng
 from ._capture import history_of
 from ._facts import differentiable_outputs
 from ._joint import JointGraph, is_free, stops_gradient
@@ -57,9 +57,10 @@ def reads_any_value(node: fx.Node) -> set[fx.Node]:
     """Inputs of `node` whose value does not matter to what a replay of it uses: the running
     statistics of a training-mode batch norm (the replay only needs the normalized output and
     the batch statistics; the new running statistics it computes are dropped)."""
-    if node.target is aten._native_batch_norm_legit_functional.default and node.args[5] is True:
-        return {a for a in node.args[3:5] if isinstance(a, fx.Node)}
-    return set()
+    unread = _quirks.BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS.table["replay"].get(node.target)
+    if unread is None or node.args[unread[0]] is not True:
+        return set()
+    return {a for i, a in enumerate(node.args) if i in unread[1] and isinstance(a, fx.Node)}
 
 
 def returned_outputs(joint: JointGraph) -> tuple[int, ...]:

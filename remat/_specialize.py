@@ -5,11 +5,12 @@ See NOTE [values Python reads].
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from torch import fx
+
+from . import _quirks
 
 __all__ = [
     "CHECKS",
@@ -97,7 +98,8 @@ def refuse_float_reads(floats: dict[str, str | None]) -> None:
 
 def check_coverage(graph: fx.Graph, ints: set[str]) -> None:
     """Refuse a trace specialized on an int value that no check of `graph` is about."""
-    checked = {symbol for check in checks_of(graph) for symbol in re.findall(r"\bu\d+\b", str(describe(check)))}
+    symbol_names = _quirks.UNBACKED_SYMBOL_NAMES.table
+    checked = {symbol for check in checks_of(graph) for symbol in symbol_names.findall(str(describe(check)))}
     if ints - checked:
         raise UncheckedValue(sorted(ints - checked))
 

@@ -72,6 +72,8 @@ from torch.utils._python_dispatch import _disable_current_modes as disable_curre
 from torch.utils._pytree import tree_map_only
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
+from . import _quirks
+
 __all__ = [
     "COLLECTIVE_NAMESPACES",
     "LEAF_UPDATED_IN_PLACE",
@@ -391,7 +393,7 @@ class UncheckedRealValuesFakeMode(FakeTensorMode):
 # missing real one and fails. For such an op the fake mode asks the real kernel for those outputs
 # as well (the traced call keeps its own mask): an extra gradient, computed while tracing only.
 # op -> (the position of `output_mask`, the outputs its fake kernel gives whatever the mask says)
-_FAKE_KERNEL_IGNORES_MASK = {aten.native_batch_norm_backward.default: (9, (0,))}
+_FAKE_KERNEL_IGNORES_MASK = _quirks.FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK.table
 
 
 def _masked_as_the_fake_kernel(func: Any, args: Sequence[Any]) -> Sequence[Any]:

@@ -1,0 +1,253 @@
+"""Every behaviour of a particular op or torch release that remat works around, in one place.
+
+Each entry (a `Quirk`) names the ops, the releases it holds on, what differs from what remat would
+otherwise assume, and the NOTE that says what remat does about it; it carries the table the modules
+that work around it read, so that no other module names these ops for this reason.
+`tests/test_quirks.py` probes each entry on the running torch: the behaviour is there exactly where
+the entry says. The differences between releases of torch's private API are the torch door's
+(`_torch`); this registry holds the behaviours of ops, public or not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS",
+    "CONTIGUOUS",
+    "CPU_KERNELS_CHOOSE_LAYOUTS",
+    "DETACH_TRACES_AS_ALIAS",
+    "ELEMENTWISE",
+    "FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK",
+    "LINALG_CHECKS_ARE_EFFECTFUL",
+    "QUIRKS",
+    "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS",
+    "RRELU_FUNCTIONAL_DERIVATIVE",
+    "SAC_ASKS_AGAIN_WHILE_RECOMPUTING",
+    "UNBACKED_SYMBOL_NAMES",
+    "CpuLayout",
+    "Quirk",
+]
+
+aten = torch.ops.aten
+
+_RELEASE = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+@dataclasses.dataclass(frozen=True)
+class Quirk:
+    """One behaviour remat works around: of `ops` (none: of torch itself), on `releases` (None: on every
+    release remat supports), what `differs`, and where `note` says what remat does. `table` is what the
+    modules that work around it read (an op table, a pattern)."""
+
+    ops: tuple[Any, ...]
+    releases: tuple[str, ...] | None
+    differs: str
+    note: str
+    table: Any = None
+
+    def applies(self, release: str = _RELEASE) -> bool:
+        """Whether the behaviour is there on `release` ("2.13"; by default the running one)."""
+        return self.releases is None or release in self.releases
+
+
+# --- tracing ------------------------------------------------------------------------------------
+
+DETACH_TRACES_AS_ALIAS = Quirk(
+    ops=(aten.detach.default, aten.alias.default),
+    releases=("2.15",),
+    differs="make_fx records `x.detach()` as `aten.alias`, a view autograd differentiates, not as `aten.detach`",
+    note="NOTE [a detach runs as a detach] (remat/_joint.py)",
+    table=frozenset({aten.detach.default, aten.alias.default}),  # what a detach traces as, on any release
+)
+
+UNBACKED_SYMBOL_NAMES = Quirk(
+    ops=(),
+    releases=None,
+    differs=(
+        "torch names the symbols of data-dependent sizes `u0`, `u1`, ... and writes the runtime assertions "
+        "about them as text, which is the only place that says which symbols a check is about"
+    ),
+    note="NOTE [values Python reads] (remat/_specialize.py)",
+    table=re.compile(r"\bu\d+\b"),
+)
+
+LINALG_CHECKS_ARE_EFFECTFUL = Quirk(
+    ops=(aten._linalg_check_errors.default,),
+    releases=("2.13", "2.14", "2.15"),
+    differs=(
+        "functionalization marks the check effectful and wants an effect token threaded through the graph, "
+        "which only AOTAutograd sets up"
+    ),
+    note="NOTE [error checks of linalg ops] (remat/_fidelity.py)",
+    table=frozenset({aten._linalg_check_errors.default}),
+)
+
+
+class CpuLayout(NamedTuple):
+    """The layout a CPU kernel gives its outputs: contiguous in the suggested memory format of the
+    argument at `position`, plainly contiguous (`CONTIGUOUS`), or TensorIterator's over its tensor
+    arguments (`ELEMENTWISE`)."""
+
+    position: int
+    outputs: tuple[int, ...] = (0,)  # which of its outputs
+
+
+CONTIGUOUS, ELEMENTWISE = -1, -2
+
+_CPU_LAYOUTS: Mapping[Any, CpuLayout] = {
+    **{
+        op: CpuLayout(0)
+        for op in (
+            aten.native_batch_norm.default,
+            aten._native_batch_norm_legit.default,
+            aten._native_batch_norm_legit.no_stats,
+            aten._native_batch_norm_legit_functional.default,
+            aten._native_batch_norm_legit_no_training.default,
+            aten._batch_norm_with_update.default,
+            aten._batch_norm_no_update.default,
+            aten.channel_shuffle.default,
+            aten.reflection_pad3d.default,
+            aten.replication_pad3d.default,
+        )
+    },
+    **{
+        op: CpuLayout(1)  # the input's (or `self`'s), whatever the incoming gradient's layout
+        for op in (
+            aten.native_batch_norm_backward.default,
+            aten.batch_norm_backward.default,
+            aten.reflection_pad2d_backward.default,
+            aten.reflection_pad3d_backward.default,
+            aten.replication_pad2d_backward.default,
+            aten.replication_pad3d_backward.default,
+        )
+    },
+    **{
+        op: CpuLayout(CONTIGUOUS)
+        for op in (
+            aten.native_layer_norm_backward.default,
+            aten.mse_loss_backward.default,
+            aten.huber_loss_backward.default,
+            aten.smooth_l1_loss_backward.default,
+            aten._log_softmax_backward_data.default,
+            aten.glu_backward.default,
+            aten.nll_loss2d_forward.default,
+            aten.normal.Tensor_Tensor,
+            aten.normal.float_Tensor,
+            aten.rrelu_with_noise.default,
+            aten.pow.Scalar,
+        )
+    },
+    aten.log_sigmoid_forward.default: CpuLayout(CONTIGUOUS, (0, 1)),
+    **{
+        op: CpuLayout(ELEMENTWISE)
+        for op in (
+            aten.heaviside.default,
+            aten.logaddexp.default,
+            aten.logaddexp2.default,
+            aten.logical_and.default,
+            aten.logical_or.default,
+            aten.logical_xor.default,
+            aten.copysign.Tensor,
+            aten.floor_divide.default,
+            aten.div.Tensor_mode,
+            aten.xlogy.Tensor,
+            aten.special_xlog1py.default,
+            aten.native_dropout_backward.default,
+        )
+    },
+}
+
+CPU_KERNELS_CHOOSE_LAYOUTS = Quirk(
+    ops=tuple(_CPU_LAYOUTS),
+    releases=None,
+    differs=(
+        "the CPU kernel gives its output another layout than the fake kernel predicts (PyTorch's OpInfo "
+        "database swept on torch 2.13 and 2.15 for real CPU strides that differ from the fake ones)"
+    ),
+    note="NOTE [kernels that choose their output layout] (remat/_fidelity.py)",
+    table=_CPU_LAYOUTS,
+)
+
+FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK = Quirk(
+    ops=(aten.native_batch_norm_backward.default,),
+    releases=None,
+    differs="the fake kernel gives the input's gradient even where `output_mask` does not ask for it",
+    note="NOTE [backward kernels that skip outputs] (remat/_torch.py)",
+    table={aten.native_batch_norm_backward.default: (9, (0,))},  # op -> (`output_mask`'s position, outputs given)
+)
+
+# --- partitioning -------------------------------------------------------------------------------
+
+BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS = Quirk(
+    ops=(aten.native_batch_norm_backward.default, aten._native_batch_norm_legit_functional.default),
+    releases=None,
+    differs=(
+        "in training mode, batch norm's backward takes the running statistics but reads the batch "
+        "statistics instead; a replayed forward's outputs that backward reads do not depend on them"
+    ),
+    note="`_rules.reads_any_value` and `_joint._drop_unread_batch_norm_arguments`: nothing keeps them",
+    # For the backward ops and for the forward ops a replay runs: op -> (the position of its `training`
+    # flag, the positions of the running statistics)
+    table={
+        "backward": {aten.native_batch_norm_backward.default: (7, (3, 4))},
+        "replay": {aten._native_batch_norm_legit_functional.default: (5, (3, 4))},
+    },
+)
+
+RRELU_FUNCTIONAL_DERIVATIVE = Quirk(
+    ops=(aten.rrelu_with_noise_functional.default,),
+    releases=None,
+    differs=(
+        "the derivative of the functional `rrelu_with_noise` reads its `noise` input (uninitialized in a "
+        "trace) instead of the noise it returns, so differentiating a replay of it a second time is wrong"
+    ),
+    note="`_partition` refuses second derivatives through a replay of it (Programs.pure_unsupported)",
+    table={
+        aten.rrelu_with_noise_functional.default: (
+            "torch's derivative of the functional `rrelu_with_noise` reads its uninitialized `noise` input; "
+            "save this call with the policy, or take second derivatives outside remat.checkpoint"
+        ),
+    },
+)
+
+# --- torch.compile ------------------------------------------------------------------------------
+
+SAC_ASKS_AGAIN_WHILE_RECOMPUTING = Quirk(
+    ops=(),
+    releases=("2.12",),
+    differs=(
+        "a selective-checkpoint region under torch.compile asks its policy again for each op it recomputes "
+        "(`ctx.is_recompute`), from the first call on"
+    ),
+    note="`_dynamo._RecomputeTags` counts the forward's and the recomputation's positions apart",
+)
+
+REGIONS_ALLOCATE_FOR_IN_PLACE_OPS = Quirk(
+    ops=(aten.empty.memory_format, aten.empty_like.default, aten._local_scalar_dense.default),
+    releases=None,
+    differs=(
+        "a region under torch.compile allocates for ops that then fill the memory in place (training-mode "
+        "batch norm), and reads the Python numbers Dynamo passes in as tensors; remat's functionalized trace "
+        "has neither"
+    ),
+    note="NOTE [regions that differ from the trace] (remat/_dynamo.py): such calls are recomputed",
+    table=frozenset({aten.empty.memory_format, aten.empty_like.default, aten._local_scalar_dense.default}),
+)
+
+QUIRKS: tuple[Quirk, ...] = (
+    DETACH_TRACES_AS_ALIAS,
+    UNBACKED_SYMBOL_NAMES,
+    LINALG_CHECKS_ARE_EFFECTFUL,
+    CPU_KERNELS_CHOOSE_LAYOUTS,
+    FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK,
+    BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS,
+    RRELU_FUNCTIONAL_DERIVATIVE,
+    SAC_ASKS_AGAIN_WHILE_RECOMPUTING,
+    REGIONS_ALLOCATE_FOR_IN_PLACE_OPS,
+)

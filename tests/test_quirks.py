@@ -1,0 +1,183 @@
+"""Each entry of `remat._quirks` still describes the running torch: a probe of the behaviour finds it
+exactly where the entry says it is (on the releases it names), and the modules ask the registry."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import pathlib
+import re
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from remat import _quirks
+from remat._quirks import Quirk
+
+aten = torch.ops.aten
+
+
+def _detach_traces_as_alias() -> bool:
+    graph = make_fx(lambda x: x.detach())(torch.ones(2)).graph
+    targets = [node.target for node in graph.nodes if node.op == "call_function"]
+    assert len(targets) == 1 and targets[0] in _quirks.DETACH_TRACES_AS_ALIAS.table
+    return targets[0] is aten.alias.default
+
+
+def _unbacked_symbols_are_named_u() -> bool:
+    graph = make_fx(lambda x: x.nonzero(), tracing_mode="symbolic")(torch.tensor([1, 0, 1])).graph
+    (size,) = {str(node.meta["val"].shape[0]) for node in graph.nodes if node.op == "call_function"}
+    return _quirks.UNBACKED_SYMBOL_NAMES.table.fullmatch(size) is not None
+
+
+def _linalg_checks_are_effectful() -> bool:
+    from torch._higher_order_ops.effects import _get_effect
+
+    return _get_effect(aten._linalg_check_errors.default) is not None
+
+
+def _batch_norm_cpu_kernel_chooses_its_layout() -> bool:
+    x = torch.randn(2, 5, 3).transpose(1, 2)  # (2, 3, 5), not contiguous
+    args = (None, None, None, None, True, 0.1, 1e-5)
+    real = aten.native_batch_norm.default(x, *args)[0]
+    with FakeTensorMode() as mode:
+        fake = aten.native_batch_norm.default(mode.from_tensor(x), *args)[0]
+    return fake.stride() != real.stride()
+
+
+def _fake_batch_norm_backward_ignores_the_mask() -> bool:
+    def masked_input_gradient(mode: FakeTensorMode | None) -> object:
+        tensors = [torch.randn(4, 3), torch.randn(4, 3), torch.randn(3), torch.randn(3), torch.rand(3)]
+        if mode is not None:
+            tensors = [mode.from_tensor(t) for t in tensors]
+        grad_out, x, weight, mean, invstd = tensors
+        mask = [False, True, True]
+        return aten.native_batch_norm_backward.default(grad_out, x, weight, None, None, mean, invstd, True, 1e-5, mask)[
+            0
+        ]
+
+    assert masked_input_gradient(None) is None  # the real kernel leaves it out
+    with FakeTensorMode() as mode:
+        return masked_input_gradient(mode) is not None
+
+
+def _batch_norm_training_ignores_running_stats() -> bool:
+    x = torch.randn(6, 3, dtype=torch.float64)
+    weight, bias = torch.rand(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    grad_out = torch.randn(6, 3, dtype=torch.float64)
+
+    def forward_and_backward(running: float) -> list[torch.Tensor]:
+        mean, var = torch.full((3,), running, dtype=torch.float64), torch.full((3,), 1 + running, dtype=torch.float64)
+        out, save_mean, save_invstd, _, _ = aten._native_batch_norm_legit_functional.default(
+            x, weight, bias, mean, var, True, 0.1, 1e-5
+        )
+        grads = aten.native_batch_norm_backward.default(
+            grad_out, x, weight, mean, var, save_mean, save_invstd, True, 1e-5, [True, True, True]
+        )
+        return [out, save_mean, save_invstd, *grads]
+
+    return all(torch.equal(a, b) for a, b in zip(forward_and_backward(0.0), forward_and_backward(5.0), strict=True))
+
+
+def _rrelu_functional_derivative_reads_its_noise_input() -> bool:
+    x = torch.tensor([-1.0, -2.0, 3.0], requires_grad=True)
+    y, noise = aten.rrelu_with_noise_functional.default(x, torch.full((3,), 7.0), 0.1, 0.3, True)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert noise[:2].lt(1).all()  # the slopes drawn for the negative inputs
+    return bool(grad[0] == 7.0)
+
+
+def _sac_asks_again_while_recomputing() -> bool:
+    asked: list[bool] = []
+
+    def policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        asked.append(bool(getattr(ctx, "is_recompute", False)))
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda t: t.sin().cos(), x, use_reentrant=False, context_fn=context_fn)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.compile's own deprecations, about torch's code
+        torch.compile(region, backend="aot_eager", fullgraph=True)(torch.randn(3, requires_grad=True)).sum().backward()
+    torch._dynamo.reset()
+    assert asked
+    return any(asked)
+
+
+def _regions_allocate_for_in_place_ops() -> bool:
+    ops: list[object] = []
+
+    def policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        ops.append(op)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    norm = torch.nn.BatchNorm1d(3)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(norm, x, use_reentrant=False, context_fn=context_fn)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(region, backend="aot_eager")(torch.randn(4, 3, requires_grad=True)).sum().backward()
+    torch._dynamo.reset()
+    return bool(set(ops) & _quirks.REGIONS_ALLOCATE_FOR_IN_PLACE_OPS.table)
+
+
+PROBES: dict[str, Callable[[], bool]] = {
+    "DETACH_TRACES_AS_ALIAS": _detach_traces_as_alias,
+    "UNBACKED_SYMBOL_NAMES": _unbacked_symbols_are_named_u,
+    "LINALG_CHECKS_ARE_EFFECTFUL": _linalg_checks_are_effectful,
+    "CPU_KERNELS_CHOOSE_LAYOUTS": _batch_norm_cpu_kernel_chooses_its_layout,
+    "FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK": _fake_batch_norm_backward_ignores_the_mask,
+    "BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS": _batch_norm_training_ignores_running_stats,
+    "RRELU_FUNCTIONAL_DERIVATIVE": _rrelu_functional_derivative_reads_its_noise_input,
+    "SAC_ASKS_AGAIN_WHILE_RECOMPUTING": _sac_asks_again_while_recomputing,
+    "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS": _regions_allocate_for_in_place_ops,
+}
+
+
+def test_every_entry_has_a_probe() -> None:
+    entries = {name for name in _quirks.__all__ if isinstance(getattr(_quirks, name), Quirk)}
+    assert entries == set(PROBES)
+    assert {id(getattr(_quirks, name)) for name in entries} == {id(quirk) for quirk in _quirks.QUIRKS}
+
+
+@pytest.mark.parametrize("name", sorted(PROBES))
+def test_the_behaviour_is_there_exactly_on_the_releases_the_entry_names(name: str) -> None:
+    quirk: Quirk = getattr(_quirks, name)
+    assert PROBES[name]() == quirk.applies(), f"{name}: {quirk.differs} (releases {quirk.releases})"
+
+
+def test_an_entry_names_supported_releases_and_a_note() -> None:
+    from remat._torch import SUPPORTED
+
+    for quirk in _quirks.QUIRKS:
+        assert quirk.releases is None or set(quirk.releases) <= set(SUPPORTED)
+        assert quirk.differs and quirk.note
+
+
+def test_only_the_registry_names_the_ops_of_its_entries_for_their_reason() -> None:
+    """The modules that work around an entry read its table: the ops listed in the registry's batch norm,
+    rrelu and linalg-check entries appear in no other module of remat."""
+    package = pathlib.Path(_quirks.__file__).parent
+    watched = {"_native_batch_norm_legit_functional", "rrelu_with_noise_functional", "_linalg_check_errors"}
+    named = {}
+    for path in package.glob("*.py"):
+        if path.name == "_quirks.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in watched:
+                named.setdefault(node.attr, []).append(f"{path.name}:{node.lineno}")
+    assert not named, named
+    assert re.search(r"_quirks\.", (package / "_partition.py").read_text())
