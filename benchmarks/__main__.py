@@ -1,21 +1,54 @@
-"""python -m benchmarks: run a benchmark suite and write its results (JSON, markdown, PNG).
+"""python -m benchmarks: the one entry point of every benchmark.
 
 python -m benchmarks --suite cpu --device cpu --repeats 15 --threads 1 --keep-freed-memory
 python -m benchmarks --suite smoke            # seconds; checks that the harness works
-python -m benchmarks.render benchmarks/results/cpu-cpu.json   # re-render from the JSON
+python -m benchmarks list                     # the other benchmarks, a line each
+python -m benchmarks fit --small --repeats 1  # any of them: its name, then its own options (--help)
+
+Without a name it runs a suite (every workload under every method) and writes its results (JSON, markdown,
+PNG); `python -m benchmarks <name>` runs `benchmarks/<name>.py` as `python -m benchmarks.<name>` would.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Sequence
 
 from .harness import DEFAULT_OUT, run
 from .heap import DEFAULT, keep_freed_memory
 from .workloads import SUITES
 
+# name -> the module whose `main(argv)` runs it, in the order docs/benchmarks.md shows them
+BENCHMARKS = {
+    "fit": "benchmarks.fit",
+    "planner": "benchmarks.planner",
+    "compiled": "benchmarks.compiled",
+    "offload": "benchmarks.offload",
+    "startup": "benchmarks.startup",
+    "models": "benchmarks.models",
+    "torch-func": "benchmarks.transform_table",
+    "faults": "benchmarks.faults",
+    "profile": "benchmarks.profile",
+    "render": "benchmarks.render",
+}
 
-def main(argv: list[str] | None = None) -> None:
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "list":
+        for name, module in BENCHMARKS.items():
+            summary = (importlib.import_module(module).__doc__ or "").strip().splitlines()[0]
+            print(f"{name:<11} {summary}")
+        return
+    if argv and argv[0] in BENCHMARKS:
+        importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
+        return
+    _suite(argv)
+
+
+def _suite(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -44,4 +77,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -219,10 +220,10 @@ def write(json_path: Path) -> list[str]:
     return [note or f"wrote {png_path}", f"wrote {md_path}"]
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json", type=Path, help="a results file written by `python -m benchmarks`")
-    for line in write(parser.parse_args().json):
+    for line in write(parser.parse_args(argv).json):
         print(line)
 
 

@@ -27,7 +27,7 @@ import argparse
 import dataclasses
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -547,10 +547,10 @@ def write_page(path: Path, cells: list[dict[str, str]]) -> None:
     path.write_text(f"{before}{BEGIN}\n\n{generated(cells)}\n\n{END}{after}")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="the page whose generated part to write")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cells = table()
     print(render(cells))
     if args.out:

@@ -341,3 +341,32 @@ def test_fit_benchmark_keeps_every_plan_within_its_target_and_renders_the_compar
     assert "vs fastest peer" in markdown
     if importlib.util.find_spec("matplotlib") is not None:
         assert out.with_suffix(".png").stat().st_size > 0
+
+
+# --- the entry point ---------------------------------------------------------------------------------
+
+
+def test_every_benchmark_with_a_main_runs_from_the_one_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
+    import ast
+    import importlib
+
+    from benchmarks.__main__ import BENCHMARKS, main
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    with_main = {
+        f"benchmarks.{path.stem}"
+        for path in folder.glob("*.py")
+        if path.stem != "__main__"
+        and any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in ast.parse(path.read_text()).body)
+    }
+    assert set(BENCHMARKS.values()) == with_main
+    main(["list"])
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == list(BENCHMARKS)
+    for name, module in BENCHMARKS.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0
+        usage = capsys.readouterr().out
+        assert "usage:" in usage and "--" in usage, (name, usage[:200])
+        assert importlib.import_module(module).main.__code__.co_argcount >= 1  # takes its own argv
