@@ -33,11 +33,9 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime
 import functools
 import json
 import operator
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -50,6 +48,7 @@ from torch import nn
 import remat
 
 from . import aot_graphs
+from .harness import describe, environment
 from .workloads import MatmulAttentionBlock, matmul_attention_stack, stack_input
 
 RESULTS = Path(__file__).parent / "results"
@@ -340,10 +339,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
             torch._dynamo.reset()
             runs.append(run_layers(args, layers, log))
     return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        **environment(),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "runs": runs,
     }
@@ -359,8 +355,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"## {run_['layers']} blocks",
             "",
             f"GPT-2-style stack: {run_['layers']} blocks, d={config['d']}, heads={config['heads']}, "
-            f"batch {config['batch']} x {config['seq']} tokens, float32, CPU, {results['threads']} thread(s), "
-            f"torch {results['torch']}, {results['date']}; median of {config['repeats']} interleaved steps.",
+            f"batch {config['batch']} x {config['seq']} tokens, float32; {describe(results)}; "
+            f"median of {config['repeats']} interleaved steps.",
             "",
             "| method | saved for backward (MiB) | step (ms) | time vs eager | first step (s) |",
             "|---|---:|---:|---:|---:|",

@@ -57,7 +57,7 @@ import remat
 from remat import policies
 
 from . import peers
-from .harness import standalone_environment
+from .harness import describe, environment
 from .heap import DEFAULT, keep_freed_memory
 from .workloads import Block, Classifier, Embedding, Head, ResidualConv
 
@@ -495,7 +495,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
             front = compiled_front(case, device, args.targets, args.repeats, args.backend, log)
         return {
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            **standalone_environment(device, args.heap),
+            **environment(device, args.heap),
             "total_s": time.perf_counter() - started,
             "compiled": front,
         }
@@ -513,7 +513,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     batch = largest_batch(case, device, args.repeats, args.batches, log)
     return {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        **standalone_environment(device, args.heap),
+        **environment(device, args.heap),
         "total_s": time.perf_counter() - started,
         "cases": cases,
         "largest_batch": batch,
@@ -540,8 +540,7 @@ def compiled_markdown(results: dict[str, Any]) -> str:
     lines = [
         f"# remat.fit under torch.compile on `{results['device']}`",
         "",
-        f"torch {results['torch']}, {results['gpu'] or results['platform']}; {results['date']}; "
-        f"median of {results['config']['repeats']} steps per row, each row timed right after it compiled. "
+        f"{describe(results)}; median of {results['config']['repeats']} steps per row, each row timed right after it compiled. "
         f"{front['description']}. `vs fastest budget`: the fitted model's step time over the fastest "
         "`activation_memory_budget` row whose measured peak is within the same target.",
         "",
@@ -573,9 +572,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"# remat.fit: whole training steps on `{results['device']}`",
         "",
-        f"torch {results['torch']}, {results['threads']} thread(s), heap: {results['heap']}, "
-        f"{results['gpu'] or results['platform']}; {results['date']}; median of {results['config']['repeats']} "
-        "interleaved steps. Peak: measured over forward, loss and backward, parameter gradients included, above "
+        f"{describe(results)}; median of {results['config']['repeats']} interleaved steps. Peak: measured over forward, loss and backward, parameter gradients included, above "
         "what was live before. Spread: interquartile range over the median. `vs fastest peer`: fit's step time "
         "over the fastest other row whose measured peak is within the same target.",
     ]

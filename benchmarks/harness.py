@@ -43,9 +43,11 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def environment(device: torch.device) -> dict[str, Any]:
-    """Where and with what the numbers were taken."""
+def environment(device: torch.device | str = "cpu", heap: str = heap_module.DEFAULT) -> dict[str, Any]:
+    """Where and with what a benchmark's numbers were taken: every benchmark records this."""
+    device = torch.device(device)
     return {
+        "device": str(device),
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
@@ -55,22 +57,18 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "remat": _version("remat"),
         "torch_remat": _version("torch-remat"),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def standalone_environment(device: torch.device, heap: str) -> dict[str, Any]:
-    """Where and with what the numbers of a benchmark run on its own (`python -m benchmarks.<name>`)
-    were taken."""
-    return {
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "transformers": _version("transformers"),
         "heap": heap,
-        "platform": platform.platform(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def describe(env: dict[str, Any]) -> str:
+    """`environment(...)` in the one line a benchmark's markdown opens with."""
+    return (
+        f"{env['date']}; torch {env['torch']} ({env['torch_threads']} thread(s)), remat {env['remat']}; "
+        f"{env['gpu'] or env['cpu']}; {env['platform']}; heap: {env['heap']}"
+    )
 
 
 def _run_workload(
@@ -164,8 +162,7 @@ def _run(suite: str, device: str, repeats: int, out_dir: Path, log: Callable[[st
         "suite": suite,
         "device": device,
         "repeats": repeats,
-        **environment(torch_device),
-        "heap": heap,
+        **environment(torch_device, heap),
     }
     log(f"suite {suite} on {device}: torch {result['torch']}, {result['torch_threads']} threads, {result['cpu']}")
 

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
-import platform
 import statistics
 import time
 import traceback
@@ -43,6 +41,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import remat
 from remat import policies
+
+from .harness import describe, environment
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES: dict[str, Callable[[], Any]] = {
@@ -293,7 +293,7 @@ def render(results: dict[str, Any]) -> str:
     lines = [
         "# Third-party models under remat (CPU)",
         "",
-        f"torch {env['torch']}, transformers {env['transformers']}, {env['threads']} threads, {env['date']}.",
+        f"{describe(env)}; transformers {env['transformers']}.",
         "Produced by `python -m benchmarks.models`; see its docstring for the method.",
         "",
     ]
@@ -362,13 +362,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(json.dumps(row), flush=True)
                     moe.append(row)
     results = {
-        "environment": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "threads": torch.get_num_threads(),
-            "date": datetime.date.today().isoformat(),
-        },
+        "environment": environment(),
         "policies": options.policies,
         "checks": checks,
         "moe": moe,

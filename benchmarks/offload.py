@@ -42,7 +42,7 @@ from torch import nn
 import remat
 from remat import policies
 
-from .harness import standalone_environment
+from .harness import describe, environment
 from .heap import DEFAULT, keep_freed_memory
 from .workloads import MatmulAttentionBlock, matmul_attention_stack, stack_input
 
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows[name]["step_s"] = statistics.median(times[name])
     return {
         "config": vars(args) | {"out": str(args.out)},
-        **standalone_environment(device, args.heap),
+        **environment(device, args.heap),
         "rows": list(rows.values()),
     }
 
@@ -203,8 +203,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"# Offload: {config['layers']} GPT-2 blocks on `{results['device']}`",
         "",
         f"d={config['d']}, {config['heads']} heads, batch {config['batch']} x {config['seq']} tokens, float32; "
-        f"torch {results['torch']}, {results['threads']} thread(s), heap: {results['heap']}, "
-        f"{results['gpu'] or results['platform']}; {results['date']}; median of {config['repeats']} "
+        f"{describe(results)}; median of {config['repeats']} "
         "interleaved steps (a new order each round). Device and host bytes of the remat rows are remat's report (per block, times the "
         "blocks); alive and peak are measured on CUDA only.",
         "",

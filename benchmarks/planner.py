@@ -20,11 +20,9 @@ Timings are wall clock on whatever machine runs it; nothing here asserts on them
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import math
-import platform
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -39,6 +37,7 @@ import remat
 from remat.costs import estimate_flops
 
 from . import aot_graphs
+from .harness import describe, environment
 from .workloads import matmul_attention_stack, stack_input
 
 DEFAULT_LAYERS = (1, 4, 12)
@@ -300,7 +299,7 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         "# Budget planner vs torch.compile's memory budget",
         "",
-        f"{result['date']}; torch {result['torch']}, remat {result['remat']}; {result['machine']}. "
+        f"{describe(result)}. "
         f"GPT-2-style blocks d={result['config']['d']}, {result['config']['heads']} heads, "
         f"T={result['config']['seq']}, B={result['config']['batch']}, float32.",
         "",
@@ -376,11 +375,7 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) 
     config = {"d": args.d, "heads": args.heads, "seq": args.seq, "batch": args.batch}
     _warm_up()
     result: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "remat": remat.__version__,
-        "machine": f"{platform.processor() or platform.machine()}; {platform.platform()}; "
-        f"torch threads {torch.get_num_threads()}",
+        **environment(),
         "config": {**config, "layers": args.layers, "fractions": args.fractions},
         "runs": [run_layers(layers, args.fractions, **config, log=log) for layers in args.layers],
     }

@@ -31,10 +31,8 @@ model this machine could not hold. Nothing here asserts on timings.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 import remat
 
 from . import models
+from .harness import describe, environment
 from .workloads import MatmulAttentionBlock, matmul_attention_stack, stack_input
 
 RESULTS = Path(__file__).parent / "results"
@@ -164,9 +163,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
                     f"step {row['step_s'] * 1e3:7.1f} ms  start-up {row['startup_s']:6.2f} s  traces {row['traces']}"
                 )
     return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        **environment(),
         "policy": args.policy,
         "trials": args.trials,
         "rows": rows,
@@ -271,8 +268,7 @@ def startup_ratio(rows: Sequence[dict[str, Any]], model_name: str, method: str) 
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     lines = [
-        f"First training step against depth, policy {result['policy']}, torch {result['torch']}, "
-        f"{result['machine']}, {result['date']}. Start-up = first step - median later step; each row the "
+        f"First training step against depth, policy {result['policy']}; {describe(result)}. Start-up = first step - median later step; each row the "
         f"median of {result.get('trials', 1)} fresh models.",
         "",
         "| model | layers | method | traces | first step (s) | later step (ms) | start-up (s) |",

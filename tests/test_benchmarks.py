@@ -138,7 +138,7 @@ def test_models_benchmark_renders_failures_and_ratios_to_the_peer() -> None:
 
     check = {"model": "m", "experts": None, "passed": True, "layers": 2, "traces": 2}
     results = {
-        "environment": {"torch": "t", "transformers": "x", "threads": 1, "date": "d"},
+        "environment": harness.environment(),
         "policies": ["save_nothing", "budget"],
         "checks": [
             {**check, "policy": "save_nothing", "max_grad_difference": 1e-8, "trace_seconds_per_layer": 0.25},
@@ -174,7 +174,7 @@ def test_startup_benchmark_counts_traces_per_method_and_renders_the_ratio() -> N
     }
     for row in rows:
         row["startup_s"] = row["layers"] * (1.0 if row["method"] != "remat" else 0.5)  # for the rendering
-    text = startup.markdown({"date": "d", "torch": "t", "machine": "m", "policy": "dots_saveable", "rows": rows})
+    text = startup.markdown({**harness.environment(), "policy": "dots_saveable", "rows": rows})
     assert "- gpt2, remat: 1.50x" in text and "- gpt2, remat, one trace per block: 1.50x" in text
     assert text.count("| gpt2 |") == 6
 
@@ -190,7 +190,7 @@ def test_startup_benchmark_plans_two_structures_with_two_traces() -> None:
         row["plan_s"] = 0.5 * row["structures"]  # for the rendering
     meta = startup.measure_meta_llama(layers=1, tokens=64)
     assert meta["peak_keeping_nothing"] <= meta["predicted_peak"] <= meta["target"] <= meta["peak_keeping_everything"]
-    result = {"date": "d", "torch": "t", "machine": "m", "policy": "p", "rows": [], "fit": rows, "meta_llama": meta}
+    result = {**harness.environment(), "policy": "p", "rows": [], "fit": rows, "meta_llama": meta}
     text = startup.markdown(result)
     assert f"| 4 | 2 | 2 | {rows[1]['plans']} | 1.00 |" in text
     assert "Llama-3-8B-shaped model on the meta device for the CPU (1 layers, bfloat16, batch 1 x 64 tokens)" in text
@@ -221,10 +221,8 @@ def test_compiled_benchmark_renders_each_depth_and_the_rows_at_the_compilers_byt
         _compiled_row("torch.compile(remat budget whole stack)", 54.0, 310.1, max_bytes=54 * 2**20, stack={}),
     ]
     results = {
+        **harness.environment(),
         "config": {"d": 256, "heads": 4, "batch": 4, "seq": 256, "repeats": 15},
-        "threads": 1,
-        "torch": "t",
-        "date": "d",
         "runs": [{"layers": 4, "rows": rows}, {"layers": 12, "rows": rows}],
     }
     text = compiled.markdown(results)
