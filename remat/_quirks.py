@@ -36,9 +36,6 @@ __all__ = [
 
 aten = torch.ops.aten
 
-_RELEASE = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-
-
 @dataclasses.dataclass(frozen=True)
 class Quirk:
     """One behaviour remat works around: of `ops` (none: of torch itself), on `releases` (None: on every
@@ -51,8 +48,8 @@ class Quirk:
     note: str
     table: Any = None
 
-    def applies(self, release: str = _RELEASE) -> bool:
-        """Whether the behaviour is there on `release` ("2.13"; by default the running one)."""
+    def applies(self, release: str) -> bool:
+        """Whether the behaviour is there on `release` ("2.13")."""
         return self.releases is None or release in self.releases
 
 

@@ -156,7 +156,8 @@ def test_every_entry_has_a_probe() -> None:
 @pytest.mark.parametrize("name", sorted(PROBES))
 def test_the_behaviour_is_there_exactly_on_the_releases_the_entry_names(name: str) -> None:
     quirk: Quirk = getattr(_quirks, name)
-    assert PROBES[name]() == quirk.applies(), f"{name}: {quirk.differs} (releases {quirk.releases})"
+    running = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert PROBES[name]() == quirk.applies(running), f"{name}: {quirk.differs} (releases {quirk.releases})"
 
 
 def test_an_entry_names_supported_releases_and_a_note() -> None:
