@@ -1550,3 +1550,21 @@ def test_regression_forward_mode_through_an_update_of_a_detached_alias_of_an_inp
     fn = remat.testing.RandomFunction((1, 2), 1, steps, (3,))
     x = torch.tensor([[1.5410, -0.2934]], dtype=torch.float64, requires_grad=True)
     assert_checkpoint_equivalent(fn, x, transforms=["forward_ad"])
+
+
+@pytest.mark.xfail(strict=True, reason="known wrong result: see the test's docstring", raises=AssertionError)
+def test_known_bug_a_detached_alias_of_a_value_autograd_saves_stops_its_second_derivative() -> None:
+    """`v * v.detach()` with `v = x.exp()`: make_fx records two `detach` nodes of `v` during the user's
+    `v.detach()`; the one that is not its result stands for `v` itself where backward reads exp's saved
+    result, and both are noted as stopping the gradient, so the second derivative through exp's backward
+    is lost (`grad` of `grad` differs from eager; `autograd.grad(create_graph=True)` gives a gradient that
+    does not require grad). Found by the three-way policy property (tests/test_offload.py) in a clean run."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        v = x.exp()
+        return v * v.detach()
+
+    x = torch.tensor([[0.5, -0.3]], dtype=torch.float64, requires_grad=True)
+    remat.testing.assert_checkpoint_equivalent(
+        fn, x, policy=remat.policies.save_everything, transforms=("grad_of_grad",)
+    )
