@@ -756,10 +756,14 @@ def _mark_replayed_detaches(
     back into it). Autograd's own aliases of the values it saves are of other nodes, and read only
     by backward. An alias `fn` returns (`returned`: output node -> what `fn` returned, as eager made
     it) that is no view and has no history is a detach too, however many updates of the memory it
-    shares came between (a detach of an input updated in place before and after)."""
-    detached = detached | {m.args[1] for m in mutations if m.args[0] in detached}  # type: ignore[misc]
+    shares came between (a detach of an input updated in place before and after).
+
+    Only the aliases of the new values are recreations: another alias of what `fn` detached, itself
+    not updated, is no detach of `fn`'s (make_fx may record one during `v.detach()` that stands for `v`
+    where backward reads a value autograd saved, `exp`'s result, with its derivative)."""
+    updated = {m.args[1] for m in mutations if m.args[0] in detached}
     for node in forward_nodes:
-        if node.target in _quirks.DETACH_TRACES_AS_ALIAS.table and node.args[0] in detached:
+        if node.target in _quirks.DETACH_TRACES_AS_ALIAS.table and node.args[0] in updated:
             note_stop_gradient(node, "detach")
         value = returned.get(node)
         if node.target is aten.alias.default and isinstance(value, torch.Tensor) and _is_detached(value):

@@ -1552,19 +1552,22 @@ def test_regression_forward_mode_through_an_update_of_a_detached_alias_of_an_inp
     assert_checkpoint_equivalent(fn, x, transforms=["forward_ad"])
 
 
-@pytest.mark.xfail(strict=True, reason="known wrong result: see the test's docstring", raises=AssertionError)
-def test_known_bug_a_detached_alias_of_a_value_autograd_saves_stops_its_second_derivative() -> None:
+@pytest.mark.parametrize("op", ["exp", "rsqrt", "sin"])
+def test_regression_a_detach_of_a_value_autograd_saves_keeps_its_second_derivative(op: str) -> None:
     """`v * v.detach()` with `v = x.exp()`: make_fx records two `detach` nodes of `v` during the user's
     `v.detach()`; the one that is not its result stands for `v` itself where backward reads exp's saved
-    result, and both are noted as stopping the gradient, so the second derivative through exp's backward
-    is lost (`grad` of `grad` differs from eager; `autograd.grad(create_graph=True)` gives a gradient that
-    does not require grad). Found by the three-way policy property (tests/test_offload.py) in a clean run."""
+    result. Both were noted as stopping the gradient, so the second derivative through exp's backward was
+    lost (`grad` of `grad` differed from eager; `autograd.grad(create_graph=True)` gave a gradient that did
+    not require grad). Found by the three-way policy property (tests/test_offload.py) in a clean run."""
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        v = x.exp()
+        v = getattr(x, op)()
         return v * v.detach()
 
-    x = torch.tensor([[0.5, -0.3]], dtype=torch.float64, requires_grad=True)
-    remat.testing.assert_checkpoint_equivalent(
-        fn, x, policy=remat.policies.save_everything, transforms=("grad_of_grad",)
-    )
+    x = torch.tensor([[0.5, 0.3]], dtype=torch.float64, requires_grad=True)
+    for policy in (remat.policies.save_everything, remat.policies.save_nothing):
+        remat.testing.assert_checkpoint_equivalent(fn, x, policy=policy, transforms=("grad_of_grad", "grad"))
+    (grad,) = torch.autograd.grad(remat.checkpoint(fn)(x).sum(), x, create_graph=True)
+    (eager,) = torch.autograd.grad(fn(x).sum(), x, create_graph=True)
+    assert grad.requires_grad
+    torch.testing.assert_close(torch.autograd.grad(grad.sum(), x)[0], torch.autograd.grad(eager.sum(), x)[0])
