@@ -36,6 +36,7 @@ __all__ = [
 
 aten = torch.ops.aten
 
+
 @dataclasses.dataclass(frozen=True)
 class Quirk:
     """One behaviour remat works around: of `ops` (none: of torch itself), on `releases` (None: on every
