@@ -753,14 +753,12 @@ def _mark_replayed_detaches(
     `capture_mode` marks the node `x.detach()` creates (an `aten.detach`, or an `aten.alias` since
     torch 2.15); but functionalization recreates the detached alias of a tensor updated in place
     when it is next read, during another call: of its new value (for an input, the value written
-    back into it). Autograd's own aliases of the values it saves are of other nodes, and read only
-    by backward. An alias `fn` returns (`returned`: output node -> what `fn` returned, as eager made
+    back into it). Only those aliases of new values are recreations: another alias of what `fn`
+    detached, itself not updated, is no detach of `fn`'s (make_fx may record one during `v.detach()`
+    that stands for `v` where backward reads a value autograd saved, `exp`'s result, with its
+    derivative). An alias `fn` returns (`returned`: output node -> what `fn` returned, as eager made
     it) that is no view and has no history is a detach too, however many updates of the memory it
-    shares came between (a detach of an input updated in place before and after).
-
-    Only the aliases of the new values are recreations: another alias of what `fn` detached, itself
-    not updated, is no detach of `fn`'s (make_fx may record one during `v.detach()` that stands for `v`
-    where backward reads a value autograd saved, `exp`'s result, with its derivative)."""
+    shares came between (a detach of an input updated in place before and after)."""
     updated = {m.args[1] for m in mutations if m.args[0] in detached}
     for node in forward_nodes:
         if node.target in _quirks.DETACH_TRACES_AS_ALIAS.table and node.args[0] in updated:

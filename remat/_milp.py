@@ -51,9 +51,9 @@ def solve(
     lp.num_row_ = len(rows)
     lp.col_cost_ = np.asarray(objective, dtype=float)
     lp.col_lower_ = np.zeros(n)
-    lp.col_upper_ = np.where(np.isinf(column_upper), highspy.kHighsInf, column_upper).astype(float)
-    lp.row_lower_ = _finite(row_lower)
-    lp.row_upper_ = _finite(row_upper)
+    lp.col_upper_ = np.asarray(column_upper, dtype=float)  # HiGHS's infinity is IEEE's
+    lp.row_lower_ = np.asarray(row_lower, dtype=float)
+    lp.row_upper_ = np.asarray(row_upper, dtype=float)
     starts, indices, values = [0], [], []
     for row in rows:
         for column, coefficient in row.items():
@@ -90,13 +90,5 @@ def solve(
     return Solution(
         x=x,
         objective=float(info.objective_function_value) if found else math.inf,
-        bound=float(bound)
-        if bound is not None and np.isfinite(bound) and abs(bound) < highspy.kHighsInf
-        else -math.inf,
+        bound=float(bound) if bound is not None and np.isfinite(bound) else -math.inf,
     )
-
-
-def _finite(bounds: Sequence[float]) -> np.ndarray:
-    """`bounds` with infinities as HiGHS spells them."""
-    array = np.asarray(bounds, dtype=float)
-    return np.where(np.isposinf(array), highspy.kHighsInf, np.where(np.isneginf(array), -highspy.kHighsInf, array))
