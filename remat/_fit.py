@@ -302,7 +302,9 @@ def _solve_chain(
     Returns (choice or None if none fits, whether the step was a chain: if not, nothing was solved).
 
     The states after k calls are the Pareto front of (bytes the first k calls keep beyond saving nothing,
-    replay cost); exact, as the 0-1 program is, and fast where HiGHS branches long on identical blocks."""
+    replay cost); exact, as the 0-1 program is, and fast where HiGHS branches long on identical blocks.
+    Only states that can still fit are carried (see `_chain_caps`), and only options no other option of
+    the same call beats on cost, kept bytes and the room its own peak leaves."""
     import numpy as np
 
     n = len(group_of)
@@ -310,6 +312,8 @@ def _solve_chain(
         return None, False
     before: list[int] = [target] * (n + 1)  # before[k]: the most the first k calls may keep beyond saving nothing
     inside: list[np.ndarray] = [np.full(len(groups[k].options), target, dtype=np.int64) for k in range(n)]
+    own_terms: dict[tuple[int, _step.Phase], np.ndarray] = {}  # a call's own peak moves alike in one phase
+    room_in: dict[tuple[int, _step.Phase], int] = {}
     for row in rows:
         segment = row.segment
         m = len(segment.alive)
@@ -321,18 +325,27 @@ def _solve_chain(
         elif segment.call != m:
             return None, False
         else:  # inside call m: its own peak's change, for each of its options
-            own = np.array([row.terms.get((m, o), 0) for o in range(len(groups[m].options))], dtype=np.int64)
-            inside[m] = np.minimum(inside[m], room - own)
+            key = (m, segment.phase)
+            if key not in own_terms:
+                own_terms[key] = np.array([row.terms.get((m, o), 0) for o in range(len(groups[m].options))])
+            room_in[key] = min(room_in.get(key, room), room)
+    for (m, phase), room in room_in.items():
+        inside[m] = np.minimum(inside[m], room - own_terms[(m, phase)])
     kept = [np.array([o.peak.after_forward - g.options[0].peak.after_forward for o in g.options]) for g in groups]
     costs = [np.array([o.cost for o in g.options], dtype=np.float64) for g in groups]
+    cheapest = [int(np.lexsort((-inside[k], kept[k], costs[k]))[0]) for k in range(n)]
+    if _chain_fits(cheapest, before, inside, kept):
+        return cheapest, True  # the least cost of each call is the least of their sum
+    caps = _chain_caps(before, inside, kept)
     front_kept, front_cost = np.zeros(1, dtype=np.int64), np.zeros(1)
     parents: list[tuple[np.ndarray, np.ndarray]] = []
     for k in range(n):
         fits = front_kept <= before[k]
         states = np.flatnonzero(fits)
         new_kept, new_cost, parent, option = [], [], [], []
-        for o in range(len(groups[k].options)):
+        for o in _undominated(kept[k], costs[k], inside[k]):
             ok = states[front_kept[states] <= inside[k][o]]
+            ok = ok[front_kept[ok] + kept[k][o] <= caps[k + 1]]
             new_kept.append(front_kept[ok] + kept[k][o])
             new_cost.append(front_cost[ok] + costs[k][o])
             parent.append(ok)
@@ -358,6 +371,43 @@ def _solve_chain(
         choice[k] = int(option_of[state])
         state = int(parent_of[state])
     return choice, True
+
+
+def _chain_fits(choice: Sequence[int], before: Sequence[int], inside: Sequence[Any], kept: Sequence[Any]) -> bool:
+    """Whether one option per call keeps every segment of the chain within its room."""
+    total = 0
+    for k, o in enumerate(choice):
+        if total > before[k] or total > inside[k][o]:
+            return False
+        total += int(kept[k][o])
+    return total <= before[len(choice)]
+
+
+def _chain_caps(before: Sequence[int], inside: Sequence[Any], kept: Sequence[Any]) -> list[float]:
+    """caps[k]: the most the first k calls may keep beyond saving nothing and still leave some choice of the
+    later calls within every later segment (each later call adds at least its least kept bytes)."""
+    n = len(kept)
+    caps: list[float] = [0.0] * (n + 1)
+    caps[n] = before[n]
+    for k in range(n - 1, -1, -1):  # the first k calls, then call k with its least kept bytes, then the rest
+        limit = min(before[k], int(inside[k].max()))
+        caps[k] = min(limit, caps[k + 1] - int(kept[k].min()))
+    return caps
+
+
+def _undominated(kept: Any, costs: Any, room: Any) -> list[int]:
+    """The options of one call that no other option beats: none keeps as little or less, costs as little or
+    less and leaves as much room or more inside the call, being better in one (the first of equals stays)."""
+    import numpy as np
+
+    options = []
+    for o in range(len(kept)):
+        beaten = (kept <= kept[o]) & (costs <= costs[o]) & (room >= room[o])
+        better = (kept < kept[o]) | (costs < costs[o]) | (room > room[o])
+        earlier_equal = ~better & (np.arange(len(kept)) < o)
+        if not np.any(beaten & (better | earlier_equal)):
+            options.append(o)
+    return options
 
 
 def _solve(

@@ -571,3 +571,63 @@ def test_fit_for_cuda_without_a_gpu_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"device='cuda'.*needs a CUDA device"):
         remat.fit(model, MLPBlock, torch.randn(8, 32, device="meta"), peak_bytes=2**20, loss=square_loss, device="cuda")
     assert not any(isinstance(m.__dict__.get("forward"), remat._apply.CheckpointedForward) for m in model.modules())
+
+
+@st.composite
+def random_chains(draw: st.DrawFn) -> tuple[list[Any], list[Any], list[int], int]:
+    """A stack's step as the planner sees it: per block call, options (cost, kept bytes, forward and backward
+    peaks; option 0 the probe's plan), and the probe's segments: each forward, the stretch after it, each
+    backward in reverse; with a target between the lowest and highest peaks."""
+    from remat import _fit, _step
+    from remat.report import Peak
+
+    n = draw(st.integers(1, 6))
+    groups = []
+    for call in range(n):
+        options = []
+        for k in range(draw(st.integers(1, 5))):
+            kept = 0 if k == 0 else draw(st.integers(0, 40))
+            peak = Peak(
+                forward=kept + draw(st.integers(0, 30)),
+                after_forward=kept,
+                backward=draw(st.integers(0, 60)),
+            )
+            cost = 100.0 if k == 0 else float(draw(st.integers(0, 99)))
+            options.append(_fit._Candidate(f"option {k}", (), cost, peak))
+        groups.append(_fit._Group(f"block {call}", None, None, tuple(options)))  # type: ignore[arg-type]
+    segments = []
+    for call in range(n):
+        segments.append(_step.Segment(_step.Phase.FORWARD, call, frozenset(range(call)), draw(st.integers(0, 50)), ""))
+        segments.append(
+            _step.Segment(_step.Phase.OUTSIDE, None, frozenset(range(call + 1)), draw(st.integers(0, 50)), "")
+        )
+    for call in reversed(range(n)):
+        segments.append(_step.Segment(_step.Phase.BACKWARD, call, frozenset(range(call)), draw(st.integers(0, 50)), ""))
+        segments.append(_step.Segment(_step.Phase.OUTSIDE, None, frozenset(range(call)), draw(st.integers(0, 50)), ""))
+    timeline = _step.Timeline((), tuple(segments), 0, 0, 0)
+    group_of = list(range(n))
+    rows = _fit._rows(timeline, group_of, groups)
+    return groups, rows, group_of, draw(st.integers(0, 300))
+
+
+@given(random_chains())
+def test_the_chain_planners_pruning_keeps_the_optimum_of_the_0_1_program(
+    chain: tuple[list[Any], list[Any], list[int], int],
+) -> None:
+    # The dynamic program carries only states that can still fit and options no other beats; HiGHS solves
+    # the whole program exactly. They agree on whether a choice fits, and on its least cost.
+    pytest.importorskip("highspy")
+    from remat import _fit
+
+    groups, rows, group_of, target = chain
+    by_chain, is_chain = _fit._solve_chain(groups, rows, group_of, target)
+    by_milp, _ = _fit._solve(groups, rows, target, exact=True)
+    assert is_chain
+    assert (by_chain is None) == (by_milp is None)
+    if by_chain is not None and by_milp is not None:
+        assert _fit._predicted_peak(rows, by_chain)[0] <= target
+
+        def cost(choice: list[int]) -> float:
+            return sum(groups[g].options[k].cost for g, k in enumerate(choice))
+
+        assert cost(by_chain) == pytest.approx(cost(by_milp), abs=1e-6)
