@@ -336,10 +336,10 @@ FAST_TIME_LIMIT = 0.5
 def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = False) -> Plan:
     """The cheapest decisions for `trace` whose kept bytes (on the device) are at most `budget`.
 
-    Exact: branch and bound to optimality. Fast: the LP relaxation (a lower bound on the
-    optimum), then branch and bound for at most `FAST_TIME_LIMIT` seconds (traces of a few
-    hundred calls finish, optimal, well within it); if that finds nothing, the relaxation
-    rounded and repaired (without offloading). With `offload`, a kept call may be kept in host
+    Exact: branch and bound to optimality. Fast: branch and bound for at most
+    `FAST_TIME_LIMIT` seconds (traces of a few hundred calls finish, optimal, well within it),
+    its bound starting from the LP relaxation's; if that finds nothing, the LP relaxation (a
+    lower bound on the optimum) rounded and repaired (without offloading). With `offload`, a kept call may be kept in host
     memory, at the copy time the roofline `cost` device's host link leaves exposed.
     """
     dataflow = trace.dataflow
@@ -356,12 +356,12 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
     elif exact:
         solution, bound = program.solve(budget, integral=True)
     else:
-        relaxed, bound = program.solve(budget, integral=False)
-        if relaxed is None:
-            raise InfeasibleBudget(minimum_bytes(trace, link))
-        solution, milp_bound = program.solve(budget, integral=True, time_limit=FAST_TIME_LIMIT)
-        bound = max(bound, milp_bound)
-        if solution is None:
+        solution, bound = program.solve(budget, integral=True, time_limit=FAST_TIME_LIMIT)
+        if solution is None:  # out of time, or infeasible: the relaxation tells which
+            relaxed, relaxed_bound = program.solve(budget, integral=False)
+            if relaxed is None:
+                raise InfeasibleBudget(minimum_bytes(trace, link))
+            bound = max(bound, relaxed_bound)
             saved = set(forced) | _round_and_repair(trace, costs, relaxed[: program.n], budget)
             candidates.append(_saving(saved, len(trace)))
     if solution is not None:

@@ -171,6 +171,23 @@ def test_the_fast_plan_is_near_the_exact_one_on_a_gpt2_block() -> None:
         assert fast.lower_bound <= exact.cost + 1e-6  # the relaxation bounds the optimum from below
 
 
+def test_without_time_for_branch_and_bound_the_fast_plan_rounds_the_relaxation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Branch and bound finds nothing in no time; the fast mode then rounds and repairs the LP relaxation,
+    # whose optimum still bounds the exact one from below.
+    from remat import _budget
+
+    trace = _block_trace("softmax")
+    exact = {f: policies.budget(fraction=f, exact=True).solve(trace) for f in (0.25, 0.5)}
+    monkeypatch.setattr(_budget, "FAST_TIME_LIMIT", 0.0)
+    for fraction, optimum in exact.items():
+        rounded = _budget.solve(trace, math.floor(fraction * _everything_bytes(trace)), "flops", exact=False)
+        assert rounded.saved_bytes <= fraction * _everything_bytes(trace)
+        assert optimum.cost <= rounded.cost
+        assert rounded.lower_bound <= optimum.cost + 1e-6
+    with pytest.raises(_budget.InfeasibleBudget):
+        _budget.solve(trace, -1, "flops", exact=False)
+
+
 # --- errors, repr, caching ---------------------------------------------------------------------------
 
 
