@@ -175,12 +175,20 @@ class _Allocations(TorchDispatchMode):
         out = func(*args, **kwargs)
         # An output in the memory of an input (a view, an in-place update) is no allocation; the memory
         # of a tensor that existed before the step is not counted.
+        made = [t for t in tensors_in(out) if self._memory(t)]
+        if not made:
+            return out
         fresh = func is torch.ops.aten.lift_fresh.default  # `torch.tensor(data)`: made outside the dispatcher
-        read = set() if fresh else {storage_key(t) for t in tensors_in([*args, *kwargs.values()]) if self._memory(t)}
-        for tensor in tensors_in(out):
-            if self._memory(tensor) and storage_key(tensor) not in read:
+        read = set() if fresh else {_storage(t) for t in tensors_in([*args, *kwargs.values()]) if self._memory(t)}
+        for tensor in made:
+            if _storage(tensor) not in read:
                 self.into.allocated(tensor, func)
         return out
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Which storage `tensor` views, while it is alive (`storage_key`'s identity, without its weak reference)."""
+    return tensor.untyped_storage()._cdata
 
 
 def _real(tensor: torch.Tensor) -> bool:
