@@ -2,12 +2,14 @@
 
 Each case trains a few steps of a small GPT-2-style transformer whose blocks are checkpointed with
 `remat.checkpoint_modules`, and compares every rank's losses and gradients with the same model
-without checkpointing under the same wrapper.
+without checkpointing under the same wrapper. The cases run one after another in one process group
+(`CASES`), and each test reads its case's outcome on every rank.
 """
 
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import socket
 import sys
@@ -24,7 +26,10 @@ from torch import nn
 import remat
 from remat import policies
 
-pytestmark = pytest.mark.slow  # each test starts a process group of its own
+pytestmark = [
+    pytest.mark.slow,  # the cases run in one process group of their own
+    pytest.mark.xdist_group("distributed"),  # which one worker starts, once
+]
 
 
 WORLD = 2
@@ -40,16 +45,20 @@ def _mixed(call: remat.Call) -> bool:
 POLICIES = {"save_nothing": policies.save_nothing, "mixed": _mixed}
 
 
-def _worker(rank: int, port: int, case: Callable[..., None], args: tuple[Any, ...], results: Any) -> None:
-    """Run `case(rank, *args)` in a process group of WORLD gloo ranks, reporting to `results`."""
+def _worker(rank: int, port: int, results: Any) -> None:
+    """Run every case of `CASES` in one process group of WORLD gloo ranks, reporting each to `results`."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A case that fails on one rank leaves the other in a collective: the timeout ends it instead of a hang.
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
-        case(rank, *args)
-        dist.barrier()  # no rank tears its connections down while another still uses them
-        results[rank] = "ok"
-    except BaseException as error:  # reported by the parent
-        results[rank] = repr(error)
+        for name, (case, args) in CASES.items():
+            try:
+                case(rank, *args)
+                outcome = "ok"
+            except BaseException as error:  # reported by the test of the case
+                outcome = repr(error)
+            dist.barrier()  # no rank goes on to the next case, or tears down, while another still runs one
+            results[(rank, name)] = outcome
     finally:
         dist.destroy_process_group()
     # Leave without the interpreter's shutdown, where a gloo thread still being torn down now
@@ -59,11 +68,19 @@ def _worker(rank: int, port: int, case: Callable[..., None], args: tuple[Any, ..
     os._exit(0)
 
 
-def _on_every_rank(case: Callable[..., None], *args: Any) -> None:
-    """Run `case` on WORLD processes and fail with what any rank raised."""
+@pytest.fixture(scope="module")
+def outcomes() -> dict[tuple[int, str], str]:
+    """Every case's outcome on every rank, from one process group (starting one per case took a process
+    start, torch's and remat's imports included, per rank and case)."""
+    if not dist.is_available():
+        pytest.fail("torch.distributed is not available in this build")
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(_free_port(), case, args, results), nprocs=WORLD)
-    assert dict(results) == {rank: "ok" for rank in range(WORLD)}
+    mp.spawn(_worker, args=(_free_port(), results), nprocs=WORLD)
+    return dict(results)
+
+
+def _assert_ran_on_every_rank(outcomes: dict[tuple[int, str], str], name: str) -> None:
+    assert {rank: outcomes.get((rank, name)) for rank in range(WORLD)} == {rank: "ok" for rank in range(WORLD)}
 
 
 def _free_port() -> int:
@@ -115,12 +132,15 @@ def _train(rank: int, wrapper: str, policy_name: str) -> None:
             torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
 
 
+WRAPPERS = ("ddp", "fsdp2")
+
+
 @pytest.mark.parametrize("policy_name", list(POLICIES))
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
-def test_training_steps_match_the_model_without_checkpoints(wrapper: str, policy_name: str) -> None:
-    if not dist.is_available():
-        pytest.fail("torch.distributed is not available in this build")
-    _on_every_rank(_train, wrapper, policy_name)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_training_steps_match_the_model_without_checkpoints(
+    outcomes: dict[tuple[int, str], str], wrapper: str, policy_name: str
+) -> None:
+    _assert_ran_on_every_rank(outcomes, f"{wrapper}-{policy_name}")
 
 
 def _collective_case(rank: int) -> None:
@@ -143,8 +163,8 @@ def _collective_case(rank: int) -> None:
         torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_collectives_are_saved_whatever_the_policy_and_never_replayed() -> None:
-    _on_every_rank(_collective_case)
+def test_collectives_are_saved_whatever_the_policy_and_never_replayed(outcomes: dict[tuple[int, str], str]) -> None:
+    _assert_ran_on_every_rank(outcomes, "collectives")
 
 
 def _in_place_collective_case(rank: int) -> None:
@@ -157,5 +177,14 @@ def _in_place_collective_case(rank: int) -> None:
         remat.checkpoint(fn)(torch.randn(4, dtype=DTYPE, requires_grad=True))
 
 
-def test_an_in_place_collective_is_a_trace_error_that_names_the_functional_one() -> None:
-    _on_every_rank(_in_place_collective_case)
+def test_an_in_place_collective_is_a_trace_error_that_names_the_functional_one(
+    outcomes: dict[tuple[int, str], str],
+) -> None:
+    _assert_ran_on_every_rank(outcomes, "in-place collective")
+
+
+CASES: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
+    **{f"{w}-{p}": (_train, (w, p)) for w in WRAPPERS for p in POLICIES},
+    "collectives": (_collective_case, ()),
+    "in-place collective": (_in_place_collective_case, ()),
+}
