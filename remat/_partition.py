@@ -24,7 +24,7 @@ from . import _quirks, _rng
 from ._calls import Decision
 from ._capture import history_of
 from ._joint import JointGraph, stops_gradient
-from ._programs import backward_program, forward_program, pure_forward, views_of_inputs
+from ._programs import PureForward, backward_program, forward_program, views_of_inputs
 from ._rules import (
     backward_nodes_of,
     differentiable,
@@ -110,7 +110,7 @@ class Programs:
 
     forward: fx.GraphModule  # primals -> (*returned outputs, *activations, *states)
     backward: fx.GraphModule  # (*kept, *tangents) -> grads
-    pure: fx.GraphModule  # *kept -> (*returned outputs if traced_for_forward_mode, *activations), from the inputs
+    pure: PureForward  # *kept -> (*returned outputs if traced_for_forward_mode, *activations), from the inputs
     traced_for_forward_mode: bool  # traced under forward-mode AD: `pure` returns the outputs too, for jvp
     pure_inputs: tuple[tuple[int, int], ...]  # (position in kept, primal index) of each input pure reads
     # primals -> views of them taken before the Function: NOTE [where views of inputs are rebuilt]
@@ -175,13 +175,13 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             joint, _dirty_as_inputs(joint, split.returned_nodes), activations, copied, random_states, offloaded
         ),
         backward=backward_program(joint, kept_pairs, split.backward_nodes, offloaded),
-        pure=pure_forward(
+        pure=PureForward(
             joint,
             forward_mode,
-            kept_pairs,
-            offloaded,
+            tuple(kept_pairs),
+            tuple(offloaded),
             {**{p: p for p in holder}, **{c: c for c in split.constants}},
-            [*split.returned_nodes, *activations] if forward_mode else activations,  # copies of inputs included
+            tuple([*split.returned_nodes, *activations] if forward_mode else activations),  # input copies too
         ),
         traced_for_forward_mode=forward_mode,
         pure_inputs=tuple((i, primal_index[node]) for node, i in holder.items()),

@@ -6,6 +6,8 @@ called; `_partition` decides what goes in them, `_execute` runs them.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -20,7 +22,7 @@ from ._fidelity import fill_in_eager_layout, is_dense, runnable
 from ._joint import JointGraph, is_free, stops_gradient
 from ._torch import BoxedCodeGen, LazyGraphModule, memory_layout
 
-__all__ = ["backward_program", "device_of", "forward_program", "pure_forward", "views_of_inputs"]
+__all__ = ["PureForward", "backward_program", "device_of", "forward_program", "views_of_inputs"]
 
 aten = torch.ops.aten
 
@@ -133,14 +135,8 @@ def _prefetch(graph: fx.Graph) -> None:
 # autograd frees each node's saved tensors once that node's backward has run.
 
 
-def pure_forward(
-    joint: JointGraph,
-    forward_mode: bool,
-    kept: Sequence[tuple[fx.Node, bool]],
-    offloaded: Collection[fx.Node],
-    inputs: Mapping[fx.Node, fx.Node],
-    targets: Sequence[fx.Node],
-) -> fx.GraphModule:
+@dataclasses.dataclass(frozen=True, eq=False)
+class PureForward:
     """*kept -> targets, recomputed from inputs with random calls replayed: a pure,
     differentiable function. See NOTE [differentiating the forward again].
 
@@ -148,16 +144,33 @@ def pure_forward(
     the node of its copy when the forward overwrites it), and each random call
     whose kept output stands for it to itself. `offloaded` kept values arrive
     as host copies and are copied back first.
+
+    Its program is built on its first call: only second derivatives and forward mode run it, and
+    the planners that partition a graph to predict a peak never do.
     """
-    graph = fx.Graph()
-    holders, states = _kept_placeholders(graph, kept)
-    for node in offloaded:
-        if node in inputs.values():
-            holders[node] = graph.call_function(_offload.reload_now, (holders[node], device_of(node)))
-    env = {primal: holders[holder] for primal, holder in inputs.items()}
-    emit = _emitter(graph, env, states, forward_mode)
-    graph.output(tuple(emit(target) for target in targets))
-    return _module(joint, graph)
+
+    joint: JointGraph
+    forward_mode: bool
+    kept: tuple[tuple[fx.Node, bool], ...]
+    offloaded: tuple[fx.Node, ...]
+    inputs: Mapping[fx.Node, fx.Node]
+    targets: tuple[fx.Node, ...]
+
+    def forward(self, *kept: Any) -> Any:
+        return self.module.forward(*kept)
+
+    @functools.cached_property
+    def module(self) -> fx.GraphModule:
+        """The program (two threads' first calls may both build it: either is the same program)."""
+        graph = fx.Graph()
+        holders, states = _kept_placeholders(graph, self.kept)
+        for node in self.offloaded:
+            if node in self.inputs.values():
+                holders[node] = graph.call_function(_offload.reload_now, (holders[node], device_of(node)))
+        env = {primal: holders[holder] for primal, holder in self.inputs.items()}
+        emit = _emitter(graph, env, states, self.forward_mode)
+        graph.output(tuple(emit(target) for target in self.targets))
+        return _module(self.joint, graph)
 
 
 # NOTE [differentiating the forward again]
