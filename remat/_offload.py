@@ -6,12 +6,11 @@ See NOTE [offloading kept values]. The programs call `to_host`, `start_reload` a
 
 from __future__ import annotations
 
-import contextlib
+import contextvars
 import dataclasses
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
 
 import torch
 
@@ -19,9 +18,9 @@ from ._torch import functorch_active, is_functorch_wrapped
 
 __all__ = [
     "COPIES",
+    "CPU_COPIES",
     "PREFETCH",
     "Reload",
-    "copies_on_cpu",
     "finish_reload",
     "limit_pinned_memory",
     "pinned_bytes_in_use",
@@ -60,7 +59,7 @@ __all__ = [
 # Everywhere else the copies are plain `to()` calls: for tensors of other
 # devices and under torch.func transforms (whose wrapped tensors have no
 # streams to follow). A CPU tensor is its own host copy: nothing is copied,
-# unless `copies_on_cpu()` asks for real copies, so that tests on any machine
+# unless `CPU_COPIES` asks for real copies, so that tests on any machine
 # follow the same bookkeeping (the device copy freed, the host copy saved).
 
 PREFETCH = 2  # reloads in flight ahead of the one backward waits for
@@ -73,12 +72,15 @@ class _Limits:
     max_pinned_bytes: int | None = None
     pinned_bytes: int = 0
     warned: bool = False
-    copy_cpu_tensors: bool = False
 
 
 _limits = _Limits()
 _lock = threading.Lock()
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+# Whether CPU tensors are copied for real: set only by `remat.testing.offloading_on_cpu()`, for the
+# context (thread) that enters it; nothing in the library sets it.
+CPU_COPIES: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_offload_cpu_copies", default=False)
 
 
 def limit_pinned_memory(max_bytes: int | None) -> int | None:
@@ -111,20 +113,10 @@ def pinned_bytes_in_use() -> int:
     return _limits.pinned_bytes
 
 
-@contextlib.contextmanager
-def copies_on_cpu() -> Iterator[None]:
-    """Copy offloaded CPU tensors for real (tests: the bookkeeping of a device copy on any machine)."""
-    previous, _limits.copy_cpu_tensors = _limits.copy_cpu_tensors, True
-    try:
-        yield
-    finally:
-        _limits.copy_cpu_tensors = previous
-
-
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A host copy of `tensor`, started now (see NOTE [offloading kept values])."""
     if tensor.device.type == "cpu":
-        return tensor.clone() if _limits.copy_cpu_tensors else tensor
+        return tensor.clone() if CPU_COPIES.get() else tensor
     if tensor.device.type != "cuda" or _wrapped(tensor):
         return tensor.to(_HOST)
     nbytes = tensor.numel() * tensor.element_size()
@@ -152,7 +144,7 @@ class Reload:
 def start_reload(host: torch.Tensor, device: torch.device) -> Reload:
     """Start copying `host` back to `device` (see NOTE [offloading kept values])."""
     if device.type == "cpu":
-        return Reload(host.clone() if _limits.copy_cpu_tensors else host, None)
+        return Reload(host.clone() if CPU_COPIES.get() else host, None)
     if device.type != "cuda" or _wrapped(host) or not host.is_pinned():
         return Reload(host.to(device), None)
     buffer = torch.empty_like(host, device=device)  # on the compute stream, which frees it after use

@@ -23,6 +23,7 @@ under in `remat._check_transforms` and one run's record in `remat._check_runs`).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 from . import _offload
 from ._catalog import AS_STRIDED_WRITES, CATALOG, RANDOM_OPS, REFUSABLE_OPS, STATEFUL_OPS, CatalogState
@@ -50,8 +51,9 @@ __all__ = [
 ]
 
 
-def offloading_on_cpu() -> contextlib.AbstractContextManager[None]:
-    """Within this context, offloaded CPU tensors are copied for real.
+@contextlib.contextmanager
+def offloading_on_cpu() -> Iterator[None]:
+    """Within this context, offloaded CPU tensors are copied for real (in the thread that enters it only).
 
     A CPU tensor is its own host copy, so offloading on the CPU copies nothing. Inside this
     context the copies are made (a new tensor to the host in forward, another back in
@@ -67,4 +69,8 @@ def offloading_on_cpu() -> contextlib.AbstractContextManager[None]:
     >>> torch.allclose(x.grad, torch.cos(torch.sin(x)) * torch.cos(x))
     True
     """
-    return _offload.copies_on_cpu()
+    token = _offload.CPU_COPIES.set(True)
+    try:
+        yield
+    finally:
+        _offload.CPU_COPIES.reset(token)

@@ -528,3 +528,24 @@ def test_a_stack_of_identical_blocks_shares_one_trace_and_offloads() -> None:
     with offloading_on_cpu():
         models.compare(reference, model, x)
     assert [block.forward.cache_info().shared for block in model] == [0, 1, 1]
+
+
+def test_copying_on_the_cpu_holds_only_in_the_thread_that_asked_for_it() -> None:
+    # The testing switch is a context variable: no process-wide state another thread could see.
+    import threading
+
+    from remat import _offload
+
+    tensor = torch.ones(3)
+    seen: dict[str, bool] = {}
+
+    def elsewhere() -> None:
+        seen["copied"] = _offload.to_host(tensor) is not tensor
+
+    with offloading_on_cpu():
+        assert _offload.to_host(tensor) is not tensor
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+    assert seen == {"copied": False}
+    assert _offload.to_host(tensor) is tensor
