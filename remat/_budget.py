@@ -339,8 +339,9 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
     Exact: branch and bound to optimality. Fast: branch and bound for at most
     `FAST_TIME_LIMIT` seconds (traces of a few hundred calls finish, optimal, well within it),
     its bound starting from the LP relaxation's; if that finds nothing, the LP relaxation (a
-    lower bound on the optimum) rounded and repaired (without offloading). With `offload`, a kept call may be kept in host
-    memory, at the copy time the roofline `cost` device's host link leaves exposed.
+    lower bound on the optimum) rounded and repaired (without offloading). With `offload`, a
+    kept call may be kept in host memory, at the copy time the roofline `cost` device's host
+    link leaves exposed.
     """
     dataflow = trace.dataflow
     assert dataflow is not None

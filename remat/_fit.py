@@ -383,11 +383,11 @@ def _chain_fits(choice: Sequence[int], before: Sequence[int], inside: Sequence[A
     return total <= before[len(choice)]
 
 
-def _chain_caps(before: Sequence[int], inside: Sequence[Any], kept: Sequence[Any]) -> list[float]:
+def _chain_caps(before: Sequence[int], inside: Sequence[Any], kept: Sequence[Any]) -> list[int]:
     """caps[k]: the most the first k calls may keep beyond saving nothing and still leave some choice of the
     later calls within every later segment (each later call adds at least its least kept bytes)."""
     n = len(kept)
-    caps: list[float] = [0.0] * (n + 1)
+    caps = [0] * (n + 1)
     caps[n] = before[n]
     for k in range(n - 1, -1, -1):  # the first k calls, then call k with its least kept bytes, then the rest
         limit = min(before[k], int(inside[k].max()))

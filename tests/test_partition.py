@@ -404,3 +404,20 @@ def test_trace_and_report_change_no_buffer():
     for name, value in before.items():
         assert torch.equal(value, after[name]), name
     assert model.bn.num_batches_tracked.item() == 0
+
+
+def test_the_pure_forward_is_built_only_when_a_second_derivative_needs_it() -> None:
+    # First derivatives never run the pure forward: it is built on its first call, once.
+    from remat._api import _joint_of
+
+    f = remat.checkpoint(lambda x: x.exp().sin().sum(), policy=remat.policies.save_everything)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    torch.autograd.grad(f(x), x)
+    _, _, executable = _joint_of(f, (x,), {}, "test")
+    assert executable is not None
+    assert "module" not in vars(executable.programs.pure)
+    (second,) = torch.autograd.grad(torch.autograd.grad(f(x), x, create_graph=True)[0].sum(), x)
+    built = vars(executable.programs.pure)["module"]
+    torch.testing.assert_close(second, (-(x.exp().sin()) * x.exp() ** 2 + x.exp().cos() * x.exp()))
+    torch.autograd.grad(torch.autograd.grad(f(x), x, create_graph=True)[0].sum(), x)
+    assert vars(executable.programs.pure)["module"] is built
