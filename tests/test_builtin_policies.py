@@ -304,7 +304,8 @@ def test_builtin_policy_saves_what_it_documents(case: Case, attention: str):
     assert decisions(report) == expected, f"{policy!r}: saved {sorted(decisions(report))}, expected {sorted(expected)}"
     assert report.policy == policy
 
-    assert_checkpoint_equivalent(module, x, policy=policy)
+    if attention == ATTENTIONS[0]:  # the gradients under any decisions: the random policies' properties
+        assert_checkpoint_equivalent(module, x, policy=policy)
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)

@@ -213,6 +213,7 @@ def test_dynamic_shapes_are_specialized_per_signature() -> None:
     assert checkpointed.cache_info().traces == 3
 
 
+@pytest.mark.slow  # compiles three batch sizes
 @pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic=True"])
 def test_a_compiled_module_called_with_new_batch_sizes_compiles_in_full(dynamic: bool | None) -> None:
     # Regression: once Dynamo made a size symbolic (automatically, at the second batch size, or with

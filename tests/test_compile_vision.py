@@ -121,15 +121,17 @@ def assert_compiled_training_matches_eager(
 # --- local replicas: run on every torch ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
-def test_resnet18_basic_blocks_train_inside_a_compiled_model(policy: Any) -> None:
-    assert_compiled_training_matches_eager(models.resnet18_like, (models.BasicBlock,), policy)
+# Each replica under two of the policies (the wrapped blocks below add a third to ResNet's): every
+# policy on every model would compile the same paths again.
+@pytest.mark.parametrize("policy", ["save_nothing", "budget"])
+def test_resnet18_basic_blocks_train_inside_a_compiled_model(policy: str) -> None:
+    assert_compiled_training_matches_eager(models.resnet18_like, (models.BasicBlock,), POLICIES[policy])
 
 
-@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
-def test_efficientnet_blocks_train_inside_a_compiled_model(policy: Any) -> None:
+@pytest.mark.parametrize("policy", ["dots_saveable", "budget"])
+def test_efficientnet_blocks_train_inside_a_compiled_model(policy: str) -> None:
     blocks = (models.DepthwiseSeparable, models.InvertedResidual)
-    assert_compiled_training_matches_eager(models.efficientnet_like, blocks, policy)
+    assert_compiled_training_matches_eager(models.efficientnet_like, blocks, POLICIES[policy])
 
 
 def test_blocks_wrapped_by_remat_checkpoint_train_inside_a_compiled_model() -> None:

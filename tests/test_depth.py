@@ -2,7 +2,7 @@
 
 The tests lower the limit to `LIMIT` frames, well under Python's default of 1,000 and well over what a
 short function needs, and trace functions of more calls than that: a recursion of even one frame per
-call anywhere in remat would raise, at a third of the cost of chains longer than the default limit."""
+call anywhere in remat would raise, at a fraction of the cost of chains longer than the default limit."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from remat.testing import assert_checkpoint_equivalent
 pytestmark = pytest.mark.slow  # chains of hundreds of calls
 
 
-LIMIT = 300  # frames
-DEPTH = 450  # calls in a chain
+LIMIT = 200  # frames
+DEPTH = 240  # calls in a chain
 
 
 @pytest.fixture(autouse=True)

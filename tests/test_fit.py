@@ -472,6 +472,7 @@ def assert_the_plan_holds_once_materialized(
     assert abs(peak - plan.predicted_peak) <= 0.02 * peak
 
 
+@pytest.mark.slow  # plans and measures a stack twice
 def test_a_plan_made_on_the_meta_device_holds_on_the_materialized_model(monkeypatch: pytest.MonkeyPatch) -> None:
     real = sdpa_stack()
     with torch.device("meta"):
@@ -490,6 +491,7 @@ def test_a_plan_made_on_the_meta_device_holds_on_the_materialized_model(monkeypa
     assert on_cpu.predicted_peak == plan.predicted_peak
 
 
+@pytest.mark.slow  # compiles two block structures, two batch sizes
 @pytest.mark.filterwarnings("ignore:.*context_fn is passed to torch.utils.checkpoint")
 def test_a_fitted_model_trains_under_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     torch._dynamo.reset()

@@ -118,7 +118,7 @@ def test_deleting_a_checkpointed_module_frees_its_traces_and_not_the_module() ->
 @pytest.mark.slow
 def test_many_calls_over_many_shapes_keep_memory_flat() -> None:
     checkpointed = remat.checkpoint(lambda x: (x.sin() * x).sum())
-    shapes = [(n,) for n in range(1, 51)]
+    shapes = [(n,) for n in range(1, 21)]
     inputs = [torch.randn(shape, dtype=DTYPE, requires_grad=True) for shape in shapes]
     for x in inputs:  # one trace per shape
         checkpointed(x).backward()
@@ -126,18 +126,18 @@ def test_many_calls_over_many_shapes_keep_memory_flat() -> None:
     gc.collect()
     tracemalloc.start()
     try:
-        for i in range(1_000):
+        for i in range(400):
             checkpointed(inputs[i % len(inputs)]).backward()
         gc.collect()
         after_warm_up, _ = tracemalloc.get_traced_memory()
-        for i in range(3_000):  # a leak of 22 bytes a call would show; the noise is about 15 KiB
+        for i in range(1_500):  # a leak of 44 bytes a call would show; the noise is about 15 KiB
             checkpointed(inputs[i % len(inputs)]).backward()
         gc.collect()
         at_end, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert checkpointed.cache_info().traces == len(shapes)  # no retrace: all 50 stay cached
-    assert at_end - after_warm_up < 64 * 1024, f"grew by {at_end - after_warm_up} bytes over 3,000 calls"
+    assert checkpointed.cache_info().traces == len(shapes)  # no retrace: all 20 stay cached
+    assert at_end - after_warm_up < 64 * 1024, f"grew by {at_end - after_warm_up} bytes over 1,500 calls"
 
 
 def test_a_bounded_cache_cycling_through_more_shapes_than_it_holds_stays_bounded() -> None:

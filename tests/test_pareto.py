@@ -19,6 +19,7 @@ def _block() -> tuple[torch.nn.Module, torch.Tensor]:
     return block, torch.randn(2, 8, 32, dtype=DTYPE, generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.slow  # a sweep of budgets
 def test_the_curve_falls_as_the_budget_grows_and_spans_the_built_ins() -> None:
     block, x = _block()
     curve = remat.pareto(block, x)

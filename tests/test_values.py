@@ -44,7 +44,7 @@ def split_by_counts(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 def test_sizes_that_depend_on_data_trace_once_and_give_eager_gradients(policy: remat.Policy) -> None:
     checkpointed = remat.checkpoint(masked, policy=policy)
     w = randn(3, 5, seed=0)
-    for seed in range(4):  # other masks, other sizes: one trace
+    for seed in range(3):  # other masks, other sizes: one trace
         x = randn(4, 3, seed=seed + 1)
         remat.testing.assert_checkpoint_equivalent(masked, x, w, policy=policy, transforms=("grad", "vjp"))
         checkpointed(x, w)
