@@ -88,10 +88,24 @@ SOAK_FAILURES = os.environ.get("REMAT_SOAK_FAILURES", "soak-failures.txt")
 # whole suite does.
 
 
+# --- the release selection ------------------------------------------------------------------------
+
+# `-m "release and not slow"` is what CI runs on the newest torch besides the whole suite on 2.13 (the
+# whole suite twice ran past CI's 20 minutes): the files of where remat meets torch, whose behaviour
+# moves between releases. The door and its registry of quirks (each entry probed on the running torch),
+# tracing, fidelity to eager's ops and layouts, the semantics cases and gradients. `nox -s tests` runs
+# the whole suite on every supported release.
+RELEASE_FILES = frozenset(
+    {"test_torch.py", "test_quirks.py", "test_trace.py", "test_fidelity.py", "test_semantics.py", "test_gradients.py"}
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
             item.add_marker(pytest.mark.slow)
+        if item.path.name in RELEASE_FILES:
+            item.add_marker(pytest.mark.release)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -120,8 +120,13 @@ def test_a_checkpointed_block_in_a_compiled_model_has_eager_gradients(policy: An
     assert checkpointed.cache_info().traces == 1  # remat's own trace gave the decisions
 
 
+def some(*names: str) -> Any:
+    """A parametrization over the named `POLICIES` (where all five would repeat the same paths)."""
+    return pytest.mark.parametrize("policy", [POLICIES[name] for name in names], ids=names)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+@some("dots_saveable", "per_call", "budget")
 def test_the_compiled_program_saves_what_remat_keeps(policy: Any) -> None:
     block = models.GPT2Block()
     checkpointed = remat.checkpoint(block, policy=policy)
@@ -355,7 +360,7 @@ def test_a_region_that_differs_runs_in_an_uncompiled_model_with_compiled_program
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+@some("save_nothing", "save_everything", "per_call")
 def test_compiled_programs_give_eager_gradients_and_keep_what_the_policy_saves(policy: Any) -> None:
     block = models.GPT2Block()
     counter = CompileCounterWithBackend("aot_eager")
