@@ -42,10 +42,12 @@ def _everything_bytes(trace: remat.Trace) -> int:
     return account(trace, range(len(trace))).saved_bytes
 
 
-def _programs_figures(fn: Any, args: Any, saved: set[int]) -> tuple[set[int], int]:
+def _programs_figures(fn: Any, args: Any, saved: set[int], joint: Any = None) -> tuple[set[int], int]:
     """The calls the partition's backward program replays, and the bytes its forward keeps for it
-    (new storages of kept values, copies of inputs, generator states), read off the programs."""
-    joint, _, _ = _joint_of(fn, args, {}, "test")
+    (new storages of kept values, copies of inputs, generator states), read off the programs (of
+    `joint`, `fn`'s joint graph at `args`, traced here unless given)."""
+    if joint is None:
+        joint, _, _ = _joint_of(fn, args, {}, "test")
     decisions = [remat.SAVE if i in saved else remat.RECOMPUTE for i in range(len(joint.trace))]
     programs = partition(joint, decisions)
     in_backward = {id(node.meta.get("val")) for node in programs.backward.graph.nodes}  # copies share `val`
@@ -86,11 +88,13 @@ def test_accounting_equals_the_partitions_programs_for_any_decisions(data: st.Da
 def test_accounting_equals_the_partitions_programs_on_a_gpt2_block() -> None:
     block, x = _block("softmax")
     trace = _block_trace("softmax")
+    joint, _, _ = _joint_of(block, (x,), {}, "test")  # one trace, partitioned under each set of decisions
     generator = torch.Generator().manual_seed(0)
     for _ in range(20):
         saved = {c for c in range(len(trace)) if torch.rand((), generator=generator) < 0.5}
         accounting = account(trace, saved)
-        assert (set(accounting.replayed_calls), accounting.saved_bytes) == _programs_figures(block, (x,), saved)
+        figures = _programs_figures(block, (x,), saved, joint)
+        assert (set(accounting.replayed_calls), accounting.saved_bytes) == figures
 
 
 # --- never over budget ------------------------------------------------------------------------------
