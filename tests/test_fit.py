@@ -472,7 +472,6 @@ def assert_the_plan_holds_once_materialized(
     assert abs(peak - plan.predicted_peak) <= 0.02 * peak
 
 
-@pytest.mark.slow  # plans and measures a stack twice
 def test_a_plan_made_on_the_meta_device_holds_on_the_materialized_model(monkeypatch: pytest.MonkeyPatch) -> None:
     real = sdpa_stack()
     with torch.device("meta"):
