@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import pathlib
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -98,6 +99,9 @@ SOAK_FAILURES = os.environ.get("REMAT_SOAK_FAILURES", "soak-failures.txt")
 RELEASE_FILES = frozenset(
     {"test_torch.py", "test_quirks.py", "test_trace.py", "test_fidelity.py", "test_semantics.py", "test_gradients.py"}
 )
+# A file renamed or removed would leave the selection silently: name it instead.
+if missing := sorted(name for name in RELEASE_FILES if not (pathlib.Path(__file__).parent / name).is_file()):
+    raise pytest.UsageError(f"tests/conftest.py: RELEASE_FILES names files that do not exist: {missing}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

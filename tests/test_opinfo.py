@@ -170,7 +170,7 @@ def without_opinfo_seeding(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common_methods_invocations, "wrapper_set_seed", _unseeded)
 
 
-@pytest.mark.slow  # about 500 ops and policies
+@pytest.mark.slow  # about 300 ops and policies (all of the database under both, in the soak)
 @pytest.mark.usefixtures("without_opinfo_seeding")
 @pytest.mark.filterwarnings("ignore")  # the ops' own deprecation warnings, many only once a process
 @pytest.mark.parametrize(("name", "policy"), CASES)
