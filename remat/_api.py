@@ -20,7 +20,6 @@ from ._cache import CacheInfo, LRUCache, SignatureKey, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
 from ._compiled import compile_options, compile_programs
-from ._dataflow import with_dataflow
 from ._decide import decide_nested
 from ._dynamo import call_under_dynamo, register
 from ._errors import TraceError
@@ -33,6 +32,7 @@ from ._pytree import FlatArgs, flatten_args
 from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure_of
 from ._specialize import ValuesChanged
 from ._torch import HigherOrderOperator, functorch_active
+from ._value_graph import with_value_graph
 from .policies import save_nothing
 from .report import Report, ReportRow
 
@@ -201,7 +201,7 @@ class Checkpointed(Generic[P, T]):
             contextlib.nullcontext(lambda: None) if structure is None else recording_attribute_reads(roots.modules)
         )
         with recording as attribute_reads:
-            joint = with_dataflow(joint_graph_of(self.__wrapped__, flat, roots, forward_mode=forward_mode))
+            joint = with_value_graph(joint_graph_of(self.__wrapped__, flat, roots, forward_mode=forward_mode))
         lifted = [slot.fetch() for slot in joint.lifted]
         executable = _executable(joint, self.policy, forward_mode, self._compile_options, self._shared)
         entry = _Entry(joint, executable, _guard(joint, lifted))
@@ -346,7 +346,7 @@ def _joint_of(
         return entry.joint, fn.policy, entry.executable
     if not callable(fn):
         raise TypeError(f"{api}: expected a function or nn.Module, but got {fn!r} of type {type(fn).__qualname__}.")
-    return with_dataflow(joint_graph_of(fn, flat, find_module_roots(fn))), None, None
+    return with_value_graph(joint_graph_of(fn, flat, find_module_roots(fn))), None, None
 
 
 def trace(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Trace:

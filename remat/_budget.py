@@ -15,9 +15,11 @@ import numpy as np
 
 from . import _milp
 from ._accounting import Accounting, account, offloaded_calls, saved_calls
-from ._calls import Dataflow, Decision, Trace, Value
+from ._calls import Decision, Trace, Value
 from ._decide import is_collective
 from ._peak import peak_of
+from ._rules import COPIED, KEPT, RECOMPUTED, REPLAYED, SAVED, STATE, Atom, rules_of
+from ._value_graph import ValueGraph
 from .costs import estimate_seconds, resolve_device
 
 __all__ = [
@@ -33,24 +35,22 @@ __all__ = [
 ]
 
 # NOTE [the budget problem]
-# Choose SAVE (s_c = 1) or RECOMPUTE per call. Backward reads some values; a value
-# read by backward, or by a replayed call, is either kept (its call is saved) or
-# its call is replayed (r_c = 1), which reads the call's own inputs, recursively.
-# A kept value costs its bytes; a replayed random call costs its generator state,
-# and so does every random call a kept differentiable value is computed from (the
-# partitioner keeps those states to differentiate it again). Minimize the replay
-# cost sum(cost_c * r_c) subject to the bytes kept <= budget. As a 0-1 program:
+# Choose SAVE (s_c = 1) or RECOMPUTE per call, minimizing the replay cost
+# sum(cost_c * r_c) subject to the bytes kept <= budget. What a choice keeps and
+# replays is what the rules (`_rules`) derive from it, and the 0-1 program is
+# those same clauses as rows, one 0-1 variable per atom (r_c replayed, k_v kept,
+# copies of overwritten inputs, p_c recomputed to differentiate again, g_c
+# generator states): a clause "h if a_1 .. a_k and not b_1 .. b_m" is the row
 #
-#   s_c + r_c <= 1                       a saved call is never replayed
-#   s_c + r_c >= 1, k_v >= s_c           for v = (c, i) backward reads
-#   r_u <= s_c + r_c, k_v >= s_c + r_u - 1   for v = (c, i) a replay of u reads
-#   k_v <= s_c, k_v <= [backward reads v] + sum(r_u for u reading v)   kept only if saved and read
-#   r_c <= sum(r_u for u reading a value of c), unless backward reads one   replayed only if read
-#   p_c >= k_v                           a kept differentiable value (not returned) is recomputed from
-#   p_d >= p_u (- k_v if v = (d, i) has no derivative)   its inputs, to differentiate it again,
-#                                        stopping at kept values without a derivative
-#   g_c >= r_c, g_c >= p_c               generator states of replayed and recomputed random calls
-#   k_w >= r_u, k_w >= p_u               copies of overwritten inputs w they read
+#   a_1 + ... + a_k - b_1 - ... - b_m - h <= k - 1
+#
+# so a solution holds at least what the rules derive. Where a clause reads an
+# atom's absence (a recomputation stops at a kept constant), the solver could
+# claim that atom for free; so the kept values, and the replays that make them
+# read, also get the converse rows: an atom implies every literal its clauses
+# share (k_v <= s_c, r_c + s_c <= 1) and one of their other atoms (k_v <= the sum
+# of the r_u reading v, unless backward reads it). The bytes:
+#
 #   sum(bytes_v k_v) + sum(state_c g_c) <= budget
 #
 # With offload allowed, a kept call may be kept in host memory (o_c = 1, o_c <= s_c).
@@ -126,41 +126,36 @@ def call_costs(trace: Trace, cost: str) -> list[float]:
 
 
 class _Program:
-    """The 0-1 program of NOTE [the budget problem], as sparse rows for the solver (`_milp`)."""
+    """The 0-1 program of NOTE [the budget problem], as sparse rows for the solver (`_milp`): the rules'
+    own clauses as rows (`_rules.Rules.rows`), and the budget's."""
 
     def __init__(
         self,
-        dataflow: Dataflow,
+        graph: ValueGraph,
         costs: Sequence[float],
         forced: frozenset[int] = frozenset(),
         link: HostLink | None = None,
     ):
         n = len(costs)
         self.n = n
-        self.dataflow = dataflow
-        self.values = sorted(dataflow.nbytes)
-        self.states = [c for c in range(n) if dataflow.rng_state_nbytes[c]]
-        # Variables: s (saved), r (replayed), p (recomputed to differentiate again), k (kept), g (states).
-        self._value_index = {v: 3 * n + i for i, v in enumerate(self.values)}
-        self._state_index = {c: 3 * n + len(self.values) + i for i, c in enumerate(self.states)}
-        self.size = 3 * n + len(self.values) + len(self.states)
-        self.rows: list[dict[int, float]] = []
-        self.upper: list[float] = []
-        self._readers: dict[Value, list[int]] = {v: [] for v in self.values}  # the calls whose replay reads v
-        for user, reads in enumerate(dataflow.reads):
-            for value in reads:
-                if value in self._value_index:
-                    self._readers[value].append(user)
-        self._one_decision_per_call(forced)
-        self._backward_reads()
-        self._replays_read()
-        self._replayed_only_if_read()
-        self._kept_only_if_saved_and_read()
-        for c in self.states:
-            self._row({self._r(c): 1, self._g(c): -1}, 0)
-            self._row({self._p(c): 1, self._g(c): -1}, 0)
-        self.budget_row = {self._k(v): float(dataflow.nbytes[v]) for v in self.values}
-        self.budget_row.update({self._g(c): float(dataflow.rng_state_nbytes[c]) for c in self.states})
+        self.graph = graph
+        decisions = [*(Atom(SAVED, c) for c in range(n)), *(Atom(REPLAYED, c) for c in range(n))]
+        rows = rules_of(graph).rows(decisions)
+        # Variables: s (saved), r (replayed), then the rules' other atoms: kept values and copies,
+        # recomputed calls, generator states.
+        others = {a for r in rows for a in r.coefficients} - set(decisions)
+        order = {RECOMPUTED: 0, KEPT: 1, COPIED: 2, STATE: 3}
+        self._column = {a: j for j, a in enumerate([*decisions, *sorted(others, key=lambda a: (order[a.kind], a.key))])}
+        self.size = len(self._column)
+        self.rows: list[dict[int, float]] = [{self._column[a]: x for a, x in r.coefficients.items()} for r in rows]
+        self.upper: list[float] = [r.bound for r in rows]
+        for c in forced:  # collectives: see NOTE [collectives are never replayed]
+            self._row({self._s(c): -1}, -1)
+        self.budget_row = {
+            j: float(graph.rng_state_nbytes[atom.key] if atom.kind == STATE else graph.nbytes[atom.key])
+            for atom, j in self._column.items()
+            if atom.kind in (KEPT, COPIED, STATE)
+        }
         self.link = link
         if link is not None:
             self._offload(link)
@@ -178,17 +173,8 @@ class _Program:
     def _s(self, c: int) -> int:
         return c
 
-    def _r(self, c: int) -> int:
-        return self.n + c
-
-    def _p(self, c: int) -> int:
-        return 2 * self.n + c
-
     def _k(self, value: Value) -> int:
-        return self._value_index[value]
-
-    def _g(self, c: int) -> int:
-        return self._state_index[c]
+        return self._column[Atom(KEPT, value)]
 
     def _o(self, c: int) -> int:
         return self._offload_base + c
@@ -200,7 +186,7 @@ class _Program:
         """Variables and rows of offloading: see NOTE [the budget problem]. `q_j`, the copy seconds
         of the values of calls j and after, is continuous, as are e_f and e_b."""
         n = self.n
-        produced = [v for v in self.values if v[0] >= 0]
+        produced = [atom.key for atom in self._column if atom.kind == KEPT]
         self._offload_base = self.size
         self._device_index = {v: self.size + n + i for i, v in enumerate(produced)}
         self._queued = self.size + n + len(produced)  # q_0 .. q_{n-1}
@@ -212,16 +198,16 @@ class _Program:
         host_seconds: dict[int, dict[int, float]] = {c: {} for c in range(n)}
         for v in produced:
             self._row({self._d(v): 1, self._k(v): -1}, 0)
-            if v in self.dataflow.returned:
+            if v in self.graph.returned:
                 self._row({self._k(v): 1, self._d(v): -1}, 0)
             else:
                 self._row({self._k(v): 1, self._o(v[0]): -1, self._d(v): -1}, 0)
                 self._row({self._d(v): 1, self._o(v[0]): 1}, 1)
-                t = self.dataflow.nbytes[v] * link.seconds_per_byte
+                t = self.graph.nbytes[v] * link.seconds_per_byte
                 host_seconds[v[0]][self._k(v)] = t
                 host_seconds[v[0]][self._d(v)] = -t
             del self.budget_row[self._k(v)]
-            self.budget_row[self._d(v)] = float(self.dataflow.nbytes[v])
+            self.budget_row[self._d(v)] = float(self.graph.nbytes[v])
         after = 0.0
         for j in reversed(range(n)):
             queued = {**host_seconds[j], self._queued + j: -1.0}
@@ -247,65 +233,6 @@ class _Program:
         """The constraint sum(a_j x_j) <= bound."""
         self.rows.append(coefficients)
         self.upper.append(bound)
-
-    def _one_decision_per_call(self, forced: frozenset[int]) -> None:
-        for c in range(self.n):
-            self._row({self._s(c): 1, self._r(c): 1}, 1)
-        for c in forced:  # collectives: see NOTE [collectives are never replayed]
-            self._row({self._s(c): -1}, -1)
-
-    def _backward_reads(self) -> None:
-        """A value backward reads is kept (its call saved) or recomputed (its call replayed)."""
-        for value in self.dataflow.backward_reads:
-            call = value[0]
-            if value not in self._value_index:
-                continue
-            if call >= 0:
-                self._row({self._s(call): -1, self._r(call): -1}, -1)
-                self._row({self._s(call): 1, self._k(value): -1}, 0)
-            else:  # an overwritten input, always kept as a copy
-                self._row({self._k(value): -1}, -1)
-
-    def _replays_read(self) -> None:
-        """A replay (or a recomputation to differentiate again) reads its inputs: kept or replayed too."""
-        for user, reads in enumerate(self.dataflow.reads):  # in this order, for the solver's sake
-            for value in reads:
-                call = value[0]
-                if value not in self._value_index:
-                    continue
-                if call >= 0:
-                    self._row({self._r(user): 1, self._s(call): -1, self._r(call): -1}, 0)
-                    self._row({self._s(call): 1, self._r(user): 1, self._k(value): -1}, 1)
-                    # recomputing `user` to differentiate again reads `value`, unless it is a kept constant
-                    if value in self.dataflow.varying:
-                        self._row({self._p(user): 1, self._p(call): -1}, 0)
-                    else:
-                        self._row({self._p(user): 1, self._p(call): -1, self._k(value): -1}, 0)
-                else:
-                    self._row({self._r(user): 1, self._k(value): -1}, 0)
-                    self._row({self._p(user): 1, self._k(value): -1}, 0)
-
-    def _replayed_only_if_read(self) -> None:
-        """So that no replay is spurious: a spurious one could claim a read that keeps a constant,
-        stopping a walk for free."""
-        values_of: dict[int, list[Value]] = {}
-        for value in self.values:
-            values_of.setdefault(value[0], []).append(value)
-        for c in range(self.n):
-            if not any(v in self.dataflow.backward_reads for v in values_of.get(c, [])):
-                readers = {self._r(u): -1.0 for v in values_of.get(c, []) for u in self._readers[v] if u != c}
-                self._row({self._r(c): 1, **readers}, 0)
-
-    def _kept_only_if_saved_and_read(self) -> None:
-        """So that no constant stops a walk for free; a kept varying value is recomputed to differentiate again."""
-        for value in self.values:
-            call = value[0]
-            if call >= 0:
-                self._row({self._k(value): 1, self._s(call): -1}, 0)
-                if value not in self.dataflow.backward_reads:
-                    self._row({self._k(value): 1, **{self._r(u): -1 for u in self._readers[value]}}, 0)
-                if value in self.dataflow.varying and value not in self.dataflow.returned:
-                    self._row({self._k(value): 1, self._p(call): -1}, 0)
 
     def solve(
         self, budget: float, *, integral: bool, time_limit: float | None = None, objective: Any = None
@@ -343,13 +270,12 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
     kept call may be kept in host memory, at the copy time the roofline `cost` device's host
     link leaves exposed.
     """
-    dataflow = trace.dataflow
-    assert dataflow is not None
+    assert trace.values is not None
     started = time.perf_counter()
     costs = call_costs(trace, cost)
     link = HostLink.of(trace, cost) if offload else None
     forced = frozenset(call.index for call in trace if is_collective(call))
-    program = _Program(dataflow, costs, forced, link)
+    program = _Program(trace.values, costs, forced, link)
     candidates: list[tuple[Decision, ...]] = []
     solution: np.ndarray | None
     if not len(trace):  # nothing to decide (a function of views only); HiGHS refuses empty programs
@@ -433,12 +359,11 @@ def replay_cost(accounting: Accounting, costs: Sequence[float], link: HostLink |
 
 def minimum_bytes(trace: Trace, link: HostLink | None = None) -> int:
     """The fewest device bytes any decisions for `trace` keep (offloading too, given a host `link`)."""
-    dataflow = trace.dataflow
-    assert dataflow is not None
+    assert trace.values is not None
     forced = frozenset(call.index for call in trace if is_collective(call))
     if not len(trace):
         return account(trace, set()).saved_bytes
-    program = _Program(dataflow, [0.0] * len(trace), forced, link)
+    program = _Program(trace.values, [0.0] * len(trace), forced, link)
     objective = np.zeros(program.size)
     for j, a in program.budget_row.items():
         objective[j] = a
@@ -473,7 +398,7 @@ PEAK_CANDIDATES = 16  # byte budgets tried, evenly spaced
 def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool, offload: bool = False) -> Plan:
     """The cheapest of the byte-budget planner's plans, and of saving everything and saving nothing,
     whose predicted peak is at most `peak_bytes`."""
-    assert trace.dataflow is not None and trace.joint is not None
+    assert trace.values is not None and trace.joint is not None
     started = time.perf_counter()
     costs = call_costs(trace, cost)
     forced = {call.index for call in trace if is_collective(call)}

@@ -195,19 +195,23 @@ class Trace(Sequence[Call]):
     ['aten.sin.default', 'aten.cos.default']
     """
 
-    def __init__(
-        self,
-        calls: Sequence[Call],
-        dataflow: Dataflow | None = None,
-        joint: Any = None,
-    ):
+    def __init__(self, calls: Sequence[Call], values: Any = None, joint: Any = None):
         self._calls = tuple(calls)
-        self._dataflow = dataflow
+        self._values = values
         self._joint = joint
+        self._dataflow: Dataflow | None = None
+
+    @property
+    def values(self) -> Any:
+        """The value graph the rules run on (`remat._value_graph.ValueGraph`: who reads which value, what
+        keeping it costs); None for a trace made of hand-picked calls."""
+        return self._values
 
     @property
     def dataflow(self) -> Dataflow | None:
         """Who reads which value (for planners); None for a trace made of hand-picked calls."""
+        if self._dataflow is None and self._values is not None:
+            self._dataflow = self._values.dataflow()
         return self._dataflow
 
     @property

@@ -122,6 +122,7 @@ class JointGraph:
     value_checks: tuple[str, ...] = ()  # what the trace assumes of values Python read: NOTE [values Python reads]
     # User outputs taken again from their bases: NOTE [outputs whose elements may share memory].
     rebuilt: tuple[int, ...] = ()
+    values: Any = None  # the value graph the rules run on (`_value_graph.with_value_graph`)
 
     @functools.cached_property
     def generators(self) -> tuple[torch.Generator, ...]:

@@ -21,17 +21,16 @@ import torch
 from torch import fx
 
 from . import _quirks, _rng
+from ._accounting import saved_calls
 from ._calls import Decision
 from ._capture import history_of
 from ._joint import JointGraph, stops_gradient
 from ._programs import PureForward, backward_program, forward_program, views_of_inputs
-from ._rules import (
+from ._rules import rules_of
+from ._value_graph import (
     backward_nodes_of,
     differentiable,
-    mutated_inputs,
-    needed_by_backward,
     overwritten,
-    reads_any_value,
     returned_outputs,
     varying,
     views_taken_before_a_read,
@@ -127,16 +126,17 @@ class Programs:
 
 @dataclasses.dataclass(frozen=True)
 class _Split:
-    """Which nodes of a joint graph the programs keep, replay and recompute."""
+    """Which nodes of a joint graph the programs keep, and which calls they replay and recompute, as the
+    rules resolve the decisions (`_rules`)."""
 
     returned: tuple[int, ...]  # indices of the outputs the Function returns
     returned_nodes: list[fx.Node]
     backward_nodes: list[fx.Node]
-    kept_values: dict[fx.Node, None]  # what backward reads without replaying, in order of first need
-    replayed: set[fx.Node]  # what backward replays
+    kept_values: dict[fx.Node, None]  # what the programs keep or read as it is, in order of first need
+    replayed: frozenset[int]  # the calls backward replays
     activations: list[fx.Node]  # kept values the forward returns besides the outputs (copies of inputs included)
     constants: set[fx.Node]  # kept values without a derivative: the pure forward reads them as they are
-    recomputed: set[fx.Node]  # what the pure forward recomputes
+    recomputed: frozenset[int]  # the calls the pure forward recomputes
     random_states: list[fx.Node]  # random calls whose generator state is kept
 
 
@@ -216,52 +216,41 @@ def _offloaded(joint: JointGraph, decisions: Sequence[Decision], activations: Se
 
 
 def _split(joint: JointGraph, decisions: Sequence[Decision], forward_mode: bool) -> _Split:
-    """What backward keeps and replays under `decisions`, and what the pure forward recomputes."""
+    """The nodes of what the rules resolve for `decisions`."""
+    graph = joint.values
+    resolved = rules_of(graph, forward_mode).resolve(saved_calls(decisions))
     returned = returned_outputs(joint)
-    mutated = mutated_inputs(joint, returned)
-    backward_nodes = backward_nodes_of(joint)
-    kept_values, replayed, read_as_they_were = _kept_and_replayed(joint, decisions, backward_nodes)
-
-    # What the pure forward recomputes, and the inputs and random calls it reads: the
-    # kept values that depend on a differentiable input. Kept values that do not are
-    # constants to any derivative, and stand for themselves.
     returned_nodes = [joint.outputs[i] for i in returned]
-    activations = [n for n in kept_values if n.op != "placeholder" and n not in returned_nodes]
-    activations += [p for p in kept_values if p in mutated and p in read_as_they_were]  # kept as copies
-    with_derivative = varying(joint, forward_mode)
-    constants = {n for n in kept_values if n.op != "placeholder" and n not in with_derivative}
-    targets = [*returned_nodes, *activations] if forward_mode else activations
-    recomputed, recomputed_from = _ancestors(
-        [t for t in targets if t not in constants], joint.forward_nodes, stop=constants
-    )
-    for primal in joint.primals:
-        if primal in recomputed:
-            kept_values.setdefault(primal, None)
-    activations += [p for p in joint.primals if p in recomputed_from and p in mutated and p not in activations]
-    # A random call keeps its generator state if backward replays it or the pure forward
-    # recomputes it. See NOTE [replaying random calls].
-    random_states = [
-        n
-        for call, n in zip(joint.trace, joint.call_nodes, strict=True)
-        if call.is_random and (n in replayed or n in recomputed) and n not in constants
-    ]
+    outputs = set(returned_nodes)
+    node_of = graph.nodes
+    varying_values = graph.varying_forward_mode if forward_mode else graph.varying
+    kept = [node_of[v] for v in resolved.needed if v in resolved.kept]
     return _Split(
-        returned,
-        returned_nodes,
-        backward_nodes,
-        kept_values,
-        replayed,
-        activations,
-        constants,
-        recomputed,
-        random_states,
+        returned=returned,
+        returned_nodes=returned_nodes,
+        backward_nodes=backward_nodes_of(joint),
+        kept_values=dict.fromkeys(node_of[v] for v in resolved.needed),
+        replayed=resolved.replayed,
+        activations=list(
+            dict.fromkeys(
+                [
+                    *(node for node in kept if node not in outputs),
+                    *(node_of[v] for v in resolved.needed if v in resolved.copied),
+                ]
+            )
+        ),
+        constants={node_of[v] for v in resolved.kept if v not in varying_values},
+        recomputed=resolved.recomputed,
+        random_states=[joint.call_nodes[c] for c in resolved.states],
     )
 
 
 def _pure_unsupported(joint: JointGraph, split: _Split) -> str | None:
     """Why differentiating the kept values again would not be exact, if it would not."""
     for call, node in zip(joint.trace, joint.call_nodes, strict=True):
-        if (node in split.recomputed or node in split.replayed) and node.target in _NOT_TWICE_DIFFERENTIABLE:
+        if (
+            call.index in split.recomputed or call.index in split.replayed
+        ) and node.target in _NOT_TWICE_DIFFERENTIABLE:
             return f"{call}: {_NOT_TWICE_DIFFERENTIABLE[node.target]}"
     return None
 
@@ -300,66 +289,6 @@ def _non_differentiable(
         *(not _is_float(a) or not differentiable(a) or a in constants for a in activations),
         *([True] * n_states),
     )
-
-
-def _kept_and_replayed(
-    joint: JointGraph, decisions: Sequence[Decision], backward_nodes: Sequence[fx.Node]
-) -> tuple[dict[fx.Node, None], set[fx.Node], set[fx.Node]]:
-    """The forward values backward reads without replaying (inputs, outputs of SAVE and OFFLOAD calls), in
-    order of first need; the nodes it replays: the RECOMPUTE calls (and views) it needs; and the
-    inputs read for the value they had before `fn` ran (the others may be read as they are now)."""
-    decision_of = dict(zip(joint.call_nodes, decisions, strict=True))
-
-    def is_kept(node: fx.Node) -> bool:
-        if node.op in ("placeholder", "get_attr"):
-            return True
-        if node in decision_of:
-            return decision_of[node].keeps
-        if node.target is operator.getitem:  # one output of a multi-output call
-            return is_kept(node.args[0])  # type: ignore[arg-type]
-        return False  # a view: replaying it is free, keep its base instead
-
-    needed = needed_by_backward(joint, backward_nodes)
-    kept: dict[fx.Node, None] = {}
-    replayed: set[fx.Node] = set()
-    as_they_were: set[fx.Node] = set()
-    seen: set[fx.Node] = set()
-    stack = [(node, False) for node in reversed(needed)]
-    while stack:
-        node, any_value = stack.pop()
-        if node.op == "placeholder" and not any_value:
-            as_they_were.add(node)
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "get_attr":
-            replayed.add(node)  # constants are read from the program module
-        elif is_kept(node):
-            kept[node] = None
-        else:
-            replayed.add(node)
-            ignored = reads_any_value(node)
-            stack.extend((n, n in ignored) for n in reversed(node.all_input_nodes))
-    return kept, replayed, as_they_were
-
-
-def _ancestors(
-    targets: Sequence[fx.Node], within: frozenset[fx.Node], stop: set[fx.Node]
-) -> tuple[set[fx.Node], set[fx.Node]]:
-    """`targets` and the nodes of `within` (and primals) they are computed from, not looking past
-    `stop`; and the primals among them whose value matters (see `reads_any_value`)."""
-    found: set[fx.Node] = set()
-    value_read: set[fx.Node] = set()
-    stack = [(target, False) for target in targets]
-    while stack:
-        node, any_value = stack.pop()
-        if node.op == "placeholder" and not any_value:
-            value_read.add(node)
-        if node not in found and node not in stop:
-            found.add(node)
-            ignored = reads_any_value(node)
-            stack.extend((n, n in ignored) for n in node.all_input_nodes if n in within or n.op == "placeholder")
-    return found, value_read
 
 
 def _output_sources(joint: JointGraph, returned: Sequence[int]) -> tuple[frozenset[int], ...]:

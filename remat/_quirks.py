@@ -189,7 +189,7 @@ BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS = Quirk(
         "in training mode, batch norm's backward takes the running statistics but reads the batch "
         "statistics instead; a replayed forward's outputs that backward reads do not depend on them"
     ),
-    note="`_rules.reads_any_value` and `_joint._drop_unread_batch_norm_arguments`: nothing keeps them",
+    note="`_value_graph.reads_any_value` and `_joint._drop_unread_batch_norm_arguments`: nothing keeps them",
     # For the backward ops and for the forward ops a replay runs: op -> (the position of its `training`
     # flag, the positions of the running statistics)
     table={

@@ -1,217 +1,329 @@
-"""The partitioner's rules, read off a joint graph.
+"""The rules: what the programs keep, replay and recompute under any decisions, written once.
 
-What backward reads, which outputs the `autograd.Function` returns (the others are views rebuilt
-outside it), which inputs are overwritten, which values have a derivative, what keeping values costs.
-`_partition` builds its programs by these rules and `_dataflow` describes the graph to planners by
-them, so that what a planner counts is what the partitioner keeps.
+Each rule is a set of clauses over atoms of a trace's value graph (`_value_graph`):
+
+- `SAVED(c)`: the decisions keep call c's values (SAVE or OFFLOAD), given;
+- `REPLAYED(c)`: backward replays call c;
+- `KEPT(v)`: the programs keep value v of a saved call from forward to backward;
+- `COPIED(w)`: they keep a copy of input w, which may be overwritten before backward;
+- `AS_IS(w)`: they read input w as it is when backward runs (by reference, no memory);
+- `RECOMPUTED(c)`: the pure forward recomputes call c, to differentiate a kept value again;
+- `STATE(c)`: they keep the generator state from before random call c.
+
+`resolve` finds what holds under given decisions: the fewest atoms the clauses allow. The partition
+builds its programs from that result, `_accounting` counts it for the planners, `remat.report` and the
+log, and the budget planner's 0-1 program is the same clauses as linear rows (`Rules.rows`). So a rule
+changes here, once, for all of them.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Mapping, Sequence
-from typing import Any
+import dataclasses
+import threading
+import weakref
+from collections.abc import Collection, Iterable, Iterator
+from typing import Any, NamedTuple
 
-import torch
-from torch import fx
-
-from . import _quirks, _rng
-from ._capture import history_of
-from ._facts import differentiable_outputs
-from ._joint import JointGraph, is_free, stops_gradient
-from ._measure import storage_key, storage_nbytes, tensors_in
+from ._calls import Value
+from ._value_graph import ValueGraph
 
 __all__ = [
-    "backward_nodes_of",
-    "differentiable",
-    "kept_bytes",
-    "mutated_inputs",
-    "needed_by_backward",
-    "overwritten",
-    "reads_any_value",
-    "returned_outputs",
-    "views_taken_before_a_read",
-    "varying",
-    "view_base",
+    "AS_IS",
+    "COPIED",
+    "KEPT",
+    "RECOMPUTED",
+    "REPLAYED",
+    "SAVED",
+    "STATE",
+    "Atom",
+    "Clause",
+    "Resolution",
+    "Row",
+    "Rules",
+    "rules_of",
 ]
 
-aten = torch.ops.aten
+SAVED, REPLAYED, KEPT, COPIED, AS_IS, RECOMPUTED, STATE = (
+    "saved",
+    "replayed",
+    "kept",
+    "copied",
+    "as is",
+    "recomputed",
+    "state",
+)
 
 
-def backward_nodes_of(joint: JointGraph) -> list[fx.Node]:
-    """The nodes of the backward part of `joint`, in graph order."""
-    return [n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in joint.forward_nodes]
+class Atom(NamedTuple):
+    """One fact about a call (`key` its index) or a value (`key` the value)."""
+
+    kind: str
+    key: Any
 
 
-def needed_by_backward(joint: JointGraph, backward_nodes: Sequence[fx.Node]) -> list[fx.Node]:
-    """The forward values (and inputs) backward's own nodes read, in order of first need."""
-    primals = set(joint.primals)
-    needed: list[fx.Node] = []
-    for user in backward_nodes:
-        needed.extend(n for n in user.all_input_nodes if n in joint.forward_nodes or n in primals)
-    needed.extend(g for g in joint.grads if g in joint.forward_nodes or g in primals)
-    return needed
+class Clause(NamedTuple):
+    """`head` holds if every atom of `when` holds and no atom of `unless` does."""
+
+    head: Atom
+    when: tuple[Atom, ...] = ()
+    unless: tuple[Atom, ...] = ()
 
 
-def reads_any_value(node: fx.Node) -> set[fx.Node]:
-    """Inputs of `node` whose value does not matter to what a replay of it uses: the running
-    statistics of a training-mode batch norm (the replay only needs the normalized output and
-    the batch statistics; the new running statistics it computes are dropped)."""
-    unread = _quirks.BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS.table["replay"].get(node.target)
-    if unread is None or node.args[unread[0]] is not True:
-        return set()
-    return {a for i, a in enumerate(node.args) if i in unread[1] and isinstance(a, fx.Node)}
+class Row(NamedTuple):
+    """The linear constraint `sum(coefficient * atom) <= bound` over 0-1 atoms."""
+
+    coefficients: dict[Atom, float]
+    bound: float
 
 
-def returned_outputs(joint: JointGraph) -> tuple[int, ...]:
-    """Indices of the outputs the Function returns. The other user outputs are views of
-    inputs or of returned outputs, or repeats of them, and are rebuilt by the epilogue;
-    the new values of dirty inputs are always returned (as the inputs themselves), and
-    so are the bases of the outputs whose elements may share memory, never returned
-    themselves (NOTE [outputs whose elements may share memory])."""
-    final_values = overwritten(joint)
-
-    def base_of(node: fx.Node) -> fx.Node:
-        # The final value of an input updated through a view of it is itself a view (of the scatter
-        # that functionalization wrote the update with): it is the input, whatever it views.
-        return view_base(node, stop_at=final_values)
-
-    user_outputs = [(i, o) for i, o in enumerate(joint.outputs[: joint.n_user_outputs]) if i not in joint.rebuilt]
-    returned: dict[fx.Node, int] = {}
-    for i, output in user_outputs:  # first, outputs that own their memory
-        if output.op != "placeholder" and base_of(output) is output:
-            returned.setdefault(output, i)
-    for i, output in user_outputs:  # then views of something that is not an output
-        base = base_of(output)
-        if base.op != "placeholder" and base not in returned:
-            returned.setdefault(output, i)
-    return (*sorted(returned.values()), *range(joint.n_user_outputs, len(joint.outputs)))
-
-
-def view_base(node: fx.Node, stop_at: Mapping[fx.Node, fx.Node] | None = None) -> fx.Node:
-    """Follow views down to the node whose memory they show: through the views of a multi-output
-    view op (`unbind`, `split`, `chunk`), not through the outputs of other multi-output calls.
-    A node in `stop_at` shows the memory of the node it maps to."""
-    stop_at = stop_at or {}
-    while node not in stop_at and node.op == "call_function" and is_free(node):
-        if node.target is operator.getitem and not getattr(node.args[0].target, "is_view", False):  # type: ignore[union-attr]
-            break
-        node = node.args[0]  # type: ignore[assignment]
-    return stop_at.get(node, node)
+def _clauses(graph: ValueGraph, forward_mode: bool) -> Iterator[Clause]:
+    """Every clause, rule by rule."""
+    # Backward reads values: one of a saved call is kept, one of another call is replayed; an input is
+    # read as it is or, if something may overwrite it first, from a copy (NOTE [kept inputs]).
+    for value in graph.backward_reads:
+        yield from _read(graph, value, True, ())
+    # A replay reads the values its call reads, likewise; an input whose value does not matter to the
+    # call is read as it is (`_value_graph.reads_any_value`).
+    for call, values in enumerate(graph.reads):
+        for value in values:
+            yield from _read(graph, value, value not in graph.read_as_they_are[call], (Atom(REPLAYED, call),))
+    # Differentiating again (NOTE [differentiating the forward again]): the pure forward recomputes each
+    # kept value with a derivative that the Function does not return, and, traced for forward mode, the
+    # returned outputs too (for their tangents).
+    varying = graph.varying_forward_mode if forward_mode else graph.varying
+    for value in graph.nodes:
+        if value[0] >= 0 and value in varying and value not in graph.returned:
+            yield Clause(Atom(RECOMPUTED, value[0]), (Atom(KEPT, value),))
+    if forward_mode:
+        for value in graph.shown_by_returned:
+            yield from _recomputation_reads(graph, value, True, (), varying)
+    # A recomputation reads what its call reads, up to kept values without a derivative: constants to
+    # any derivative, which stand for themselves.
+    for call, values in enumerate(graph.reads):
+        for value in values:
+            by_value = value not in graph.read_as_they_are[call]
+            yield from _recomputation_reads(graph, value, by_value, (Atom(RECOMPUTED, call),), varying)
+    # A replayed or recomputed random call draws from its kept generator state (NOTE [replaying random calls]).
+    for call, nbytes in enumerate(graph.rng_state_nbytes):
+        if nbytes:
+            yield Clause(Atom(STATE, call), (Atom(REPLAYED, call),))
+            yield Clause(Atom(STATE, call), (Atom(RECOMPUTED, call),))
 
 
-def views_taken_before_a_read(joint: JointGraph, returned: Sequence[int]) -> tuple[int, ...]:
-    """The user outputs rebuilt as views of an input that `fn` took before it read that input again
-    with a derivative: they are rebuilt before the Function. See NOTE [where views of inputs are rebuilt]."""
-    final_values = overwritten(joint)
-    candidates = []
-    for i in range(joint.n_user_outputs):
-        output = joint.outputs[i]
-        base = view_base(output, stop_at=final_values)
-        if i in returned or output is base or base.op != "placeholder" or base in final_values.values():
-            continue
-        first = output
-        while first.args[0] is not base:
-            first = first.args[0]  # type: ignore[assignment]
-        candidates.append((i, base, first))
-    if not candidates:
-        return ()
-    position = {node: k for k, node in enumerate(joint.graph.nodes)}
-    has_derivative = varying(joint, forward_mode=False)
+def _read(graph: ValueGraph, value: Value, by_value: bool, when: tuple[Atom, ...]) -> Iterator[Clause]:
+    """What reading `value` (for its value, or as it is) needs, when `when` holds."""
+    call = value[0]
+    if call >= 0:
+        yield Clause(Atom(KEPT, value), (*when, Atom(SAVED, call)))
+        yield Clause(Atom(REPLAYED, call), when, (Atom(SAVED, call),))
+    else:
+        yield _input_read(graph, value, by_value, when)
 
-    def read_after(base: fx.Node, view: fx.Node) -> bool:
-        return any(
-            position[user] > position[view]
-            and user in has_derivative
-            and any(t.is_floating_point() or t.is_complex() for t in tensors_in(user.meta.get("val")))
-            for user in base.users
+
+def _recomputation_reads(
+    graph: ValueGraph, value: Value, by_value: bool, when: tuple[Atom, ...], varying: frozenset[Value]
+) -> Iterator[Clause]:
+    """What recomputing a value that reads `value` needs, when `when` holds."""
+    call = value[0]
+    if call >= 0:
+        yield Clause(Atom(RECOMPUTED, call), when, () if value in varying else (Atom(KEPT, value),))
+    else:
+        yield _input_read(graph, value, by_value, when)
+
+
+def _input_read(graph: ValueGraph, value: Value, by_value: bool, when: tuple[Atom, ...]) -> Clause:
+    copied = by_value and value in graph.overwritten
+    return Clause(Atom(COPIED if copied else AS_IS, value), when)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """What holds under one set of decisions."""
+
+    needed: tuple[Value, ...]  # what the programs keep or read as it is, in order of first need
+    kept: frozenset[Value]  # values of saved calls kept from forward to backward
+    copied: frozenset[Value]  # inputs kept as copies
+    as_is: frozenset[Value]  # inputs read as they are
+    replayed: frozenset[int]  # calls backward replays
+    recomputed: frozenset[int]  # calls the pure forward recomputes
+    states: tuple[int, ...]  # random calls whose generator state is kept, in order
+
+
+class Rules:
+    """The clauses of one value graph (forward mode or not), indexed to resolve decisions quickly."""
+
+    def __init__(self, graph: ValueGraph, forward_mode: bool):
+        # Nothing here refers to `graph`: the cache below holds rules as long as their graph lives.
+        self.clauses = tuple(_clauses(graph, forward_mode))
+        stratum = _strata(self.clauses)
+        self._strata = max(stratum.values(), default=0)
+        # Resolving runs on atoms numbered 0, 1, ... (a flag each) and clauses of numbers: `resolve` is
+        # called for every candidate a planner weighs.
+        self._atoms: list[Atom] = list(dict.fromkeys(a for c in self.clauses for a in (c.head, *c.when, *c.unless)))
+        number = {atom: j for j, atom in enumerate(self._atoms)}
+        self._saved = {atom.key: j for atom, j in number.items() if atom.kind == SAVED}
+        self._compiled = [
+            (number[c.head], tuple(number[a] for a in c.when), tuple(number[a] for a in c.unless)) for c in self.clauses
+        ]
+        self._facts: list[list[int]] = [[] for _ in range(self._strata + 1)]
+        # per atom: the clauses it triggers in its own stratum (reversed, to push), and in later ones
+        self._same: list[list[int]] = [[] for _ in self._atoms]
+        self._later: list[list[tuple[int, int]]] = [[] for _ in self._atoms]
+        for i, clause in enumerate(self.clauses):
+            level = stratum[clause.head.kind]
+            triggers = [a for a in dict.fromkeys(clause.when) if a.kind != SAVED]
+            if not triggers:
+                self._facts[level].append(i)
+            for atom in triggers:
+                if stratum.get(atom.kind, level) == level:  # (a kind no clause derives never holds)
+                    self._same[number[atom]].append(i)
+                else:
+                    self._later[number[atom]].append((level, i))
+        for same in self._same:
+            same.reverse()
+        self._rows: dict[tuple[tuple[Atom, ...], tuple[str, ...]], tuple[Row, ...]] = {}
+
+    def resolve(self, saved: Collection[int]) -> Resolution:
+        """What holds when exactly the calls `saved` are saved: the least set of atoms closed under
+        the clauses, stratum by stratum (an `unless` reads only atoms of lower strata, final by then)."""
+        holds = bytearray(len(self._atoms))
+        for c in saved:
+            j = self._saved.get(c)
+            if j is not None:
+                holds[j] = 1
+        order: list[int] = []
+        pending = [list(facts) for facts in self._facts]
+        compiled, same, later = self._compiled, self._same, self._later
+        for stratum in range(self._strata + 1):
+            stack = pending[stratum][::-1]
+            while stack:
+                head, when, unless = compiled[stack.pop()]
+                if holds[head]:
+                    continue
+                for a in when:
+                    if not holds[a]:
+                        break
+                else:
+                    for a in unless:
+                        if holds[a]:
+                            break
+                    else:
+                        holds[head] = 1
+                        order.append(head)
+                        stack.extend(same[head])
+                        for level, i in later[head]:
+                            pending[level].append(i)
+        by_kind: dict[str, list[Any]] = {kind: [] for kind in (KEPT, COPIED, AS_IS, REPLAYED, RECOMPUTED, STATE)}
+        atoms = self._atoms
+        needed = []
+        for j in order:
+            kind, key = atoms[j]
+            by_kind[kind].append(key)
+            if kind in (KEPT, COPIED, AS_IS):
+                needed.append(key)
+        return Resolution(
+            needed=tuple(needed),
+            kept=frozenset(by_kind[KEPT]),
+            copied=frozenset(by_kind[COPIED]),
+            as_is=frozenset(by_kind[AS_IS]),
+            replayed=frozenset(by_kind[REPLAYED]),
+            recomputed=frozenset(by_kind[RECOMPUTED]),
+            states=tuple(sorted(by_kind[STATE])),
         )
 
-    return tuple(i for i, base, first in candidates if read_after(base, first))
+    def rows(self, atoms: Iterable[Atom], omit: Collection[str] = (AS_IS,)) -> tuple[Row, ...]:
+        """The clauses as linear rows over 0-1 variables (for the budget planner's program), and the
+        converse rows that make the atoms an `unless` reads exact (a claim the planner could otherwise
+        make for free: say, a kept constant that stops a recomputation). Clauses whose head kind is in
+        `omit` are left out (no other clause reads them); `atoms` are the program's other variables,
+        and those of them no clause derives are zero. (Made once per arguments: planners ask often.)"""
+        key = (tuple(atoms), tuple(omit))
+        found = self._rows.get(key)
+        if found is None:
+            found = self._rows.setdefault(key, tuple(self._made_rows(*key)))
+        return found
+
+    def _made_rows(self, atoms: tuple[Atom, ...], omit: tuple[str, ...]) -> Iterator[Row]:
+        rows = []
+        bodies: dict[Atom, list[Clause]] = {}
+        for clause in self.clauses:
+            if clause.head.kind in omit:
+                continue
+            bodies.setdefault(clause.head, []).append(clause)
+            # head >= when - unless - (|when| - 1)
+            coefficients: dict[Atom, float] = {atom: 1.0 for atom in clause.when}
+            for atom in clause.unless:
+                coefficients[atom] = coefficients.get(atom, 0.0) - 1.0
+            coefficients[clause.head] = coefficients.get(clause.head, 0.0) - 1.0
+            rows.append(Row(coefficients, len(clause.when) - 1.0))
+        exact = _read_by_unless(self.clauses)
+        for head in dict.fromkeys([*atoms, *bodies]):
+            if head.kind in exact:
+                rows.extend(_converse(head, bodies.get(head, [])))
+        return iter(rows)
 
 
-# NOTE [where views of inputs are rebuilt]
-# Under `torch.func.grad`, and for an input that is not a leaf, an input's
-# gradient is the sum of its contributions in the order they arrive, laid out
-# as the first one is; autograd runs the node recorded last first. An output
-# rebuilt as a view of an input after the Function sends its contribution
-# before the Function's; eager's view, taken before `fn` read the input again,
-# sent it after. Such views are taken before the Function instead, in eager's
-# order; a view `fn` took after its last read of the input stays after it.
-# (Inputs `fn` updates in place keep their views after the update.)
+def _converse(head: Atom, clauses: list[Clause]) -> Iterator[Row]:
+    """Rows saying `head` holds only if one of its clauses' bodies does (in linear form: it implies
+    every literal they share, and, when each has a triggering atom, one of those)."""
+    if not clauses:
+        yield Row({head: 1.0}, 0.0)
+        return
+    common_when = set.intersection(*(set(c.when) for c in clauses))
+    common_unless = set.intersection(*(set(c.unless) for c in clauses))
+    for atom in sorted(common_when):
+        yield Row({head: 1.0, atom: -1.0}, 0.0)
+    for atom in sorted(common_unless):
+        yield Row({head: 1.0, atom: 1.0}, 1.0)
+    rest = [[a for a in c.when if a not in common_when] for c in clauses]
+    if all(rest):
+        some = dict.fromkeys(atoms[0] for atoms in rest)
+        yield Row({head: 1.0, **{atom: -1.0 for atom in some}}, 0.0)
 
 
-def overwritten(joint: JointGraph) -> dict[fx.Node, fx.Node]:
-    """The final value of each input `fn` updates in place -> that input, which holds it after forward."""
-    return {m.args[1]: m.args[0] for m in joint.mutations}  # type: ignore[misc]
+def _strata(clauses: Collection[Clause]) -> dict[str, int]:
+    """The stratum of each atom kind: at least those of the atoms its clauses need, above those they
+    need not to hold (so that an `unless` reads only atoms already final)."""
+    stratum: dict[str, int] = {SAVED: 0}
+    kinds = {clause.head.kind for clause in clauses}
+    for _ in range(len(kinds) + 1):
+        changed = False
+        for clause in clauses:
+            need = max(
+                [
+                    1,
+                    *(stratum.get(a.kind, 1) for a in clause.when),
+                    *(stratum.get(a.kind, 1) + 1 for a in clause.unless),
+                ]
+            )
+            if stratum.get(clause.head.kind, 1) < need:
+                stratum[clause.head.kind] = need
+                changed = True
+        if not changed:
+            return {kind: stratum.get(kind, 1) for kind in kinds | {SAVED}}
+    raise AssertionError("remat: the rules are not stratified (an atom needs its own absence)")
 
 
-def mutated_inputs(joint: JointGraph, returned: Sequence[int]) -> set[fx.Node]:
-    """Inputs the forward overwrites, and inputs the caller can overwrite through an output that is a
-    view of them: whatever reads one later reads a copy of the value it had. See NOTE [kept inputs]."""
-    mutated = set(overwritten(joint).values())
-    mutated |= {view_base(joint.outputs[i]) for i in range(joint.n_user_outputs) if i not in returned}
-    return mutated & set(joint.primals)
+def _read_by_unless(clauses: Collection[Clause]) -> set[str]:
+    """The atom kinds an `unless` reads and those their clauses need, except the decisions."""
+    exact = {a.kind for c in clauses for a in c.unless} - {SAVED}
+    grown = True
+    while grown:
+        needed = {a.kind for c in clauses if c.head.kind in exact for a in (*c.when, *c.unless)} - {SAVED}
+        grown = not needed <= exact
+        exact |= needed
+    return exact
 
 
-# NOTE [kept inputs]
-# Backward reads inputs by reference: keeping them costs no memory. That is
-# only sound while nobody overwrites them before backward. The forward program
-# may (in-place updates of inputs and buffers), and so may the caller, through
-# an output that is a view of an input: eager allows `out = f(x); out.mul_(2)`
-# when `f` returns `x[0]` and its backward does not read `x`. In both cases a
-# copy of the input, taken before anything overwrites it, is kept instead.
+_cache: weakref.WeakKeyDictionary[ValueGraph, dict[bool, Rules]] = weakref.WeakKeyDictionary()
+_cache_lock = threading.Lock()
 
 
-def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = False) -> set[fx.Node]:
-    """Forward nodes whose value has a derivative with respect to some differentiable input.
-
-    Differentiable inputs are those requiring grad (any floating input under forward
-    mode). Derivatives stop at detaches and no_grad regions of `fn` (forward mode sees
-    through the latter; the new value of a tensor updated in place under no_grad keeps the
-    old one's history), and at random draws, whose outputs have none; `through_draws`
-    follows autograd instead, which gives a draw from a differentiable mean or
-    probability a derivative of zero (only a draw of a new tensor, `rand_like`, has none).
-    """
-    if forward_mode:
-        found = {p for p in joint.primals if p.meta["val"].is_floating_point() or p.meta["val"].is_complex()}
-    else:
-        found = {joint.primals[i] for i in joint.grad_of}
-    for node in joint.graph.nodes:
-        if node not in joint.forward_nodes:
-            continue
-        history = history_of(node, forward_mode=forward_mode)
-        if history is not None:  # see NOTE [updates under no_grad keep their tensors' histories]
-            if history in found:
-                found.add(node)
-            continue
-        if stops_gradient(node, forward_mode=forward_mode):
-            continue
-        if node.target is operator.getitem and (node.args[0] not in found or not differentiable(node)):
-            continue
-        plain_draw = _rng.is_random_factory(node) if through_draws else _rng.has_zero_derivative(node)
-        has_derivative = node.op == "call_function" and not plain_draw
-        if has_derivative and any(arg in found for arg in node.all_input_nodes):
-            found.add(node)
+def rules_of(graph: ValueGraph, forward_mode: bool = False) -> Rules:
+    """The rules of `graph` (made once per graph and mode)."""
+    with _cache_lock:
+        by_mode = _cache.setdefault(graph, {})
+    found = by_mode.get(forward_mode)
+    if found is None:
+        found = by_mode.setdefault(forward_mode, Rules(graph, forward_mode))
     return found
-
-
-def differentiable(node: fx.Node) -> bool:
-    """Whether autograd differentiates the value of `node` (false for, say, the mean and
-    rstd outputs of `native_layer_norm`: double backward must not ask for their derivative)."""
-    if node.target is operator.getitem:
-        producer, index = node.args
-        flags = differentiable_outputs(producer)  # type: ignore[arg-type]
-        return flags is None or bool(flags[index])  # type: ignore[index]
-    return True
-
-
-def kept_bytes(activations: Sequence[fx.Node], primals: Sequence[fx.Node]) -> int:
-    """Bytes of the distinct storages of `activations` that are not inputs' storages."""
-    inputs = {storage_key(p.meta["val"]) for p in primals}
-    storages: dict[Any, int] = {}
-    for node in activations:
-        for value in tensors_in(node.meta.get("val")):
-            if storage_key(value) not in inputs:
-                storages[storage_key(value)] = storage_nbytes(value)
-    return sum(storages.values())

@@ -1,0 +1,369 @@
+"""The value graph: a joint graph's values and who reads them, the one graph the rules run on.
+
+A value is an input of the function or one output of a forward call; views are not values (reading a
+view reads the values it shows). `value_graph_of` reads, off a joint graph: which values each replay
+of a call reads, which values the gradient formulas read (in order of first need), which values have
+a derivative, which the Function returns, which inputs are overwritten (kept as copies), what keeping
+each value costs, and the node that holds it. The rules (`_rules`) run on it, so the planners, the
+accounting and the partition all count what the partitioner keeps. The helpers that read those facts
+off the graph (returned outputs, views, overwritten inputs, derivatives) are here too, for the
+programs' builders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from . import _quirks, _rng
+from ._calls import Dataflow, Trace, Value
+from ._capture import history_of
+from ._facts import differentiable_outputs
+from ._joint import JointGraph, is_free, stops_gradient
+from ._measure import storage_key, storage_nbytes, tensor_nbytes, tensors_in
+from ._programs import device_of
+
+__all__ = [
+    "ValueGraph",
+    "backward_nodes_of",
+    "differentiable",
+    "mutated_inputs",
+    "needed_by_backward",
+    "overwritten",
+    "reads_any_value",
+    "returned_outputs",
+    "value_graph_of",
+    "with_value_graph",
+    "views_taken_before_a_read",
+    "varying",
+    "view_base",
+]
+
+aten = torch.ops.aten
+
+
+def backward_nodes_of(joint: JointGraph) -> list[fx.Node]:
+    """The nodes of the backward part of `joint`, in graph order."""
+    return [n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in joint.forward_nodes]
+
+
+def needed_by_backward(joint: JointGraph, backward_nodes: Sequence[fx.Node]) -> list[fx.Node]:
+    """The forward values (and inputs) backward's own nodes read, in order of first need."""
+    primals = set(joint.primals)
+    needed: list[fx.Node] = []
+    for user in backward_nodes:
+        needed.extend(n for n in user.all_input_nodes if n in joint.forward_nodes or n in primals)
+    needed.extend(g for g in joint.grads if g in joint.forward_nodes or g in primals)
+    return needed
+
+
+def reads_any_value(node: fx.Node) -> set[fx.Node]:
+    """Inputs of `node` whose value does not matter to what a replay of it uses: the running
+    statistics of a training-mode batch norm (the replay only needs the normalized output and
+    the batch statistics; the new running statistics it computes are dropped)."""
+    unread = _quirks.BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS.table["replay"].get(node.target)
+    if unread is None or node.args[unread[0]] is not True:
+        return set()
+    return {a for i, a in enumerate(node.args) if i in unread[1] and isinstance(a, fx.Node)}
+
+
+def returned_outputs(joint: JointGraph) -> tuple[int, ...]:
+    """Indices of the outputs the Function returns. The other user outputs are views of
+    inputs or of returned outputs, or repeats of them, and are rebuilt by the epilogue;
+    the new values of dirty inputs are always returned (as the inputs themselves), and
+    so are the bases of the outputs whose elements may share memory, never returned
+    themselves (NOTE [outputs whose elements may share memory])."""
+    final_values = overwritten(joint)
+
+    def base_of(node: fx.Node) -> fx.Node:
+        # The final value of an input updated through a view of it is itself a view (of the scatter
+        # that functionalization wrote the update with): it is the input, whatever it views.
+        return view_base(node, stop_at=final_values)
+
+    user_outputs = [(i, o) for i, o in enumerate(joint.outputs[: joint.n_user_outputs]) if i not in joint.rebuilt]
+    returned: dict[fx.Node, int] = {}
+    for i, output in user_outputs:  # first, outputs that own their memory
+        if output.op != "placeholder" and base_of(output) is output:
+            returned.setdefault(output, i)
+    for i, output in user_outputs:  # then views of something that is not an output
+        base = base_of(output)
+        if base.op != "placeholder" and base not in returned:
+            returned.setdefault(output, i)
+    return (*sorted(returned.values()), *range(joint.n_user_outputs, len(joint.outputs)))
+
+
+def view_base(node: fx.Node, stop_at: Mapping[fx.Node, fx.Node] | None = None) -> fx.Node:
+    """Follow views down to the node whose memory they show: through the views of a multi-output
+    view op (`unbind`, `split`, `chunk`), not through the outputs of other multi-output calls.
+    A node in `stop_at` shows the memory of the node it maps to."""
+    stop_at = stop_at or {}
+    while node not in stop_at and node.op == "call_function" and is_free(node):
+        if node.target is operator.getitem and not getattr(node.args[0].target, "is_view", False):  # type: ignore[union-attr]
+            break
+        node = node.args[0]  # type: ignore[assignment]
+    return stop_at.get(node, node)
+
+
+def views_taken_before_a_read(joint: JointGraph, returned: Sequence[int]) -> tuple[int, ...]:
+    """The user outputs rebuilt as views of an input that `fn` took before it read that input again
+    with a derivative: they are rebuilt before the Function. See NOTE [where views of inputs are rebuilt]."""
+    final_values = overwritten(joint)
+    candidates = []
+    for i in range(joint.n_user_outputs):
+        output = joint.outputs[i]
+        base = view_base(output, stop_at=final_values)
+        if i in returned or output is base or base.op != "placeholder" or base in final_values.values():
+            continue
+        first = output
+        while first.args[0] is not base:
+            first = first.args[0]  # type: ignore[assignment]
+        candidates.append((i, base, first))
+    if not candidates:
+        return ()
+    position = {node: k for k, node in enumerate(joint.graph.nodes)}
+    has_derivative = varying(joint, forward_mode=False)
+
+    def read_after(base: fx.Node, view: fx.Node) -> bool:
+        return any(
+            position[user] > position[view]
+            and user in has_derivative
+            and any(t.is_floating_point() or t.is_complex() for t in tensors_in(user.meta.get("val")))
+            for user in base.users
+        )
+
+    return tuple(i for i, base, first in candidates if read_after(base, first))
+
+
+# NOTE [where views of inputs are rebuilt]
+# Under `torch.func.grad`, and for an input that is not a leaf, an input's
+# gradient is the sum of its contributions in the order they arrive, laid out
+# as the first one is; autograd runs the node recorded last first. An output
+# rebuilt as a view of an input after the Function sends its contribution
+# before the Function's; eager's view, taken before `fn` read the input again,
+# sent it after. Such views are taken before the Function instead, in eager's
+# order; a view `fn` took after its last read of the input stays after it.
+# (Inputs `fn` updates in place keep their views after the update.)
+
+
+def overwritten(joint: JointGraph) -> dict[fx.Node, fx.Node]:
+    """The final value of each input `fn` updates in place -> that input, which holds it after forward."""
+    return {m.args[1]: m.args[0] for m in joint.mutations}  # type: ignore[misc]
+
+
+def mutated_inputs(joint: JointGraph, returned: Sequence[int]) -> set[fx.Node]:
+    """Inputs the forward overwrites, and inputs the caller can overwrite through an output that is a
+    view of them: whatever reads one later reads a copy of the value it had. See NOTE [kept inputs]."""
+    mutated = set(overwritten(joint).values())
+    mutated |= {view_base(joint.outputs[i]) for i in range(joint.n_user_outputs) if i not in returned}
+    return mutated & set(joint.primals)
+
+
+# NOTE [kept inputs]
+# Backward reads inputs by reference: keeping them costs no memory. That is
+# only sound while nobody overwrites them before backward. The forward program
+# may (in-place updates of inputs and buffers), and so may the caller, through
+# an output that is a view of an input: eager allows `out = f(x); out.mul_(2)`
+# when `f` returns `x[0]` and its backward does not read `x`. In both cases a
+# copy of the input, taken before anything overwrites it, is kept instead.
+
+
+def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = False) -> set[fx.Node]:
+    """Forward nodes whose value has a derivative with respect to some differentiable input.
+
+    Differentiable inputs are those requiring grad (any floating input under forward
+    mode). Derivatives stop at detaches and no_grad regions of `fn` (forward mode sees
+    through the latter; the new value of a tensor updated in place under no_grad keeps the
+    old one's history), and at random draws, whose outputs have none; `through_draws`
+    follows autograd instead, which gives a draw from a differentiable mean or
+    probability a derivative of zero (only a draw of a new tensor, `rand_like`, has none).
+    """
+    if forward_mode:
+        found = {p for p in joint.primals if p.meta["val"].is_floating_point() or p.meta["val"].is_complex()}
+    else:
+        found = {joint.primals[i] for i in joint.grad_of}
+    for node in joint.graph.nodes:
+        if node not in joint.forward_nodes:
+            continue
+        history = history_of(node, forward_mode=forward_mode)
+        if history is not None:  # see NOTE [updates under no_grad keep their tensors' histories]
+            if history in found:
+                found.add(node)
+            continue
+        if stops_gradient(node, forward_mode=forward_mode):
+            continue
+        if node.target is operator.getitem and (node.args[0] not in found or not differentiable(node)):
+            continue
+        plain_draw = _rng.is_random_factory(node) if through_draws else _rng.has_zero_derivative(node)
+        has_derivative = node.op == "call_function" and not plain_draw
+        if has_derivative and any(arg in found for arg in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def differentiable(node: fx.Node) -> bool:
+    """Whether autograd differentiates the value of `node` (false for, say, the mean and
+    rstd outputs of `native_layer_norm`: double backward must not ask for their derivative)."""
+    if node.target is operator.getitem:
+        producer, index = node.args
+        flags = differentiable_outputs(producer)  # type: ignore[arg-type]
+        return flags is None or bool(flags[index])  # type: ignore[index]
+    return True
+
+
+# --- the value graph -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ValueGraph:
+    """A joint graph's values and who reads them. Inputs are the values `(-1 - i, 0)`; the outputs of
+    call `c` are `(c, 0)`, `(c, 1)`, ...
+
+    Attributes:
+        reads: per call, the values a replay of it (or a recomputation) reads, in order.
+        read_as_they_are: per call, the inputs it reads whose value does not matter to it
+            (`reads_any_value`): an overwritten one needs no copy.
+        backward_reads: the values the gradient formulas read, in order of first need.
+        varying: the values with a derivative with respect to an input that requires grad.
+        varying_forward_mode: the same under forward-mode AD (every floating input has a tangent).
+        returned: the values the Function returns (outputs and the new values of dirty inputs).
+        shown_by_returned: the values the returned outputs show (a returned view shows its base).
+        overwritten: the inputs a program or the caller may overwrite before backward
+            (NOTE [kept inputs]): read for their value, they are kept as copies.
+        nbytes: what keeping a value costs: the bytes of its new storage (none for a value in an
+            input's memory), a copy for an overwritten input, nothing for another input.
+        rng_state_nbytes: per call, the bytes of its generator state (0 if it draws nothing).
+        nodes: the node holding each value (a `getitem` for one output of a multi-output call).
+    """
+
+    reads: tuple[tuple[Value, ...], ...]
+    read_as_they_are: tuple[frozenset[Value], ...]
+    backward_reads: tuple[Value, ...]
+    varying: frozenset[Value]
+    varying_forward_mode: frozenset[Value]
+    returned: frozenset[Value]
+    shown_by_returned: tuple[Value, ...]
+    overwritten: frozenset[Value]
+    nbytes: Mapping[Value, int]
+    rng_state_nbytes: tuple[int, ...]
+    nodes: Mapping[Value, fx.Node]
+
+    @property
+    def n_calls(self) -> int:
+        return len(self.reads)
+
+    def dataflow(self) -> Dataflow:
+        """The public view of it (`remat.Dataflow`): the values that cost memory to keep, and who reads
+        them for their value (inputs read as they are cost nothing)."""
+
+        def costs(value: Value) -> bool:
+            return value[0] >= 0 or value in self.overwritten
+
+        reads = tuple(
+            frozenset(v for v in values if costs(v) and v not in as_they_are)
+            for values, as_they_are in zip(self.reads, self.read_as_they_are, strict=True)
+        )
+        return Dataflow(
+            reads=reads,
+            backward_reads=frozenset(filter(costs, self.backward_reads)),
+            nbytes={v: b for v, b in self.nbytes.items() if costs(v)},
+            rng_state_nbytes=self.rng_state_nbytes,
+            varying=frozenset(filter(costs, self.varying)),
+            returned=self.returned,
+        )
+
+
+def with_value_graph(joint: JointGraph) -> JointGraph:
+    """`joint` with its value graph, and its trace carrying the graph and `joint` itself (whose programs
+    under any decisions give their peak: `remat._peak.peak_of`)."""
+    with_values = dataclasses.replace(joint, values=value_graph_of(joint))
+    return dataclasses.replace(with_values, trace=Trace(joint.trace, with_values.values, with_values))
+
+
+def value_graph_of(joint: JointGraph) -> ValueGraph:
+    """Read the value graph off `joint` (once per trace)."""
+    call_index = {node: i for i, node in enumerate(joint.call_nodes)}
+    nodes: dict[Value, fx.Node] = {(-1 - i, 0): p for i, p in enumerate(joint.primals)}
+    for c, node in enumerate(joint.call_nodes):
+        outputs = node.meta.get("val")
+        for i in range(len(outputs) if isinstance(outputs, (tuple, list)) else 1):
+            nodes[(c, i)] = node  # the whole tuple, until a getitem names the output
+    named: set[Value] = set()
+    for node in joint.graph.nodes:
+        if node.target is operator.getitem and node.args[0] in call_index:
+            value = (call_index[node.args[0]], node.args[1])  # type: ignore[index]
+            if value not in named:
+                named.add(value)
+                nodes[value] = node  # type: ignore[index]
+    input_index = {p: -1 - i for i, p in enumerate(joint.primals)}
+    shown: dict[fx.Node, tuple[Value, ...]] = {}
+
+    def values_shown(node: fx.Node) -> tuple[Value, ...]:
+        """The values reading `node` reads: itself if it is one, else those it shows (through views)."""
+        if node in shown:
+            return shown[node]
+        found: tuple[Value, ...]
+        if node.op == "placeholder":
+            found = ((input_index[node], 0),)
+        elif node.op == "get_attr":
+            found = ()  # a constant of the program module
+        elif node in call_index:
+            outputs = node.meta.get("val")
+            count = len(outputs) if isinstance(outputs, (tuple, list)) else 1
+            found = tuple((call_index[node], i) for i in range(count))
+        elif node.target is operator.getitem and node.args[0] in call_index:
+            found = ((call_index[node.args[0]], node.args[1]),)  # type: ignore[arg-type, index, assignment]
+        else:  # a view, or a copy back into an input: reading it reads what it reads
+            found = _distinct(v for n in node.all_input_nodes for v in values_shown(n))
+        shown[node] = found
+        return found
+
+    reads, as_they_are = [], []
+    for node in joint.call_nodes:
+        any_value = reads_any_value(node)
+        reads.append(_distinct(v for n in node.all_input_nodes for v in values_shown(n)))
+        by_value = {v for n in node.all_input_nodes if n not in any_value for v in values_shown(n)}
+        as_they_are.append(frozenset(v for n in any_value for v in values_shown(n) if v[0] < 0 and v not in by_value))
+    returned_nodes = [joint.outputs[i] for i in returned_outputs(joint)]
+    returned_set = set(returned_nodes)
+    overwritten_inputs = frozenset((input_index[p], 0) for p in mutated_inputs(joint, returned_outputs(joint)))
+    with_derivative = varying(joint, forward_mode=False)
+    with_tangent = varying(joint, forward_mode=True)
+    inputs = {storage_key(t) for p in joint.primals for t in tensors_in(p.meta["val"])}
+    return ValueGraph(
+        reads=tuple(reads),
+        read_as_they_are=tuple(as_they_are),
+        backward_reads=_distinct(
+            v for n in needed_by_backward(joint, backward_nodes_of(joint)) for v in values_shown(n)
+        ),
+        varying=frozenset(v for v, node in nodes.items() if node in with_derivative),
+        varying_forward_mode=frozenset(v for v, node in nodes.items() if node in with_tangent),
+        returned=frozenset(v for v, node in nodes.items() if node in returned_set and v[0] >= 0),
+        shown_by_returned=_distinct(v for node in returned_nodes for v in values_shown(node)),
+        overwritten=overwritten_inputs,
+        nbytes={v: _nbytes(v, node, overwritten_inputs, inputs) for v, node in nodes.items()},
+        rng_state_nbytes=tuple(
+            _rng.state_nbytes(device_of(node)) if call.is_random else 0
+            for call, node in zip(joint.trace, joint.call_nodes, strict=True)
+        ),
+        nodes=nodes,
+    )
+
+
+def _nbytes(value: Value, node: fx.Node, overwritten_inputs: frozenset[Value], inputs: set[Any]) -> int:
+    """What keeping `value` costs: see `ValueGraph.nbytes`."""
+    held: Any = node.meta.get("val")
+    if value[0] < 0:
+        return tensor_nbytes(held) if value in overwritten_inputs else 0
+    if isinstance(held, (tuple, list)) and node.target is not operator.getitem:
+        held = held[value[1]]
+    storages = {storage_key(t): storage_nbytes(t) for t in tensors_in(held) if storage_key(t) not in inputs}
+    return sum(storages.values())
+
+
+def _distinct(values: Any) -> tuple[Value, ...]:
+    return tuple(dict.fromkeys(values))
