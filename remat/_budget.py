@@ -293,15 +293,20 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
             candidates.append(_saving(saved, len(trace)))
     if solution is not None:
         candidates.append(program.decisions(solution))
+    # Offloading where the device has room is a tie the objective breaks by 1e-9, below the solver's
+    # tolerance: each plan on the device wins a tie with the same plan offloaded.
+    candidates += [_on_device(d) for d in candidates if Decision.OFFLOAD in d]
     scored = []
     for decisions in candidates:
         accounting = account(trace, saved_calls(decisions), offloaded_calls(decisions))
         if accounting.saved_bytes <= budget:
             total = replay_cost(accounting, costs, link)
-            scored.append((total, sum(d.keeps for d in decisions), decisions, accounting))
+            scored.append(
+                (total, sum(d.keeps for d in decisions), len(offloaded_calls(decisions)), decisions, accounting)
+            )
     if not scored:
         raise InfeasibleBudget(minimum_bytes(trace, link))
-    total, _, decisions, accounting = min(scored, key=lambda score: score[:2])
+    total, _, _, decisions, accounting = min(scored, key=lambda score: score[:3])
     return Plan(
         decisions=decisions,
         saved_bytes=accounting.saved_bytes,
@@ -310,6 +315,10 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
         seconds=time.perf_counter() - started,
         offloaded_bytes=accounting.offloaded_bytes,
     )
+
+
+def _on_device(decisions: tuple[Decision, ...]) -> tuple[Decision, ...]:
+    return tuple(Decision.SAVE if d is Decision.OFFLOAD else d for d in decisions)
 
 
 def _saving(saved: set[int], n: int) -> tuple[Decision, ...]:
