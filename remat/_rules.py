@@ -284,20 +284,15 @@ def _converse(head: Atom, clauses: list[Clause]) -> Iterator[Row]:
 def _strata(clauses: Collection[Clause]) -> dict[str, int]:
     """The stratum of each atom kind: at least those of the atoms its clauses need, above those they
     need not to hold (so that an `unless` reads only atoms already final)."""
+    shapes = _shapes(clauses)
     stratum: dict[str, int] = {SAVED: 0}
-    kinds = {clause.head.kind for clause in clauses}
+    kinds = {head for head, _, _ in shapes}
     for _ in range(len(kinds) + 1):
         changed = False
-        for clause in clauses:
-            need = max(
-                [
-                    1,
-                    *(stratum.get(a.kind, 1) for a in clause.when),
-                    *(stratum.get(a.kind, 1) + 1 for a in clause.unless),
-                ]
-            )
-            if stratum.get(clause.head.kind, 1) < need:
-                stratum[clause.head.kind] = need
+        for head, when, unless in shapes:
+            need = max([1, *(stratum.get(k, 1) for k in when), *(stratum.get(k, 1) + 1 for k in unless)])
+            if stratum.get(head, 1) < need:
+                stratum[head] = need
                 changed = True
         if not changed:
             return {kind: stratum.get(kind, 1) for kind in kinds | {SAVED}}
@@ -306,13 +301,19 @@ def _strata(clauses: Collection[Clause]) -> dict[str, int]:
 
 def _read_by_unless(clauses: Collection[Clause]) -> set[str]:
     """The atom kinds an `unless` reads and those their clauses need, except the decisions."""
-    exact = {a.kind for c in clauses for a in c.unless} - {SAVED}
+    shapes = _shapes(clauses)
+    exact = {k for _, _, unless in shapes for k in unless} - {SAVED}
     grown = True
     while grown:
-        needed = {a.kind for c in clauses if c.head.kind in exact for a in (*c.when, *c.unless)} - {SAVED}
+        needed = {k for head, when, unless in shapes if head in exact for k in (*when, *unless)} - {SAVED}
         grown = not needed <= exact
         exact |= needed
     return exact
+
+
+def _shapes(clauses: Collection[Clause]) -> set[tuple[str, frozenset[str], frozenset[str]]]:
+    """The clauses' kinds: (head, when, unless), each once."""
+    return {(c.head.kind, frozenset(a.kind for a in c.when), frozenset(a.kind for a in c.unless)) for c in clauses}
 
 
 _cache: weakref.WeakKeyDictionary[ValueGraph, dict[bool, Rules]] = weakref.WeakKeyDictionary()
