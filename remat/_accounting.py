@@ -57,7 +57,7 @@ def account(trace: Trace, saved: Collection[int], offloaded: Collection[int] = (
     graph = trace.values
     if graph is None:
         raise ValueError("remat: this trace has no dataflow (it was made of hand-picked calls); trace a function")
-    resolved = rules_of(graph).resolve(saved)
+    resolved = rules_of(graph, inputs=False).resolve(saved)
     rng_state_bytes = sum(graph.rng_state_nbytes[c] for c in resolved.states)
     replay_reads = {v for c in resolved.replayed for v in graph.reads[c]}
     backward_reads = set(graph.backward_reads)

@@ -140,7 +140,7 @@ class _Program:
         self.n = n
         self.graph = graph
         decisions = [*(Atom(SAVED, c) for c in range(n)), *(Atom(REPLAYED, c) for c in range(n))]
-        rows = rules_of(graph).rows(decisions)
+        rows = rules_of(graph, inputs=False).rows(decisions)
         # Variables: s (saved), r (replayed), then the rules' other atoms: kept values and copies,
         # recomputed calls, generator states.
         others = {a for r in rows for a in r.coefficients} - set(decisions)
@@ -289,7 +289,8 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
             if relaxed is None:
                 raise InfeasibleBudget(minimum_bytes(trace, link))
             bound = max(bound, relaxed_bound)
-            saved = set(forced) | _round_and_repair(trace, costs, relaxed[: program.n], budget)
+            deadline = time.perf_counter() + FAST_TIME_LIMIT
+            saved = set(forced) | _round_and_repair(trace, costs, relaxed[: program.n], budget, deadline)
             candidates.append(_saving(saved, len(trace)))
     if solution is not None:
         candidates.append(program.decisions(solution))
@@ -325,12 +326,19 @@ def _saving(saved: set[int], n: int) -> tuple[Decision, ...]:
     return tuple(Decision.SAVE if c in saved else Decision.RECOMPUTE for c in range(n))
 
 
-def _round_and_repair(trace: Trace, costs: Sequence[float], fractions: np.ndarray, budget: int) -> set[int]:
-    """Saves from the LP relaxation: try thresholds from high to low and keep the cheapest
-    rounding within budget; then greedily add saves that lower the cost and still fit."""
+def _round_and_repair(
+    trace: Trace, costs: Sequence[float], fractions: np.ndarray, budget: int, deadline: float
+) -> set[int]:
+    """Saves from the LP relaxation: try rounding at 0.5, then at the other thresholds from high to
+    low, and keep the cheapest rounding within budget; then greedily add saves that lower the cost and
+    still fit; all but the first rounding only until `deadline` (a `time.perf_counter()`). (Each greedy step weighs every replayed call: on a trace of a
+    thousand calls that is seconds a step, and the steps could run for minutes.)"""
     best: set[int] | None = None
     best_cost = math.inf
-    for threshold in sorted({0.5, *(float(f) for f in fractions if f > 1e-6)}, reverse=True):
+    thresholds = sorted({float(f) for f in fractions if f > 1e-6} - {0.5}, reverse=True)
+    for k, threshold in enumerate([0.5, *thresholds]):
+        if k and time.perf_counter() >= deadline:
+            break
         saved = {c for c, f in enumerate(fractions) if f >= threshold - 1e-9}
         kept = account(trace, saved)
         if kept.saved_bytes <= budget and replay_cost(kept, costs) < best_cost:
@@ -342,7 +350,7 @@ def _round_and_repair(trace: Trace, costs: Sequence[float], fractions: np.ndarra
             raise InfeasibleBudget(kept.saved_bytes)
         best_cost = replay_cost(kept, costs)
     improved = True
-    while improved:  # one more save at a time, the best cost per byte first
+    while improved and time.perf_counter() < deadline:  # one more save at a time, the best cost per byte first
         improved = False
         options = []
         for c in account(trace, best).replayed_calls:

@@ -152,9 +152,11 @@ class Resolution:
 class Rules:
     """The clauses of one value graph (forward mode or not), indexed to resolve decisions quickly."""
 
-    def __init__(self, graph: ValueGraph, forward_mode: bool):
+    def __init__(self, graph: ValueGraph, forward_mode: bool, omit: frozenset[str] = frozenset()):
         # Nothing here refers to `graph`: the cache below holds rules as long as their graph lives.
-        self.clauses = tuple(_clauses(graph, forward_mode))
+        self.clauses = tuple(c for c in _clauses(graph, forward_mode) if c.head.kind not in omit)
+        read = {a.kind for c in self.clauses for a in (*c.when, *c.unless)}
+        assert not read & omit, f"remat: the rules read {read & omit}, which cannot be left out"
         stratum = _strata(self.clauses)
         self._strata = max(stratum.values(), default=0)
         # Resolving runs on atoms numbered 0, 1, ... (a flag each) and clauses of numbers: `resolve` is
@@ -181,7 +183,7 @@ class Rules:
                     self._later[number[atom]].append((level, i))
         for same in self._same:
             same.reverse()
-        self._rows: dict[tuple[tuple[Atom, ...], tuple[str, ...]], tuple[Row, ...]] = {}
+        self._rows: dict[tuple[Atom, ...], tuple[Row, ...]] = {}
 
     def resolve(self, saved: Collection[int]) -> Resolution:
         """What holds when exactly the calls `saved` are saved: the least set of atoms closed under
@@ -231,24 +233,22 @@ class Rules:
             states=tuple(sorted(by_kind[STATE])),
         )
 
-    def rows(self, atoms: Iterable[Atom], omit: Collection[str] = (AS_IS,)) -> tuple[Row, ...]:
+    def rows(self, atoms: Iterable[Atom]) -> tuple[Row, ...]:
         """The clauses as linear rows over 0-1 variables (for the budget planner's program), and the
         converse rows that make the atoms an `unless` reads exact (a claim the planner could otherwise
-        make for free: say, a kept constant that stops a recomputation). Clauses whose head kind is in
-        `omit` are left out (no other clause reads them); `atoms` are the program's other variables,
-        and those of them no clause derives are zero. (Made once per arguments: planners ask often.)"""
-        key = (tuple(atoms), tuple(omit))
+        make for free: say, a kept constant that stops a recomputation). `atoms` are the program's other
+        variables, and those of them no clause derives are zero. (Made once per `atoms`: planners ask
+        often.)"""
+        key = tuple(atoms)
         found = self._rows.get(key)
         if found is None:
-            found = self._rows.setdefault(key, tuple(self._made_rows(*key)))
+            found = self._rows.setdefault(key, tuple(self._made_rows(key)))
         return found
 
-    def _made_rows(self, atoms: tuple[Atom, ...], omit: tuple[str, ...]) -> Iterator[Row]:
+    def _made_rows(self, atoms: tuple[Atom, ...]) -> Iterator[Row]:
         rows = []
         bodies: dict[Atom, list[Clause]] = {}
         for clause in self.clauses:
-            if clause.head.kind in omit:
-                continue
             bodies.setdefault(clause.head, []).append(clause)
             # head >= when - unless - (|when| - 1)
             coefficients: dict[Atom, float] = {atom: 1.0 for atom in clause.when}
@@ -316,15 +316,18 @@ def _shapes(clauses: Collection[Clause]) -> set[tuple[str, frozenset[str], froze
     return {(c.head.kind, frozenset(a.kind for a in c.when), frozenset(a.kind for a in c.unless)) for c in clauses}
 
 
-_cache: weakref.WeakKeyDictionary[ValueGraph, dict[bool, Rules]] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[ValueGraph, dict[tuple[bool, bool], Rules]] = weakref.WeakKeyDictionary()
 _cache_lock = threading.Lock()
 
 
-def rules_of(graph: ValueGraph, forward_mode: bool = False) -> Rules:
-    """The rules of `graph` (made once per graph and mode)."""
+def rules_of(graph: ValueGraph, forward_mode: bool = False, *, inputs: bool = True) -> Rules:
+    """The rules of `graph` (made once per graph and arguments). Without `inputs`, they leave out
+    which inputs are read as they are (no clause reads that, and it costs nothing): what the
+    accounting and the planners need, not the partition."""
     with _cache_lock:
         by_mode = _cache.setdefault(graph, {})
-    found = by_mode.get(forward_mode)
+    key = (forward_mode, inputs)
+    found = by_mode.get(key)
     if found is None:
-        found = by_mode.setdefault(forward_mode, Rules(graph, forward_mode))
+        found = by_mode.setdefault(key, Rules(graph, forward_mode, frozenset() if inputs else frozenset({AS_IS})))
     return found

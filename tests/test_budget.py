@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import models
+import numpy as np
 import pytest
 import torch
 from conftest import bytes_seen_by_saved_tensors_hooks, examples
@@ -190,6 +191,27 @@ def test_without_time_for_branch_and_bound_the_fast_plan_rounds_the_relaxation(m
         assert rounded.lower_bound <= optimum.cost + 1e-6
     with pytest.raises(_budget.InfeasibleBudget):
         _budget.solve(trace, -1, "flops", exact=False)
+
+
+def test_the_fast_modes_repair_stops_at_its_deadline() -> None:
+    # Each greedy step weighs every replayed call: on a trace of a thousand calls it could run for
+    # minutes. Past its deadline the repair keeps the rounding it has.
+    from remat import _budget
+
+    trace = _block_trace("softmax")
+    costs = _budget.call_costs(trace, "flops")
+    nothing = np.zeros(len(trace))  # the relaxation's saves, rounded at 0.5: none
+    budget = _everything_bytes(trace)
+    assert _budget._round_and_repair(trace, costs, nothing, budget, deadline=0.0) == set()
+    repaired = _budget._round_and_repair(trace, costs, nothing, budget, deadline=math.inf)
+    assert repaired and account(trace, repaired).saved_bytes <= budget
+    assert replay_cost_of(trace, repaired, costs) < replay_cost_of(trace, set(), costs)
+
+
+def replay_cost_of(trace: remat.Trace, saved: set[int], costs: list[float]) -> float:
+    from remat import _budget
+
+    return _budget.replay_cost(account(trace, saved), costs)
 
 
 # --- errors, repr, caching ---------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def test_the_least_solution_of_the_rows_is_the_resolution(data: st.DataObject) -
     trace = remat.trace(fn, *args)
     n = len(trace)
     saved = data.draw(st.sets(st.integers(0, max(n - 1, 0))) if n else st.just(set()), label="saved")
-    rules = rules_of(trace.values)
+    rules = rules_of(trace.values, inputs=False)
     decisions = [*(Atom(SAVED, c) for c in range(n)), *(Atom(REPLAYED, c) for c in range(n))]
     rows = rules.rows(decisions)
     columns = {
