@@ -252,10 +252,6 @@ class ValueGraph:
     rng_state_nbytes: tuple[int, ...]
     nodes: Mapping[Value, fx.Node]
 
-    @property
-    def n_calls(self) -> int:
-        return len(self.reads)
-
     def dataflow(self) -> Dataflow:
         """The public view of it (`remat.Dataflow`): the values that cost memory to keep, and who reads
         them for their value (inputs read as they are cost nothing)."""
@@ -328,9 +324,10 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
         reads.append(_distinct(v for n in node.all_input_nodes for v in values_shown(n)))
         by_value = {v for n in node.all_input_nodes if n not in any_value for v in values_shown(n)}
         as_they_are.append(frozenset(v for n in any_value for v in values_shown(n) if v[0] < 0 and v not in by_value))
-    returned_nodes = [joint.outputs[i] for i in returned_outputs(joint)]
+    returned = returned_outputs(joint)
+    returned_nodes = [joint.outputs[i] for i in returned]
     returned_set = set(returned_nodes)
-    overwritten_inputs = frozenset((input_index[p], 0) for p in mutated_inputs(joint, returned_outputs(joint)))
+    overwritten_inputs = frozenset((input_index[p], 0) for p in mutated_inputs(joint, returned))
     with_derivative = varying(joint, forward_mode=False)
     with_tangent = varying(joint, forward_mode=True)
     inputs = {storage_key(t) for p in joint.primals for t in tensors_in(p.meta["val"])}
