@@ -4,6 +4,7 @@ memory target, replaying as little as possible. See NOTE [planning a step].
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -265,21 +266,20 @@ class _Row:
 def _rows(timeline: _step.Timeline, group_of: Sequence[int], groups: Sequence[_Group]) -> list[_Row]:
     """Each segment's peak as a function of the choices: see NOTE [a step's timeline]."""
 
-    def move(terms: dict[tuple[int, int], int], call: int, by: Callable[[Peak], int]) -> None:
-        g = group_of[call]
-        base = by(groups[g].options[0].peak)
-        for k, option in enumerate(groups[g].options):
-            terms[(g, k)] = terms.get((g, k), 0) + by(option.peak) - base
+    def moved(by: Callable[[Peak], int]) -> list[list[int]]:  # per group, per option
+        return [[by(option.peak) - by(group.options[0].peak) for option in group.options] for group in groups]
 
+    kept = moved(lambda peak: peak.after_forward)
+    forward, backward = moved(lambda peak: peak.forward), moved(lambda peak: peak.backward)
     rows = []
     for segment in timeline.segments:
-        terms: dict[tuple[int, int], int] = {}
-        for call in segment.alive:
-            move(terms, call, lambda peak: peak.after_forward)
-        if segment.phase is _step.Phase.FORWARD and segment.call is not None:
-            move(terms, segment.call, lambda peak: peak.forward)
-        elif segment.phase is _step.Phase.BACKWARD and segment.call is not None:
-            move(terms, segment.call, lambda peak: peak.backward)
+        alive = collections.Counter(group_of[call] for call in segment.alive)  # calls of a group move alike
+        terms = {(g, k): count * change for g, count in alive.items() for k, change in enumerate(kept[g])}
+        own = {_step.Phase.FORWARD: forward, _step.Phase.BACKWARD: backward}.get(segment.phase)
+        if own is not None and segment.call is not None:
+            g = group_of[segment.call]
+            for k, change in enumerate(own[g]):
+                terms[(g, k)] = terms.get((g, k), 0) + change
         rows.append(_Row(segment, terms))
     return rows
 

@@ -30,6 +30,10 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
 ]
 
+# Inductor's first compile in a process on a cold machine costs some 13 s (its C++ prelude, its compile
+# workers), whatever it compiles after: its tests run on one xdist worker, which pays it once.
+INDUCTOR = pytest.mark.xdist_group("inductor")
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> Any:
@@ -150,6 +154,7 @@ def test_the_compiled_program_recomputes_what_remat_replays() -> None:
 
 
 @pytest.mark.slow
+@INDUCTOR
 def test_inductor_compiles_a_model_with_a_checkpointed_block() -> None:
     block = models.GPT2Block().float()
     checkpointed = remat.checkpoint(block, policy=policies.dots_saveable)
@@ -162,7 +167,7 @@ def test_inductor_compiles_a_model_with_a_checkpointed_block() -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=[pytest.mark.slow, INDUCTOR])])
 def test_a_recomputed_dropout_draws_the_mask_forward_drew(backend: str) -> None:
     dropped = remat.checkpoint(lambda x: torch.nn.functional.dropout(x * 2, p=0.5).exp())
     x = torch.randn(1000, requires_grad=True)
@@ -393,6 +398,7 @@ def test_compiled_programs_write_through_views_and_fill_in_eagers_layout(policy:
 
 
 @pytest.mark.slow
+@INDUCTOR
 def test_inductor_compiles_remat_programs() -> None:
     block = models.GPT2Block().float()
     checkpointed = remat.checkpoint(block, policy=policies.dots_saveable, compile=True)
