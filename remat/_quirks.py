@@ -58,7 +58,7 @@ class Quirk:
 
 DETACH_TRACES_AS_ALIAS = Quirk(
     ops=(aten.detach.default, aten.alias.default),
-    releases=("2.15",),
+    releases=("2.14", "2.15"),
     differs="make_fx records `x.detach()` as `aten.alias`, a view autograd differentiates, not as `aten.detach`",
     note="NOTE [a detach runs as a detach] (remat/_joint.py)",
     table=frozenset({aten.detach.default, aten.alias.default}),  # what a detach traces as, on any release
@@ -220,8 +220,8 @@ SAC_ASKS_AGAIN_WHILE_RECOMPUTING = Quirk(
     ops=(),
     releases=("2.12",),
     differs=(
-        "a selective-checkpoint region under torch.compile asks its policy again for each op it recomputes "
-        "(`ctx.is_recompute`), from the first call on"
+        "a selective-checkpoint region under torch.compile that Dynamo runs eagerly (a graph break inside) "
+        "asks its policy again for each op it recomputes (`ctx.is_recompute`), from the first call on"
     ),
     note="`_dynamo._RecomputeTags` counts the forward's and the recomputation's positions apart",
 )
