@@ -26,7 +26,7 @@ from ._errors import TraceError
 from ._execute import Executable, forward_mode_active, nested_forward_mode, run, unsupported_under
 from ._joint import JointGraph, is_tracing, joint_graph_of, nested_checkpoint
 from ._log import describe_signature, explain_retrace, log_trace, logger
-from ._partition import partition
+from ._partition import Programs, partition
 from ._peak import predict_peak
 from ._pytree import FlatArgs, flatten_args
 from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure_of
@@ -295,6 +295,8 @@ def _build_executable(
             "do. Checkpoint it without `compile=`, or use `torch.compile` around the checkpointed model."
         )
     programs = partition(joint, decisions, forward_mode=forward_mode)
+    output_metas = tuple(TensorMeta.of(o.meta["val"]) for o in joint.outputs)
+    _check_sizes_backward_can_tell(joint, programs, output_metas)
     return Executable(
         programs=programs,
         differentiable_outputs=joint.differentiable_outputs,
@@ -302,7 +304,7 @@ def _build_executable(
         n_primals=len(joint.primals),
         n_user_outputs=joint.n_user_outputs,
         dirty=joint.dirty,
-        output_metas=tuple(TensorMeta.of(o.meta["val"]) for o in joint.outputs),
+        output_metas=output_metas,
         compiled=None if compile_options is None else compile_programs(programs, compile_options),
         unbatchable=unsupported_under("torch.func.vmap", joint.graph.nodes),
         higher_order_ops=frozenset(n.target for n in joint.graph.nodes if isinstance(n.target, HigherOrderOperator)),
@@ -311,7 +313,28 @@ def _build_executable(
         )
         if forward_mode
         else None,
+        sized_by_values=tuple(
+            i for i in joint.differentiable_outputs if output_metas[i].data_dependent and i in programs.returned
+        ),
     )
+
+
+def _check_sizes_backward_can_tell(joint: JointGraph, programs: Programs, metas: Sequence[TensorMeta]) -> None:
+    """Refuse an output rebuilt after the Function (a view of an input) whose size depends on values,
+    where the backward program reads its gradient: the Function never sees the view, so the zeros it
+    hands the backward for it could not take its size."""
+    if not any(i in programs.returned for i in joint.differentiable_outputs):
+        return  # the backward program never runs: only the views' own gradients flow
+    placeholders = [n for n in programs.backward.graph.nodes if n.op == "placeholder"]
+    tangents = placeholders[len(programs.kept) :]
+    for i, tangent in zip(joint.differentiable_outputs, tangents, strict=False):
+        if metas[i].data_dependent and i not in programs.returned and tangent.users:
+            raise TraceError(
+                f"remat: output {i} of the checkpointed function is a view of an input whose size depends on "
+                f"values the function read ({metas[i]}), returned beside outputs it computes: remat rebuilds such "
+                "a view after running the function, and its backward could not tell the view's size. Take the "
+                "view outside the checkpointed function."
+            )
 
 
 class DelegatesToCheckpointed:

@@ -49,6 +49,7 @@ class Executable:
     unbatchable: str | None = None  # why the programs cannot run under `vmap`, if they cannot
     not_under_forward_ad: str | None = None  # why they cannot under `torch.autograd.forward_ad`, if so
     higher_order_ops: frozenset[HigherOrderOperator] = frozenset()  # called by the programs (flex attention)
+    sized_by_values: tuple[int, ...] = ()  # returned differentiable outputs whose sizes depend on values
 
     def forward(self, *primals: torch.Tensor) -> Sequence[torch.Tensor]:
         if self.compiled is not None and not functorch_active():
@@ -163,6 +164,8 @@ class _CheckpointFunction(torch.autograd.Function):
             ctx.remat_output_metas = [TensorMeta.of(o) for o in output]  # zeros where it finds no tangent
             if not functorch_active():  # See NOTE [tangents in their outputs' layouts].
                 ctx.remat_output_layouts = [_Layout.of(o) for o in output]
+        if executable.sized_by_values:  # the zeros backward makes where it gets no gradient take these sizes
+            ctx.remat_sizes = {i: output[programs.returned.index(i)].shape for i in executable.sized_by_values}
         if executable.dirty:  # (each skipped call is a microsecond of every cached call's overhead)
             ctx.mark_dirty(*_as_seen_by_autograd(ctx, [primals[i] for i in executable.dirty]))
         non_differentiable = [
@@ -207,8 +210,9 @@ class _CheckpointFunction(torch.autograd.Function):
         if any(g is not None for g in grads[:n_returned]):
             # Outputs rebuilt by the epilogue send their gradients through autograd's view nodes. (A
             # comprehension: a loop variable would keep the last gradient alive through the backward.)
+            sizes = getattr(ctx, "remat_sizes", {})
             tangents = [
-                _zeros(executable.output_metas[i]) if grad_of_output.get(i) is None else grad_of_output[i]
+                _zeros(executable.output_metas[i], sizes.get(i)) if grad_of_output.get(i) is None else grad_of_output[i]
                 for i in executable.differentiable_outputs
             ]
             arguments = [*kept, *tangents]
@@ -455,8 +459,10 @@ def _kept_value(
             return output[n_returned + index]
 
 
-def _zeros(meta: TensorMeta) -> torch.Tensor:
-    return torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
+def _zeros(meta: TensorMeta, shape: Sequence[int] | None = None) -> torch.Tensor:
+    """The gradient of an output that got none: zeros of its `meta`, in this call's `shape` (its sizes
+    that depend on values are given in `meta` at their bounds)."""
+    return torch.zeros(meta.shape if shape is None else shape, dtype=meta.dtype, device=meta.device)
 
 
 def _marked_non_differentiable(ctx: Any, programs: Programs) -> Iterator[bool]:

@@ -17,6 +17,7 @@ from torch import fx
 
 from . import _offload, _rng
 from ._capture import SCATTERS, history_of
+from ._errors import TraceError
 from ._facts import fill_of, stop_gradient_of
 from ._fidelity import fill_in_eager_layout, is_dense, runnable
 from ._joint import JointGraph, is_free, stops_gradient
@@ -199,7 +200,7 @@ def views_of_inputs(
     if first:
         graph = fx.Graph()
         env = {primal: graph.placeholder(primal.name) for primal in joint.primals}
-        graph.output(tuple(_emit_views(graph, env, joint.outputs[i]) for i in first))
+        graph.output(tuple(_emit_views(graph, env, joint.outputs[i], frozenset(), before=True) for i in first))
         prologue = _module(joint, graph)
     graph = fx.Graph()
     env = {primal: graph.placeholder(primal.name) for primal in joint.primals}
@@ -210,12 +211,18 @@ def views_of_inputs(
         env.setdefault(joint.outputs[i], placeholder)
     for value, primal in overwritten.items():
         env.setdefault(value, env[primal])
-    graph.output(tuple(_emit_views(graph, env, output) for output in joint.outputs[: joint.n_user_outputs]))
+    updated = frozenset(overwritten.values())  # after the Function, these inputs hold their new values
+    outputs = joint.outputs[: joint.n_user_outputs]
+    graph.output(tuple(_emit_views(graph, env, output, updated, before=False) for output in outputs))
     return prologue, _module(joint, graph)
 
 
-def _emit_views(graph: fx.Graph, env: dict[fx.Node, fx.Node], node: fx.Node) -> fx.Node:
-    """Copy into `graph` the views from `node` down to a node already in `env`."""
+def _emit_views(
+    graph: fx.Graph, env: dict[fx.Node, fx.Node], node: fx.Node, updated: Collection[fx.Node], *, before: bool
+) -> fx.Node:
+    """Copy into `graph` the views from `node` down to a node already in `env`, and the numbers they
+    take that `fn` read from tensors' values (`x[: n.item()]`): see `_emit_number`. The graph runs
+    `before` the Function (a prologue), or after it, when the inputs in `updated` hold new values."""
     chain = []  # without recursion: a chain may be long
     while node not in env:
         if not is_free(node):  # the rules return every output that is not a view of one that is there
@@ -223,10 +230,41 @@ def _emit_views(graph: fx.Graph, env: dict[fx.Node, fx.Node], node: fx.Node) -> 
         chain.append(node)
         node = node.args[0]  # type: ignore[assignment]
     for view in reversed(chain):
+        for number in view.all_input_nodes[1:]:
+            _emit_number(graph, env, number, updated, before)
         env[view] = graph.node_copy(view, lambda n: env[n])
         if stop_gradient_of(view) == "no_grad":  # a view `fn` took under no_grad
             env[view].target, env[view].args = _run_under_no_grad, (view.target, *env[view].args)  # type: ignore[arg-type]
     return env[chain[0] if chain else node]
+
+
+def _emit_number(
+    graph: fx.Graph, env: dict[fx.Node, fx.Node], node: fx.Node, updated: Collection[fx.Node], before: bool
+) -> None:
+    """Copy into `graph` the arithmetic of a size or offset a view takes, down to the tensor values it
+    reads: an input's (as `fn` read it), or an output's the Function returned. Any other value is not
+    there to read: refused."""
+    if node in env:
+        return
+    read_updated = node.target is torch.ops.aten._local_scalar_dense.default and node.args[0] in updated
+    if read_updated or isinstance(node.meta.get("val"), torch.Tensor):
+        if read_updated:
+            why, way_out = "an input it then updates in place, which holds its new value once the function has run", ""
+        elif before:
+            why = (
+                "a tensor it computed, and it uses that input again after the view: remat rebuilds such views "
+                "before the function runs, when that value is not computed yet"
+            )
+            way_out = ", or after its last use of the input"
+        else:
+            why, way_out = "a tensor it computed and does not return", ", or return that tensor too"
+        raise TraceError(
+            "remat: the checkpointed function returns a view of an input whose size or offset it read from the "
+            f"value of {why} ({node.target}). Take the view outside the checkpointed function{way_out}."
+        )
+    for used in node.all_input_nodes:
+        _emit_number(graph, env, used, updated, before)
+    env[node] = graph.node_copy(node, lambda n: env[n])
 
 
 def _copied(destination: torch.Tensor, source: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:

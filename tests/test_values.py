@@ -72,6 +72,84 @@ def test_split_sizes_from_tensor_values() -> None:
     assert checkpointed.cache_info().traces == 1
 
 
+def narrowed(x: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.narrow(x, 0, start, 2), x[start.item() :].T  # `narrow` reads a tensor start's value
+
+
+def narrowed_and_computed(x: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    counts = start + 1
+    y = (x[start.item() :] @ x.T).sin()
+    return x.select(0, counts.item()), y, counts  # a row at an index read from a value it returns
+
+
+@pytest.mark.parametrize("fn", [narrowed, narrowed_and_computed])
+@pytest.mark.parametrize("policy", POLICIES[:2], ids=repr)
+def test_returned_views_of_inputs_at_offsets_read_from_values(
+    fn: Callable[..., torch.Tensor], policy: remat.Policy
+) -> None:
+    # It was `KeyError: _local_scalar_dense`: the views of inputs rebuilt after the Function took
+    # offsets the graph computed from a value, which they did not compute (OpInfo's `narrow` samples).
+    checkpointed = remat.checkpoint(fn, policy=policy)
+    x = randn(5, 5, seed=4)
+    for start in (1, 2):  # the offset stays symbolic: one trace
+        remat.testing.assert_checkpoint_equivalent(fn, x, torch.tensor(start), policy=policy, transforms=("vjp",))
+        checkpointed(x, torch.tensor(start))
+    assert checkpointed.cache_info().traces == 1
+
+
+def view_at_a_computed_offset(x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    return x[: (start * 2).item()]
+
+
+def view_at_a_computed_offset_then_read(x: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    counts = (start * 2).sum()
+    return x[: counts.item()], x.sin(), counts  # rebuilt before the Function (x is read after the view)
+
+
+def view_at_an_offset_then_updated(x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    view = x[start.item() :]
+    start.add_(1)
+    return view
+
+
+def view_sized_by_a_value_beside_a_computed_output(x: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return x[start.item() :], x.sin()  # rebuilt after the Function, whose backward reads its (zero) gradient
+
+
+@pytest.mark.parametrize(
+    ("fn", "why"),
+    [
+        (view_at_a_computed_offset, "a tensor it computed and does not return.*or return that tensor too"),
+        (view_at_a_computed_offset_then_read, "a tensor it computed, and it uses that input again.*after its last use"),
+        (view_at_an_offset_then_updated, "an input it then updates in place"),
+        (view_sized_by_a_value_beside_a_computed_output, "size depends on values.*could not tell the view's size"),
+    ],
+)
+def test_a_returned_view_at_an_offset_that_cannot_be_read_again_is_refused(
+    fn: Callable[..., torch.Tensor], why: str
+) -> None:
+    with pytest.raises(remat.TraceError, match=f"(returns a view of an input whose size or offset|is a view).*{why}"):
+        remat.checkpoint(fn)(randn(5, 5, seed=4), torch.tensor(1))
+
+
+def masked_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x[x > 0].sin(), x.cos()
+
+
+def first_rows(x: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x[: (n * 2).item()].sin(), x.cos()
+
+
+@pytest.mark.parametrize(("fn", "args"), [(masked_rows, ()), (first_rows, (torch.tensor(2),))], ids=["mask", "item"])
+def test_an_output_sized_by_values_that_gets_no_gradient(fn: Callable[..., torch.Tensor], args: tuple) -> None:
+    # It was `RuntimeError: The size of tensor a (6) must match the size of tensor b (3)`: backward handed
+    # the output's gradient formula zeros at the size's bound, not at this call's size.
+    x = randn(6, seed=5)
+    (grad,) = torch.autograd.grad(remat.checkpoint(fn)(x, *args)[1].sum(), x)
+    (expected,) = torch.autograd.grad(fn(x, *args)[1].sum(), x)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
 def test_a_value_read_for_arithmetic_stays_symbolic() -> None:
     def scaled(x: torch.Tensor) -> torch.Tensor:
         return x * x.detach().sum().item()
