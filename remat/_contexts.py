@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -10,11 +11,18 @@ import torch
 from ._torch import (
     functorch_active,
     inplace_requires_grad_allowed,
+    preserved_dispatch_keys,
     saved_tensors_hooks_tracing,
     temporarily_clear_interpreter_stack,
 )
 
-__all__ = ["AUTOCAST_DEVICES", "autocast_disabled", "outside_functorch", "without_saved_tensors_hooks"]
+__all__ = [
+    "AUTOCAST_DEVICES",
+    "autocast_disabled",
+    "dispatch_keys_put_back",
+    "outside_functorch",
+    "without_saved_tensors_hooks",
+]
 
 # The device types whose autocast state a trace depends on (and programs run with turned off).
 AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -38,6 +46,34 @@ class autocast_disabled:
     def __exit__(self, *exc: object) -> None:
         for device in self.enabled:
             torch.set_autocast_enabled(device, True)
+
+
+# NOTE [a failed trace leaves the thread's dispatch keys as it found them]
+# A trace that fails inside torch's own error handling can leave behind, in the
+# frames of its exception, a context of torch's that changes this thread's
+# dispatch keys when those frames are freed: on torch 2.13, `torch.quantile`
+# traced for forward mode fails in the meta kernel of `lerp_`, whose error
+# message prints a dual tensor, which raises from C++; once the exception is
+# collected, the Python dispatch key is left excluded, and every later trace in
+# the thread fails ("you set no_dispatch() before calling into this function"),
+# whatever it traces. So a failed trace frees its exception's frames at once
+# (their local variables: the traceback still names every line) inside a guard
+# that then puts the thread's dispatch keys back as they were before the trace.
+@contextmanager
+def dispatch_keys_put_back() -> Iterator[None]:
+    """Put this thread's dispatch keys back as they are now, however the body ends; if it raises,
+    after freeing what the frames of the exception (and of its causes) hold."""
+    with preserved_dispatch_keys():
+        try:
+            yield
+        except BaseException as error:
+            seen: set[int] = set()
+            cause: BaseException | None = error
+            while cause is not None and id(cause) not in seen:
+                seen.add(id(cause))
+                traceback.clear_frames(cause.__traceback__)
+                cause = cause.__cause__ or cause.__context__
+            raise
 
 
 @contextmanager

@@ -34,7 +34,7 @@ from ._capture import (
     redirect_histories,
     variable_slots,
 )
-from ._contexts import autocast_disabled, outside_functorch, without_saved_tensors_hooks
+from ._contexts import autocast_disabled, dispatch_keys_put_back, outside_functorch, without_saved_tensors_hooks
 from ._errors import TraceError, explain_tracing_errors
 from ._facts import (
     add_tag,
@@ -141,6 +141,7 @@ def joint_graph_of(
         with (
             _ONE_TRACE_AT_A_TIME,
             explain_tracing_errors(fn),
+            dispatch_keys_put_back(),  # NOTE [a failed trace leaves the thread's dispatch keys as it found them]
             without_saved_tensors_hooks(),
             outside_functorch(),
             seeding_refused(),  # NOTE [seeding inside a checkpointed function]

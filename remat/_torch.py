@@ -137,6 +137,7 @@ __all__ = [
     "memory_layout",
     "op_schema",
     "overload_name",
+    "preserved_dispatch_keys",
     "release_saved_tensors",
     "run_real_kernel_on_zeros",
     "saved_tensors_hooks_tracing",
@@ -611,6 +612,12 @@ def empty_in_memory_layout(tensor: torch.Tensor) -> torch.Tensor | None:
 def batched_level(ctx: Any) -> int:
     """The vmap level of the ctx `setup_context` gets under vmap (a `CtxCustomSave`)."""
     return ctx._pt_current_level  # type: ignore[no-any-return]
+
+
+def preserved_dispatch_keys() -> Any:
+    """A guard that puts this thread's included and excluded dispatch keys back as they were when it was
+    made, when it exits."""
+    return torch._C._PreserveDispatchKeyGuard()
 
 
 @contextlib.contextmanager

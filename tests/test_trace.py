@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import pathlib
 
+import pytest
 import torch
 from torch import nn
 
 import remat
+import remat.testing
 
 aten = torch.ops.aten
 DTYPE = torch.float64
@@ -406,3 +408,54 @@ def test_a_checkpointed_function_runs_under_a_fake_mode_of_the_callers() -> None
     assert isinstance(out, FakeTensor) and out.fake_mode is mode
     assert isinstance(x.grad, FakeTensor) and x.grad.fake_mode is mode and x.grad.shape == (4, 8)
     assert isinstance(layer.weight.grad, FakeTensor) and layer.weight.grad.shape == (8, 8)
+
+
+# --- a failed trace leaves the thread as it found it ----------------------------------------------
+
+_LEFT_BEHIND: list[object] = []  # what the stale context below changes the thread's dispatch keys with
+
+
+def _python_key_excluded() -> bool:
+    return torch._C._dispatch_tls_local_exclude_set().has(torch._C.DispatchKey.Python)
+
+
+def _fails_leaving_a_context_that_excludes_the_python_key(x: torch.Tensor) -> torch.Tensor:
+    """As torch's own error paths can: a context suspended in the failing frame that, once the frame is
+    freed, excludes the Python dispatch key and never includes it again."""
+
+    def stale() -> object:
+        try:
+            yield
+        finally:
+            guard = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python))
+            guard.__enter__()  # never exited
+            _LEFT_BEHIND.append(guard)
+
+    context = stale()
+    next(context)  # type: ignore[call-overload]
+    raise ValueError("the trace fails here")
+
+
+def test_a_failed_trace_leaves_the_threads_dispatch_keys_as_it_found_them() -> None:
+    # See NOTE [a failed trace leaves the thread's dispatch keys as it found them].
+    try:
+        with pytest.raises(ValueError, match="the trace fails here"):
+            remat.checkpoint(_fails_leaving_a_context_that_excludes_the_python_key)(torch.ones(3, requires_grad=True))
+        assert _LEFT_BEHIND  # the context ran, inside the failed trace
+        assert not _python_key_excluded()
+        remat.testing.assert_checkpoint_equivalent(lambda x: x.sin().exp(), torch.randn(3, dtype=DTYPE))
+    finally:
+        _LEFT_BEHIND.clear()
+
+
+def test_after_quantile_fails_to_trace_under_forward_mode_the_next_trace_works() -> None:
+    # `torch.quantile` traced for forward mode fails in torch's meta kernel of `lerp_`, whose error path
+    # left the Python dispatch key excluded: every later trace failed ("you set no_dispatch()").
+    x, q = torch.randn(3, 4, dtype=DTYPE), torch.tensor([0.2, 0.7], dtype=DTYPE)
+    checkpointed = remat.checkpoint(lambda x: torch.quantile(x, q, dim=1))
+    try:
+        torch.func.jvp(checkpointed, (x,), (torch.ones_like(x),))
+    except remat.TraceError as error:
+        assert "lerp_" in str(error)
+    assert not _python_key_excluded()
+    remat.testing.assert_checkpoint_equivalent(lambda x: torch.quantile(x, q, dim=1), x.requires_grad_())
