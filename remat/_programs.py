@@ -21,7 +21,7 @@ from ._errors import TraceError
 from ._facts import fill_of, stop_gradient_of
 from ._fidelity import fill_in_eager_layout, is_dense, runnable
 from ._joint import JointGraph, is_free, stops_gradient
-from ._torch import BoxedCodeGen, LazyGraphModule, memory_layout
+from ._torch import BoxedCodeGen, LazyGraphModule, memory_layout, vmap_levels
 
 __all__ = ["PureForward", "backward_program", "device_of", "forward_program", "views_of_inputs"]
 
@@ -430,7 +430,26 @@ def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.
         copy.target, copy.args = _scattered_in_base_layout, (node.target, *copy.args)
     elif node.target is aten.as_strided_scatter.default:
         copy.target = _as_strided_scattered
+    elif node.target is aten.index_fill.int_Tensor:
+        copy.target = _index_filled
     return copy
+
+
+# NOTE [an index fill of a batched value]
+# Under vmap, torch's batching rule for `index_fill` with a tensor value fills
+# every example with the last example's value where the tensor filled is not
+# batched and the value is (`zeros(25).index_fill(0, idx, v)` for a batched
+# `v`): in torch alone, though eager rarely meets it. remat's programs do:
+# `trace`'s gradient formula is such a fill of zeros, by the incoming gradient,
+# which is batched under `vmap`. There the fill runs as a `where` over a mask of
+# the filled positions, which selects the same elements and is batched right.
+def _index_filled(base: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`aten.index_fill(base, dim, index, value)`; as a `where` where `value` is batched under vmap and
+    `base` is not: see NOTE [an index fill of a batched value]."""
+    if not vmap_levels(value) - vmap_levels(base):
+        return aten.index_fill.int_Tensor(base, dim, index, value)
+    mask = torch.zeros_like(base, dtype=torch.bool).index_fill(dim, index, True)
+    return torch.where(mask, value.to(base.dtype), base)
 
 
 # NOTE [a write through as_strided runs as one]

@@ -153,6 +153,7 @@ __all__ = [
     "unwrap_batched",
     "unwrap_level",
     "version_counter",
+    "vmap_levels",
 ]
 
 aten = torch.ops.aten
@@ -673,6 +674,16 @@ def make_dual(primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
     for level, bdim in reversed(wrappers):
         dual = torch._C._functorch._add_batch_dim(dual, bdim, level)
     return dual
+
+
+def vmap_levels(tensor: torch.Tensor) -> frozenset[int]:
+    """The levels of the `vmap`s `tensor` is batched by, through every torch.func wrapper around it."""
+    levels = set()
+    while is_functorch_wrapped(tensor):
+        if torch._C._functorch.is_batchedtensor(tensor):
+            levels.add(torch._C._functorch.maybe_get_level(tensor))
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return frozenset(levels)
 
 
 def _batch_wrapper(tensor: torch.Tensor) -> tuple[int, int] | None:

@@ -413,6 +413,25 @@ def test_regression_reverse_over_forward_of_a_write_through_as_strided(op: str, 
     assert_checkpoint_equivalent(fn, models.randn(3, 4, seed=9), policy=policy, transforms=["grad_of_jvp", "jvp"])
 
 
+def _trace_of_sin(x: torch.Tensor) -> torch.Tensor:
+    return torch.trace(x.sin()) * x
+
+
+@pytest.mark.parametrize("fn", [torch.trace, _trace_of_sin], ids=["trace", "trace_of_sin"])
+@SEVERAL_POLICIES
+def test_regression_vmap_of_a_fill_by_the_batched_gradient(fn: Callable, policy: Any) -> None:
+    # `trace`'s gradient fills zeros by the incoming gradient (`index_fill`), batched under vmap; torch's
+    # batching rule gave every example the last example's gradient, without an error (found by the
+    # checker's "vmap" over OpInfo). NOTE [an index fill of a batched value]
+    x = models.randn(5, 5, seed=10)
+    assert_checkpoint_equivalent(fn, x, policy=policy, transforms=["vmap", "grad_of_jvp_of_vmap", "vmap_of_jvp"])
+    stacked = models.randn(2, 5, 5, seed=11)
+    weights = torch.tensor([1.0, 10.0], dtype=torch.float64).reshape(2, *[1] * fn(x).dim())  # one per example
+    (got,) = torch.autograd.grad((vmap(remat.checkpoint(fn, policy=policy))(stacked) * weights).sum(), stacked)
+    (expected,) = torch.autograd.grad((vmap(fn)(stacked) * weights).sum(), stacked)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_transforms_are_not_blind() -> None:
     # The comparisons above would pass vacuously if the transforms gave zeros, or if the
     # scale did not reach the output: the model and the jacobian must be non-trivial.
