@@ -158,7 +158,11 @@ class _CheckpointFunction(torch.autograd.Function):
         n_returned = len(programs.returned)
         ctx.executable = executable
         kept = [_kept_value(k.where, primals, output, n_returned) for k in programs.kept]
-        ctx.save_for_backward(*kept)
+        # An input that requires grad, for the gradients' refusal to be differentiated to hang on: see
+        # NOTE [second derivatives of gradients that read LU factors].
+        anchor = [] if programs.backward_not_differentiable is None else [p for p in primals if p.requires_grad][:1]
+        ctx.remat_anchored = len(anchor)
+        ctx.save_for_backward(*kept, *anchor)
         if programs.traced_for_forward_mode:  # for the jvp rule
             ctx.save_for_forward(*kept)
             ctx.remat_output_metas = [TensorMeta.of(o) for o in output]  # zeros where it finds no tangent
@@ -201,6 +205,10 @@ class _CheckpointFunction(torch.autograd.Function):
         if taken:
             grads = taken.pop()
         kept = ctx.saved_tensors
+        # See NOTE [second derivatives of gradients that read LU factors].
+        anchor = kept[-1] if ctx.remat_anchored else None
+        kept = kept[: len(kept) - ctx.remat_anchored]
+        refused = programs.backward_not_differentiable if torch.is_grad_enabled() else None
         grad_inputs: list[torch.Tensor | None] = [None] * executable.n_primals
         grad_of_output = dict(zip(programs.returned, grads, strict=False))
         if torch.is_grad_enabled() and not functorch_active():
@@ -222,7 +230,9 @@ class _CheckpointFunction(torch.autograd.Function):
             with autocast_disabled():
                 computed = executable.backward(arguments)
             for primal, grad in zip(executable.grad_of, computed, strict=True):
-                grad_inputs[primal] = grad
+                grad_inputs[primal] = (
+                    grad if refused is None or grad is None else _NotDifferentiableAgain.apply(grad, refused, anchor)
+                )
         if kept_after:
             _accumulate(grad_inputs, _activations_vjp(programs, kept, activation_grads, ctx.needs_input_grad[1:]))
         return (None, *grad_inputs)
@@ -240,7 +250,11 @@ class _CheckpointFunction(torch.autograd.Function):
                 chosen.append((i, tangent))
         if executable.dirty and functorch_active():
             raise NotImplementedError(_UPDATED_INPUT_UNDER_FUNC_JVP)
-        output_tangents = list(_pure_jvp(programs, ctx.saved_tensors, chosen, ctx.needs_input_grad[1:]))
+        kept = ctx.saved_tensors
+        kept = kept[
+            : len(kept) - ctx.remat_anchored
+        ]  # See NOTE [second derivatives of gradients that read LU factors].
+        output_tangents = list(_pure_jvp(programs, kept, chosen, ctx.needs_input_grad[1:]))
         # An input the forward updated in place keeps its tangent tensor, updated in place too (as
         # autograd asks of a Function that marks an input dirty).
         for j, primal in enumerate(executable.dirty):
@@ -406,6 +420,48 @@ def _check_pure_differentiable(programs: Programs) -> None:
             "remat.checkpoint: a second-order or forward-mode derivative needs to differentiate the forward "
             f"again, which is not exact for call {programs.pure_unsupported}."
         )
+
+
+# NOTE [second derivatives of gradients that read LU factors]
+# The gradient formulas of `linalg.solve`, `det` and `slogdet` reuse the LU
+# factors their forward computed where grad mode is off as they run, and work
+# from the matrix again where it is on (`create_graph=True`: the gradient will
+# be differentiated). The factors are outputs autograd does not differentiate,
+# so differentiating the first form misses how they depend on the matrix.
+# remat traces backward with grad mode off, so its backward program has the
+# first form: a second derivative through it (`create_graph=True`, `grad` of
+# `grad`, `hessian`, a `torch.func.vjp` pullback differentiated) would come out
+# silently wrong. Where backward runs with grad mode on (so its gradients may be
+# differentiated), remat hands out each gradient through a Function that raises
+# where it is differentiated, in either mode; a gradient used as it is, as the
+# pullback of `torch.func.vjp` or `torch.func.grad` alone give it, is exact
+# (`_quirks.GRADIENTS_READ_LU_FACTORS`).
+class _NotDifferentiableAgain(torch.autograd.Function):
+    """A gradient (a copy) that raises, naming `why`, where it is differentiated: in reverse or forward mode.
+    It depends on `anchor` (an input that requires grad), as the gradient does in eager, where the traced
+    formula may not (slogdet's reads only the LU factors)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(grad: torch.Tensor, why: str, anchor: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        return grad.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.why = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise NotImplementedError(_second_derivative_refused(ctx.why))
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise NotImplementedError(_second_derivative_refused(ctx.why))
+
+
+def _second_derivative_refused(why: str) -> str:
+    return f"remat.checkpoint: a second-order derivative differentiates the backward of call {why}."
 
 
 # NOTE [tangents in their outputs' layouts]

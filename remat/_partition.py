@@ -120,6 +120,7 @@ class Programs:
     non_differentiable: tuple[bool, ...]  # per Function output: marked non-differentiable
     output_sources: tuple[frozenset[int], ...]  # per Function output: the primals it has a gradient for
     pure_unsupported: str | None  # why the programs cannot be differentiated again, if they cannot
+    backward_not_differentiable: str | None  # why the backward program cannot be, if it cannot
     kept: tuple[Kept, ...]
     decisions: tuple[Decision, ...]
 
@@ -190,6 +191,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         returned=returned,
         n_activations=len(activations),
         pure_unsupported=_pure_unsupported(joint, split),
+        backward_not_differentiable=_backward_not_differentiable(joint),
         non_differentiable=_non_differentiable(
             joint,
             returned,
@@ -257,6 +259,20 @@ def _pure_unsupported(joint: JointGraph, split: _Split) -> str | None:
 
 # Ops whose functional form torch differentiates wrongly a second time, and why.
 _NOT_TWICE_DIFFERENTIABLE = _quirks.RRELU_FUNCTIONAL_DERIVATIVE.table
+
+
+def _backward_not_differentiable(joint: JointGraph) -> str | None:
+    """Why differentiating the backward program would not be exact, if it would not: a call with a
+    derivative whose traced gradient formula reads what autograd does not differentiate."""
+    has_derivative = varying(joint, forward_mode=False)
+    for call, node in zip(joint.trace, joint.call_nodes, strict=True):
+        outputs = [node, *(user for user in node.users if user.target is operator.getitem)]
+        if node.target in _FORMULA_READS_FACTORS and any(output in has_derivative for output in outputs):
+            return f"{call}: {_FORMULA_READS_FACTORS[node.target]}"
+    return None
+
+
+_FORMULA_READS_FACTORS = _quirks.GRADIENTS_READ_LU_FACTORS.table
 
 
 def _non_differentiable(

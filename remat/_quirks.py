@@ -28,6 +28,7 @@ __all__ = [
     "QUIRKS",
     "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS",
     "RRELU_FUNCTIONAL_DERIVATIVE",
+    "GRADIENTS_READ_LU_FACTORS",
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING",
     "UNBACKED_SYMBOL_NAMES",
     "CpuLayout",
@@ -214,6 +215,30 @@ RRELU_FUNCTIONAL_DERIVATIVE = Quirk(
     },
 )
 
+_FACTORS_READ = (
+    "its gradient formula reads the LU factors the forward computed, which autograd does not differentiate "
+    "(eager's formula works from the matrix again where its gradient will itself be differentiated), so "
+    "remat's backward cannot be differentiated again exactly. Take second derivatives of it outside "
+    "remat.checkpoint, or save nothing of it and differentiate eager code"
+)
+
+GRADIENTS_READ_LU_FACTORS = Quirk(
+    ops=(aten._linalg_solve_ex.default, aten._linalg_det.default, aten._linalg_slogdet.default),
+    releases=None,
+    differs=(
+        "the gradient formulas of linalg.solve, det and slogdet read the LU factors their forward returned "
+        "(outputs autograd does not differentiate) where grad mode is off as they run, and work from the "
+        "matrix again where it is on; remat traces them with grad mode off, so a second derivative through "
+        "its backward misses how the factors depend on the matrix"
+    ),
+    note="NOTE [second derivatives of gradients that read LU factors] (remat/_execute.py)",
+    table={
+        aten._linalg_solve_ex.default: f"linalg.solve: {_FACTORS_READ}",
+        aten._linalg_det.default: f"linalg.det: {_FACTORS_READ}",
+        aten._linalg_slogdet.default: f"linalg.slogdet: {_FACTORS_READ}",
+    },
+)
+
 # --- torch.compile ------------------------------------------------------------------------------
 
 SAC_ASKS_AGAIN_WHILE_RECOMPUTING = Quirk(
@@ -246,6 +271,7 @@ QUIRKS: tuple[Quirk, ...] = (
     FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK,
     BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS,
     RRELU_FUNCTIONAL_DERIVATIVE,
+    GRADIENTS_READ_LU_FACTORS,
     SAC_ASKS_AGAIN_WHILE_RECOMPUTING,
     REGIONS_ALLOCATE_FOR_IN_PLACE_OPS,
 )

@@ -92,6 +92,21 @@ def _rrelu_functional_derivative_reads_its_noise_input() -> bool:
     return bool(grad[0] == 7.0)
 
 
+def _gradients_read_lu_factors() -> bool:
+    a = torch.randn(3, 3, dtype=torch.float64) + 3 * torch.eye(3, dtype=torch.float64)
+    b = torch.randn(3, 2, dtype=torch.float64)
+
+    def gradient(a: torch.Tensor, create_graph: bool) -> torch.Tensor:
+        a = a.detach().requires_grad_()
+        return torch.autograd.grad(torch.linalg.solve(a, b).sum(), a, create_graph=create_graph)[0]
+
+    ops = {
+        mode: {node.target for node in make_fx(functools.partial(gradient, create_graph=mode))(a).graph.nodes}
+        for mode in (False, True)
+    }
+    return aten.linalg_lu_solve.default in ops[False] and aten.linalg_lu_solve.default not in ops[True]
+
+
 def _sac_asks_again_while_recomputing() -> bool:
     asked: list[bool] = []
 
@@ -147,6 +162,7 @@ PROBES: dict[str, Callable[[], bool]] = {
     "FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK": _fake_batch_norm_backward_ignores_the_mask,
     "BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS": _batch_norm_training_ignores_running_stats,
     "RRELU_FUNCTIONAL_DERIVATIVE": _rrelu_functional_derivative_reads_its_noise_input,
+    "GRADIENTS_READ_LU_FACTORS": _gradients_read_lu_factors,
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING": _sac_asks_again_while_recomputing,
     "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS": _regions_allocate_for_in_place_ops,
 }

@@ -432,6 +432,47 @@ def test_regression_vmap_of_a_fill_by_the_batched_gradient(fn: Callable, policy:
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+_B = models.randn(4, 2, seed=12, requires_grad=False)
+LU_FACTORED = {
+    "solve": lambda a: torch.linalg.solve(a, _B).sin().sum(),
+    "det": lambda a: torch.linalg.det(a),
+    "slogdet": lambda a: torch.linalg.slogdet(a).logabsdet,
+}
+
+
+def _well_conditioned() -> torch.Tensor:
+    return (models.randn(4, 4, seed=13, requires_grad=False) + 4 * torch.eye(4, dtype=torch.float64)).requires_grad_()
+
+
+@pytest.mark.parametrize("name", sorted(LU_FACTORED))
+@SEVERAL_POLICIES
+def test_second_derivatives_through_gradients_that_read_lu_factors_are_refused(name: str, policy: Any) -> None:
+    # They came out silently wrong: the traced gradient formula reuses the forward's LU factors, which
+    # autograd does not differentiate. NOTE [second derivatives of gradients that read LU factors]
+    fn = LU_FACTORED[name]
+    checkpointed = remat.checkpoint(fn, policy=policy)
+    a = _well_conditioned()
+    refused = rf"second-order derivative differentiates the backward of call .*linalg.{name}: its gradient formula reads the LU factors"
+    for second in (
+        lambda f: hessian(f)(a.detach()),
+        lambda f: jacrev(jacrev(f))(a.detach()),
+        lambda f: grad(lambda x: grad(f)(x).square().sum())(a.detach()),
+        lambda f: torch.autograd.grad(torch.autograd.grad(f(a), a, create_graph=True)[0].square().sum(), a),
+    ):
+        second(fn)  # eager computes it
+        with pytest.raises(NotImplementedError, match=refused):
+            second(checkpointed)
+    # First derivatives, by any route, are eager's (a gradient made with grad mode on too, used as it is).
+    # (By value: under `grad` eager's det formula, with grad mode on, lays its gradient out transposed.)
+    assert_checkpoint_equivalent(fn, a, policy=policy, transforms=["jvp", "vmap"])
+    for first in (
+        lambda f: grad(f)(a.detach()),
+        lambda f: vjp(f, a.detach())[1](torch.tensor(1.5, dtype=torch.float64))[0],
+        lambda f: torch.autograd.grad(f(a), a, create_graph=True)[0],
+    ):
+        torch.testing.assert_close(first(checkpointed), first(fn), rtol=1e-12, atol=1e-12)
+
+
 def test_transforms_are_not_blind() -> None:
     # The comparisons above would pass vacuously if the transforms gave zeros, or if the
     # scale did not reach the output: the model and the jacobian must be non-trivial.
