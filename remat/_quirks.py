@@ -219,7 +219,7 @@ _FACTORS_READ = (
     "its gradient formula reads the LU factors the forward computed, which autograd does not differentiate "
     "(eager's formula works from the matrix again where its gradient will itself be differentiated), so "
     "remat's backward cannot be differentiated again exactly. Take second derivatives of it outside "
-    "remat.checkpoint, or save nothing of it and differentiate eager code"
+    "remat.checkpoint"
 )
 
 GRADIENTS_READ_LU_FACTORS = Quirk(
