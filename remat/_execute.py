@@ -158,11 +158,11 @@ class _CheckpointFunction(torch.autograd.Function):
         n_returned = len(programs.returned)
         ctx.executable = executable
         kept = [_kept_value(k.where, primals, output, n_returned) for k in programs.kept]
-        # An input that requires grad, for the gradients' refusal to be differentiated to hang on: see
-        # NOTE [second derivatives of gradients that read LU factors].
-        anchor = [] if programs.backward_not_differentiable is None else [p for p in primals if p.requires_grad][:1]
-        ctx.remat_anchored = len(anchor)
-        ctx.save_for_backward(*kept, *anchor)
+        if programs.backward_not_differentiable is not None:
+            # An input that requires grad, saved last, for the gradients' refusal to be differentiated to
+            # hang on: see NOTE [second derivatives of gradients that read LU factors] and `_saved`.
+            kept += [p for p in primals if p.requires_grad][:1]
+        ctx.save_for_backward(*kept)
         if programs.traced_for_forward_mode:  # for the jvp rule
             ctx.save_for_forward(*kept)
             ctx.remat_output_metas = [TensorMeta.of(o) for o in output]  # zeros where it finds no tangent
@@ -204,10 +204,7 @@ class _CheckpointFunction(torch.autograd.Function):
         taken = getattr(ctx, "remat_taken_grads", None)
         if taken:
             grads = taken.pop()
-        kept = ctx.saved_tensors
-        # See NOTE [second derivatives of gradients that read LU factors].
-        anchor = kept[-1] if ctx.remat_anchored else None
-        kept = kept[: len(kept) - ctx.remat_anchored]
+        kept, anchor = _saved(ctx, programs)
         refused = programs.backward_not_differentiable if torch.is_grad_enabled() else None
         grad_inputs: list[torch.Tensor | None] = [None] * executable.n_primals
         grad_of_output = dict(zip(programs.returned, grads, strict=False))
@@ -250,10 +247,7 @@ class _CheckpointFunction(torch.autograd.Function):
                 chosen.append((i, tangent))
         if executable.dirty and functorch_active():
             raise NotImplementedError(_UPDATED_INPUT_UNDER_FUNC_JVP)
-        kept = ctx.saved_tensors
-        kept = kept[
-            : len(kept) - ctx.remat_anchored
-        ]  # See NOTE [second derivatives of gradients that read LU factors].
+        kept, _ = _saved(ctx, programs)
         output_tangents = list(_pure_jvp(programs, kept, chosen, ctx.needs_input_grad[1:]))
         # An input the forward updated in place keeps its tangent tensor, updated in place too (as
         # autograd asks of a Function that marks an input dirty).
@@ -458,6 +452,14 @@ class _NotDifferentiableAgain(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         raise NotImplementedError(_second_derivative_refused(ctx.why))
+
+
+def _saved(ctx: Any, programs: Programs) -> tuple[Any, torch.Tensor | None]:
+    """(what the programs kept, the input saved after them for `_NotDifferentiableAgain`, if any)."""
+    saved = ctx.saved_tensors
+    if len(saved) == len(programs.kept):
+        return saved, None
+    return saved[:-1], saved[-1]
 
 
 def _second_derivative_refused(why: str) -> str:

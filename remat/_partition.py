@@ -264,10 +264,17 @@ _NOT_TWICE_DIFFERENTIABLE = _quirks.RRELU_FUNCTIONAL_DERIVATIVE.table
 def _backward_not_differentiable(joint: JointGraph) -> str | None:
     """Why differentiating the backward program would not be exact, if it would not: a call with a
     derivative whose traced gradient formula reads what autograd does not differentiate."""
+    found = [
+        (call, node)
+        for call, node in zip(joint.trace, joint.call_nodes, strict=True)
+        if node.target in _FORMULA_READS_FACTORS
+    ]
+    if not found:  # (most traces: no walk of the graph for derivatives)
+        return None
     has_derivative = varying(joint, forward_mode=False)
-    for call, node in zip(joint.trace, joint.call_nodes, strict=True):
+    for call, node in found:
         outputs = [node, *(user for user in node.users if user.target is operator.getitem)]
-        if node.target in _FORMULA_READS_FACTORS and any(output in has_derivative for output in outputs):
+        if any(output in has_derivative for output in outputs):
             return f"{call}: {_FORMULA_READS_FACTORS[node.target]}"
     return None
 
