@@ -713,7 +713,7 @@ def _joint_graph(
     _mark_replayed_detaches(forward_nodes, joint.detached, mutations, user_outputs)
     call_nodes = tuple(n for n in graph.nodes if n in forward_nodes and is_call(n) and n not in mutations)
     for node in call_nodes:
-        if isinstance(node.meta.get("val"), (tuple, list)):
+        if _may_stop_derivatives(node):
             note_differentiable_outputs(node, _differentiable_outputs(node, fake_mode))
     variables = variable_slots(fn)
     return JointGraph(
@@ -780,23 +780,56 @@ def _mark_replayed_detaches(
 # view and has no history, which is what `aten.detach` makes: `fn`'s own detaches run as that.
 
 
+def _may_stop_derivatives(node: fx.Node) -> bool:
+    """Whether autograd may leave some float output of the call `node` without a derivative from its
+    float inputs: a multi-output call (the mean and rstd of `native_layer_norm`), or one output
+    computed from a float tensor (`empty_like`, `zeros_like`: a buffer that dropout then fills)."""
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        return True
+    return (
+        isinstance(value, torch.Tensor)
+        and _all_floats(value)
+        and any(isinstance(v := arg.meta.get("val"), torch.Tensor) and _all_floats(v) for arg in node.all_input_nodes)
+    )
+
+
 def _differentiable_outputs(node: fx.Node, fake_mode: FakeTensorMode) -> tuple[bool, ...]:
-    """Which outputs of a multi-output call autograd differentiates (not, say, the mean
-    and rstd of `native_layer_norm`), found by calling it on fake tensors that require grad."""
+    """Which outputs of a call autograd differentiates (not, say, the mean and rstd of
+    `native_layer_norm`, nor the output of `empty_like`), found by calling it on fake tensors
+    that require grad: all its float inputs at once or, where the op refuses one (batch norm's
+    running statistics), each of them alone."""
+    values = [v for n in node.all_input_nodes if isinstance(v := n.meta.get("val"), torch.Tensor) and _all_floats(v)]
+    found = _outputs_requiring_grad(node, fake_mode, {id(v) for v in values})
+    if found is None:
+        alone = [_outputs_requiring_grad(node, fake_mode, {id(v)}) for v in values]
+        flags = [f for f in alone if f is not None]
+        if not flags:  # an op that cannot run again on its own: assume every float output is
+            return tuple(isinstance(v, torch.Tensor) and _all_floats(v) for v in _as_tuple(node.meta["val"]))
+        found = tuple(any(column) for column in zip(*flags, strict=True))
+    return found
 
-    def leaf(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and _all_floats(value):
-            return value.detach().requires_grad_()
-        return value
 
-    args = fx.node.map_aggregate(fx.node.map_arg(node.args, lambda n: n.meta.get("val")), leaf)
-    kwargs = fx.node.map_aggregate(fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val")), leaf)
+def _outputs_requiring_grad(node: fx.Node, fake_mode: FakeTensorMode, leaves: set[int]) -> tuple[bool, ...] | None:
+    """Which outputs of `node`, run again on its inputs' fake values, require grad when the inputs in
+    `leaves` (ids of values) do; None where the op raises."""
+
+    def value(n: fx.Node) -> Any:
+        v = n.meta.get("val")
+        return v.detach().requires_grad_() if isinstance(v, torch.Tensor) and id(v) in leaves else v
+
+    args = fx.node.map_arg(node.args, value)
+    kwargs = fx.node.map_arg(node.kwargs, value)
     try:
         with fake_mode, torch.enable_grad():
             outputs = node.target(*args, **kwargs)  # type: ignore[operator]
-    except Exception:  # an op that cannot run again on its own: assume every float output is
-        return tuple(isinstance(v, torch.Tensor) and _all_floats(v) for v in node.meta["val"])
-    return tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs)
+    except Exception:
+        return None
+    return tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in _as_tuple(outputs))
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 def _unwrap(functional: Any) -> torch.Tensor:

@@ -21,7 +21,15 @@ from ._errors import TraceError
 from ._facts import fill_of, stop_gradient_of
 from ._fidelity import fill_in_eager_layout, is_dense, runnable
 from ._joint import JointGraph, is_free, stops_gradient
-from ._torch import BoxedCodeGen, LazyGraphModule, memory_layout, vmap_levels
+from ._torch import (
+    BoxedCodeGen,
+    LazyGraphModule,
+    OpOverload,
+    decomposition_of,
+    has_no_derivative,
+    memory_layout,
+    vmap_levels,
+)
 
 __all__ = ["PureForward", "backward_program", "device_of", "forward_program", "views_of_inputs"]
 
@@ -100,6 +108,8 @@ def backward_program(
     hosts = {node: env.pop(node) for node in offloaded}
     for tangent in joint.tangents:
         env[tangent] = graph.placeholder(tangent.name)
+    for node, placeholder in env.items():  # for `differentiable_again` to call ops on
+        placeholder.meta.setdefault("val", node.meta.get("val"))
     emit = _emitter(graph, env, states, forward_mode=False, hosts=hosts)
     for node in backward_nodes:
         emit(node)
@@ -107,6 +117,40 @@ def backward_program(
     _prefetch(graph)
     graph.set_codegen(BoxedCodeGen())
     return _module(joint, graph)
+
+
+# NOTE [a backward that will be differentiated]
+# Eager runs gradient formulas with grad mode on where their results will be
+# differentiated (`create_graph=True`, `grad` of `grad`, `hessian`), and some
+# formulas switch form there: SiLU's, mish's, logit's and group norm's call a
+# fused backward op when grad mode is off, and twice-differentiable ops when it
+# is on. remat traces backward with grad mode off, for first-order speed, so its
+# backward program holds the fused ops, which torch cannot differentiate
+# ("derivative for aten::silu_backward is not implemented"). Where backward
+# runs with grad mode on, remat runs a copy of the program in which each call
+# of an op that autograd has no derivative for (found by calling it on the
+# trace's fake tensors, not from a list) is replaced by torch's decomposition
+# of it into differentiable ops: the same gradient to within round-off, and an
+# exact derivative of it.
+def differentiable_again(program: fx.GraphModule) -> fx.GraphModule:
+    """`program` with each call of an op autograd cannot differentiate replaced by a decomposition of
+    it that autograd can (`program` itself if it has none). See NOTE [a backward that will be
+    differentiated]."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(program.graph, {}))
+    graph.set_codegen(program.graph._codegen)
+    replaced = False
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, OpOverload):
+            continue
+        decomposition = decomposition_of(node.target)
+        if decomposition is None:
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        if has_no_derivative(node.target, args, kwargs):
+            node.target = decomposition
+            replaced = True
+    return LazyGraphModule(program, graph) if replaced else program
 
 
 def _prefetch(graph: fx.Graph) -> None:

@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import CodeType, FrameType
 from typing import Any
 
@@ -125,6 +125,8 @@ __all__ = [
     "get_proxy_mode",
     "has_data_mutation",
     "import_jvp_decompositions",
+    "has_no_derivative",
+    "decomposition_of",
     "inplace_requires_grad_allowed",
     "innermost",
     "is_user_code",
@@ -704,6 +706,41 @@ def import_jvp_decompositions() -> None:
 
 
 # --- autograd ----------------------------------------------------------------------------------------------
+
+
+def has_no_derivative(op: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether autograd has no derivative formula for `op` at all (it records torch's `NotImplemented`
+    node, which raises where it is differentiated), found by calling it on `args` and `kwargs`: fake
+    tensors of a trace, whose float ones are made to require grad. False where the call raises."""
+    fakes = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, FakeTensor)]
+    if not fakes:
+        return False
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, FakeTensor) and (value.is_floating_point() or value.is_complex()):
+            return value.detach().requires_grad_()
+        return value
+
+    # Outside a torch.func transform's interpreters (the fake tensors are no transform's) and the
+    # caller's dispatch modes (a user's op counter must not see the probe).
+    with disable_current_modes(), temporarily_clear_interpreter_stack(), inplace_requires_grad_allowed():
+        args, kwargs = pytree.tree_map(leaf, (args, kwargs))
+        try:
+            with fakes[0].fake_mode, torch.enable_grad():
+                outputs = op(*args, **kwargs)
+        except Exception:
+            return False
+    return any(
+        isinstance(o, torch.Tensor) and type(o.grad_fn).__name__ == "NotImplemented"
+        for o in pytree.tree_leaves(outputs)
+    )
+
+
+def decomposition_of(op: OpOverload) -> Callable[..., Any] | None:
+    """torch's decomposition of `op` into other ops (its Python reference formula), if it has one."""
+    from torch._decomp import decomposition_table
+
+    return decomposition_table.get(op)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -87,14 +87,33 @@ def returned_outputs(joint: JointGraph) -> tuple[int, ...]:
 
     user_outputs = [(i, o) for i, o in enumerate(joint.outputs[: joint.n_user_outputs]) if i not in joint.rebuilt]
     returned: dict[fx.Node, int] = {}
+    gradient_formula_reads = _views_with_gradient_formulas(joint, base_of)
     for i, output in user_outputs:  # first, outputs that own their memory
-        if output.op != "placeholder" and base_of(output) is output:
+        if output.op != "placeholder" and (base_of(output) is output or i in gradient_formula_reads):
             returned.setdefault(output, i)
     for i, output in user_outputs:  # then views of something that is not an output
         base = base_of(output)
         if base.op != "placeholder" and base not in returned:
             returned.setdefault(output, i)
     return (*sorted(returned.values()), *range(joint.n_user_outputs, len(joint.outputs)))
+
+
+def _views_with_gradient_formulas(joint: JointGraph, base_of: Callable[[fx.Node], fx.Node]) -> set[int]:
+    """The user outputs that are views autograd does not see as views, yet whose gradients backward
+    computes: a custom autograd Function that returns a view of its input (its forward runs under
+    `no_grad`, its own backward gives the gradient). Rebuilt after the Function as views, they would
+    have no derivative at all; the Function returns them, so that their gradients reach its backward."""
+    found = set()
+    for k, i in enumerate(joint.differentiable_outputs):
+        if i >= joint.n_user_outputs or not joint.tangents[k].users:
+            continue
+        node, base = joint.outputs[i], base_of(joint.outputs[i])
+        while node is not base and node.op == "call_function" and is_free(node):
+            if stops_gradient(node):
+                found.add(i)
+                break
+            node = node.args[0]  # type: ignore[assignment]
+    return found
 
 
 def view_base(node: fx.Node, stop_at: Mapping[fx.Node, fx.Node] | None = None) -> fx.Node:
@@ -199,7 +218,7 @@ def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = Fals
         if node.target is operator.getitem and (node.args[0] not in found or not differentiable(node)):
             continue
         plain_draw = _rng.is_random_factory(node) if through_draws else _rng.has_zero_derivative(node)
-        has_derivative = node.op == "call_function" and not plain_draw
+        has_derivative = node.op == "call_function" and not plain_draw and differentiable(node)
         if has_derivative and any(arg in found for arg in node.all_input_nodes):
             found.add(node)
     return found
@@ -207,12 +226,14 @@ def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = Fals
 
 def differentiable(node: fx.Node) -> bool:
     """Whether autograd differentiates the value of `node` (false for, say, the mean and
-    rstd outputs of `native_layer_norm`: double backward must not ask for their derivative)."""
+    rstd outputs of `native_layer_norm`: double backward must not ask for their derivative;
+    nor for the output of `empty_like`, which a random fill may then read)."""
     if node.target is operator.getitem:
         producer, index = node.args
         flags = differentiable_outputs(producer)  # type: ignore[arg-type]
         return flags is None or bool(flags[index])  # type: ignore[index]
-    return True
+    flags = differentiable_outputs(node)
+    return flags is None or isinstance(node.meta.get("val"), (tuple, list)) or bool(flags[0])
 
 
 # --- the value graph -------------------------------------------------------------------------------------

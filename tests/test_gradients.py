@@ -450,3 +450,42 @@ def test_closed_over_parameter_returned_as_output(policy: Any) -> None:
         return linear(x).tanh(), linear.weight
 
     assert_checkpoint_equivalent(fn, models.randn(2, 3), policy=policy, params=linear.parameters())
+
+
+# --- custom autograd Functions that return views -------------------------------------------------------
+
+
+class _FirstColumnTwice(torch.autograd.Function):
+    """A view of the input, with a backward that is not the view's derivative (as a straight-through
+    estimator's is not): eager's gradient is this backward's, whatever the view would give."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.narrow(-1, 0, 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        full = grad.new_zeros((*grad.shape[:-1], 3))
+        full[..., :1] = grad * 2
+        return full
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: _FirstColumnTwice.apply(x),
+        lambda x: (x.sin(), _FirstColumnTwice.apply(x)),
+        lambda x: ((x * 2), _FirstColumnTwice.apply(x * 2)),
+    ],
+    ids=["of an input", "of an input, beside an output", "of an output"],
+)
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_a_custom_function_returning_a_view_runs_its_backward(fn: Callable[..., Any], policy: Any) -> None:
+    # Such an output was rebuilt after remat's Function as a view of the input, taken where the custom
+    # forward runs (under no_grad): `x.grad` stayed None where eager runs the Function's backward.
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, policy=policy, transforms=["grad", "vjp", "vmap"])
+    out = remat.checkpoint(fn, policy=policy)(x)
+    view = out[-1] if isinstance(out, tuple) else out
+    view.sum().backward()
+    assert x.grad is not None and bool((x.grad[:, 0] != 0).all())

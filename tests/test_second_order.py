@@ -1,0 +1,142 @@
+"""Derivatives of every order through `remat.checkpoint` equal eager's.
+
+Eager runs a backward that will be differentiated (`create_graph=True`, `grad` of `grad`, `hessian`) with
+grad mode on, where some gradient formulas switch to a twice-differentiable form, and never differentiates
+what autograd leaves without a derivative (the buffer `empty_like` makes, the statistics batch norm
+saves). Each test here is a class of program where remat once differed; each compares with eager in
+float64 under the transforms that differentiate a gradient again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat
+from remat import policies
+from remat.testing import assert_checkpoint_equivalent
+
+aten = torch.ops.aten
+
+SECOND_ORDER = ["grad_of_grad", "grad_of_jvp", "grad_of_forward_ad"]
+
+
+def _float64(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+def _create_graph_then_backward(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The second derivative as a gradient penalty takes it: `autograd.grad(create_graph=True)`, then
+    backward through the gradient's norm."""
+    x = x.detach().requires_grad_()
+    torch.manual_seed(0)
+    y = fn(x)
+    weights = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)
+    (grad,) = torch.autograd.grad((y * weights).sum(), x, create_graph=True)
+    grad.pow(2).sum().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+def _assert_second_order_equal(fn: Callable[..., torch.Tensor], x: torch.Tensor, policy: Any) -> None:
+    assert_checkpoint_equivalent(fn, x, policy=policy, transforms=SECOND_ORDER)
+    expected = _create_graph_then_backward(fn, x)
+    got = _create_graph_then_backward(remat.checkpoint(fn, policy=policy), x)
+    torch.testing.assert_close(got, expected)
+
+
+# --- values autograd leaves without a derivative ----------------------------------------------------
+
+
+def _dropout_of_a_centred_transpose(x: torch.Tensor) -> torch.Tensor:
+    t = x.clone()
+    with torch.no_grad():
+        t.t()[:, 0] = 1.0
+    t = t - t.mean(dim=1, keepdim=True)
+    return F.dropout(t.t(), 0.5, training=True).sin()
+
+
+def test_a_kept_buffer_that_a_random_fill_reads_has_no_derivative() -> None:
+    # Dropout fills an `empty_like` buffer with `bernoulli_`. Kept (the policy saves it) it was a
+    # differentiable output of remat's Function, so a second derivative reached the replayed `bernoulli`,
+    # which torch cannot differentiate ("derivative for aten::bernoulli is not implemented"). Eager's
+    # `empty_like` has no derivative at all.
+    saves_the_buffer = policies.save_ops(aten.empty_like)
+    _assert_second_order_equal(_dropout_of_a_centred_transpose, _float64(3, 4), saves_the_buffer)
+
+
+def test_batch_norm_statistics_kept_for_backward_have_no_derivative() -> None:
+    # With running statistics, batch norm is one call whose mean and inverse deviation the gradient
+    # reads; kept, they must not ask double backward for a derivative eager's never takes ("the
+    # derivative for 'native_batch_norm_backward save_invstd' is not implemented").
+    weight = torch.randn(6, dtype=torch.float64, requires_grad=True)
+
+    def batch_norm(x: torch.Tensor) -> torch.Tensor:
+        running_mean, running_var = torch.zeros(6, dtype=x.dtype), torch.ones(6, dtype=x.dtype)
+        return F.batch_norm(x, running_mean, running_var, weight, training=True).tanh()
+
+    for policy in (policies.save_nothing, policies.save_everything):
+        _assert_second_order_equal(batch_norm, _float64(4, 6), policy)
+
+
+# --- gradient formulas that eager switches where grad mode is on -----------------------------------------
+
+
+def _group_norm(x: torch.Tensor) -> torch.Tensor:
+    weight = torch.linspace(0.5, 1.5, 6, dtype=x.dtype)
+    return F.group_norm(x.reshape(2, 6, 2), 3, weight)
+
+
+def _instance_norm(x: torch.Tensor) -> torch.Tensor:
+    running_mean, running_var = torch.zeros(6, dtype=x.dtype), torch.ones(6, dtype=x.dtype)
+    return F.instance_norm(x.reshape(2, 6, 2), running_mean, running_var, use_input_stats=True)
+
+
+TWICE_DIFFERENTIABLE_IN_GRAD_MODE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    # Their backward ops (`silu_backward`, ...) have no derivative: eager calls other ops in grad mode.
+    "silu": F.silu,
+    "mish": F.mish,
+    "logit": lambda x: torch.logit(x.sigmoid(), eps=1e-3),
+    "group_norm": _group_norm,
+    # Their backward ops have derivatives; here for the statistics they save.
+    "instance_norm": _instance_norm,
+    "layer_norm": lambda x: F.layer_norm(x, (6,)),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+@pytest.mark.parametrize("name", TWICE_DIFFERENTIABLE_IN_GRAD_MODE)
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_second_derivatives_through_gradient_formulas_that_switch_in_grad_mode(name: str, policy: Any) -> None:
+    # "derivative for aten::silu_backward is not implemented" (and mish's, logit's, group norm's): remat's
+    # backward program ran the fused ops that eager's grad-mode formulas avoid. See NOTE [a backward that
+    # will be differentiated].
+    fn = TWICE_DIFFERENTIABLE_IN_GRAD_MODE[name]
+    _assert_second_order_equal(lambda x: fn(x * 1.5).sin(), _float64(4, 6), policy)
+
+
+def test_a_first_order_backward_keeps_the_fused_gradient_ops() -> None:
+    # The decompositions are for backward that will be differentiated only: a plain `.backward()` runs
+    # the fused kernel, as eager does.
+    ran: list[Any] = []
+
+    class Recording(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ran.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = _float64(4, 6)
+    y = remat.checkpoint(F.silu)(x).sum()
+    with Recording():
+        y.backward()
+    assert aten.silu_backward.default in ran
+    ran.clear()
+    z = remat.checkpoint(F.silu)(x)
+    with Recording():
+        (grad,) = torch.autograd.grad(z.sum(), x, create_graph=True)
+    assert aten.silu_backward.default not in ran
+    assert grad.requires_grad
