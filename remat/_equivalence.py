@@ -119,7 +119,8 @@ def _diff(what: str, actual: Any, expected: Any, rtol: float | None, atol: float
         a.to(torch.complex128 if e.is_complex() else torch.float64),
         e.to(torch.complex128 if e.is_complex() else torch.float64),
     )
-    error = (a64 - e64).abs().nan_to_num(nan=float("inf"))
+    same = (a64 == e64) | (a64.isnan() & e64.isnan())  # (equal infinities differ by NaN)
+    error = (a64 - e64).abs().nan_to_num(nan=float("inf")).masked_fill(same, 0.0)
     relative = error / e64.abs().clamp_min(torch.finfo(torch.float64).tiny)
     worst = int(error.argmax())
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), e.shape)) if e.dim() else ()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import _step
+from ._cache import requires_grad_at_any_level
 from ._calls import TensorMeta
 from ._compiled import CompiledPrograms
 from ._contexts import autocast_disabled
@@ -218,11 +219,11 @@ class _CheckpointFunction(torch.autograd.Function):
         if taken:
             grads = taken.pop()
         kept, anchor = _saved(ctx, programs)
+        if _differentiated_again(programs, kept, grads):  # See NOTE [a backward that will be differentiated].
+            return (None, *_pure_vjp(programs, kept, grads, ctx.needs_input_grad[1:]))
         refused = programs.backward_not_differentiable if torch.is_grad_enabled() else None
         grad_inputs: list[torch.Tensor | None] = [None] * executable.n_primals
         grad_of_output = dict(zip(programs.returned, grads, strict=False))
-        if torch.is_grad_enabled() and not functorch_active():
-            _check_pure_differentiable(programs)  # create_graph=True: backward will be differentiated
         activation_grads = grads[n_returned : n_returned + programs.n_activations]
         kept_after = any(g is not None for g in activation_grads)  # a second derivative through them
         if any(g is not None for g in grads[:n_returned]):
@@ -316,7 +317,6 @@ def _pure_jvp(
     vector-Jacobian product with respect to its vector gives the same tangents, but not the same
     derivatives of them: backward formulas written with statistics their op returns without a
     derivative, layer norm's, are exact only to the order they are written for.)"""
-    _check_pure_differentiable(programs)
     if not chosen:  # no input the pure forward reads has a tangent (or it reads none)
         return [None] * (len(programs.returned) + programs.n_activations)
     if _func_jvp_active():  # torch.func.jvp nests: forward mode of our own
@@ -381,7 +381,6 @@ def _activations_vjp(
     derivative), by differentiating the pure forward. See NOTE [differentiating the forward again]."""
     grads: list[torch.Tensor | None] = [None] * len(needs_grad)
     chosen = [(i, primal) for i, primal in programs.pure_inputs if needs_grad[primal]]
-    _check_pure_differentiable(programs)
     if not chosen:
         return grads
     values, inputs = _differentiable(kept, [i for i, _ in chosen])
@@ -403,6 +402,74 @@ def _activations_vjp(
     return grads
 
 
+def _differentiated_again(
+    programs: Programs, kept: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+) -> bool:
+    """Whether this backward's gradients may be differentiated, and autograd can compute them as eager
+    does, from the pure forward. They may where grad mode is on (`create_graph=True`, a torch.func
+    transform) and something they are computed from requires grad at some level: a transform over the
+    one running this backward, or autograd under it. A single `torch.func.grad` runs backward in grad
+    mode too, with nothing to differentiate: there the backward program runs, as for `.backward()`."""
+    if not torch.is_grad_enabled():
+        return False
+    pure = programs.pure_with_outputs
+    if pure is None or not pure.reads_only_what_is_kept:
+        return False
+    return any(t is not None and requires_grad_at_any_level(t) for t in (*kept, *grads))
+
+
+def _pure_vjp(
+    programs: Programs,
+    kept: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    needs_grad: Sequence[bool],
+) -> list[torch.Tensor | None]:
+    """The gradients of the inputs for the cotangents of the Function's outputs and kept values, by
+    differentiating the pure forward with grad mode on: each op's gradient formula as eager runs it
+    where its result will be differentiated, and differentiable in turn.
+
+    By `torch.func.vjp`, a level of its own: where a torch.func transform's level has ended before its
+    pullback runs backward (`jacrev` of `jacrev`), `torch.autograd.grad` here would differentiate at the
+    level outside it, which never saw the recomputation. Inputs not differentiated here stay connected
+    to whatever differentiates them below (`.backward()` of a `torch.func.grad`)."""
+    result: list[torch.Tensor | None] = [None] * len(needs_grad)
+    pure = programs.pure_with_outputs
+    assert pure is not None
+    chosen = [(i, primal) for i, primal in programs.pure_inputs if needs_grad[primal]]
+    if not chosen:
+        return result
+    positions = [i for i, _ in chosen]
+    values = [
+        value if isinstance(k.where, KeptInput) and requires_grad_at_any_level(value) else value.detach()
+        for value, k in zip(kept, programs.kept, strict=False)  # (`kept` may have the anchor of `_saved` after)
+    ]
+    differentiated = [
+        k for k, (value, g) in enumerate(zip(pure.targets, grads, strict=False)) if g is not None and _is_float(value)
+    ]
+    if not differentiated:
+        return result
+
+    def recompute(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        arguments = list(values)
+        for position, value in zip(positions, inputs, strict=True):
+            arguments[position] = value
+        with autocast_disabled():
+            outputs = pure.forward(*arguments)
+        return tuple(outputs[k] for k in differentiated)
+
+    recomputed, pullback = torch.func.vjp(recompute, *(kept[i] for i in positions))[:2]
+    # (the cotangent of an offloaded value is in host memory, as the value was)
+    cotangents = tuple(grads[k].to(v.device) for k, v in zip(differentiated, recomputed, strict=True))  # type: ignore[union-attr]
+    for (_, primal), grad in zip(chosen, pullback(cotangents), strict=True):
+        result[primal] = grad
+    return result
+
+
+def _is_float(node: Any) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
 def _differentiable(
     kept: Sequence[torch.Tensor], positions: Sequence[int]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -421,14 +488,6 @@ def _differentiable(
     return values, [values[i] for i in positions]
 
 
-def _check_pure_differentiable(programs: Programs) -> None:
-    if programs.pure_unsupported is not None:
-        raise NotImplementedError(
-            "remat.checkpoint: a second-order or forward-mode derivative needs to differentiate the forward "
-            f"again, which is not exact for call {programs.pure_unsupported}."
-        )
-
-
 # NOTE [second derivatives of gradients that read LU factors]
 # The gradient formulas of `linalg.solve`, `det` and `slogdet` reuse the LU
 # factors their forward computed where grad mode is off as they run, and work
@@ -438,10 +497,12 @@ def _check_pure_differentiable(programs: Programs) -> None:
 # remat traces backward with grad mode off, so its backward program has the
 # first form: a second derivative through it (`create_graph=True`, `grad` of
 # `grad`, `hessian`, a `torch.func.vjp` pullback differentiated) would come out
-# silently wrong. Where backward runs with grad mode on (so its gradients may be
-# differentiated), remat hands out each gradient through a Function that raises
-# where it is differentiated, in either mode; a gradient used as it is, as the
-# pullback of `torch.func.vjp` or `torch.func.grad` alone give it, is exact
+# silently wrong. Where it may be differentiated, the backward is autograd's over
+# the pure forward, eager's second form (NOTE [a backward that will be
+# differentiated]). Where that cannot be (a custom autograd Function in the
+# trace), remat hands out each gradient through a Function that raises where it
+# is differentiated, in either mode; a gradient used as it is, as the pullback
+# of `torch.func.vjp` or `torch.func.grad` alone give it, is exact
 # (`_quirks.GRADIENTS_READ_LU_FACTORS`).
 class _NotDifferentiableAgain(torch.autograd.Function):
     """A gradient (a copy) that raises, naming `why`, where it is differentiated: in reverse or forward mode.

@@ -30,6 +30,7 @@ from ._rules import rules_of
 from ._value_graph import (
     backward_nodes_of,
     differentiable,
+    mutated_inputs,
     overwritten,
     returned_outputs,
     varying,
@@ -110,6 +111,10 @@ class Programs:
     forward: fx.GraphModule  # primals -> (*returned outputs, *activations, *states)
     backward: fx.GraphModule  # (*kept, *tangents) -> grads
     pure: PureForward  # *kept -> (*returned outputs if traced_for_forward_mode, *activations), from the inputs
+    # *kept -> (*returned outputs, *activations): the backward that will be differentiated, by autograd where
+    # it can (NOTE [a backward that will be differentiated]); None where a custom Function's backward
+    # would be lost
+    pure_with_outputs: PureForward | None
     traced_for_forward_mode: bool  # traced under forward-mode AD: `pure` returns the outputs too, for jvp
     pure_inputs: tuple[tuple[int, int], ...]  # (position in kept, primal index) of each input pure reads
     # primals -> views of them taken before the Function: NOTE [where views of inputs are rebuilt]
@@ -119,7 +124,6 @@ class Programs:
     n_activations: int
     non_differentiable: tuple[bool, ...]  # per Function output: marked non-differentiable
     output_sources: tuple[frozenset[int], ...]  # per Function output: the primals it has a gradient for
-    pure_unsupported: str | None  # why the programs cannot be differentiated again, if they cannot
     backward_not_differentiable: str | None  # why the backward program cannot be, if it cannot
     kept: tuple[Kept, ...]
     decisions: tuple[Decision, ...]
@@ -163,6 +167,9 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
     kept += [Kept(node, KeptActivation(k, node in offloaded)) for k, node in enumerate(activations)]
     n = len(activations)
     kept += [Kept(node, KeptGeneratorState(n + k)) for k, node in enumerate(random_states)]
+    by_autograd = _differentiated_again_by_autograd(joint)
+    if by_autograd:  # See NOTE [a backward that will be differentiated].
+        kept += [Kept(p, KeptInput(primal_index[p])) for p in _inputs_to_differentiate_again(joint, split, kept)]
     kept_pairs = [(k.node, k.rng_state) for k in kept]
     holder = {k.node: i for i, k in enumerate(kept) if k.node.op == "placeholder" and not k.rng_state}
     returned = split.returned
@@ -184,13 +191,22 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             {**{p: p for p in holder}, **{c: c for c in split.constants}},
             tuple([*split.returned_nodes, *activations] if forward_mode else activations),  # input copies too
         ),
+        pure_with_outputs=None
+        if not by_autograd
+        else PureForward(
+            joint,
+            False,
+            tuple(kept_pairs),
+            tuple(offloaded),
+            {**{p: p for p in holder}, **{c: c for c in split.constants}},
+            tuple([*split.returned_nodes, *activations]),
+        ),
         traced_for_forward_mode=forward_mode,
         pure_inputs=tuple((i, primal_index[node]) for node, i in holder.items()),
         prologue=prologue,
         epilogue=epilogue,
         returned=returned,
         n_activations=len(activations),
-        pure_unsupported=_pure_unsupported(joint, split),
         backward_not_differentiable=_backward_not_differentiable(joint),
         non_differentiable=_non_differentiable(
             joint,
@@ -208,6 +224,39 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         kept=tuple(kept),
         decisions=decisions,
     )
+
+
+def _differentiated_again_by_autograd(joint: JointGraph) -> bool:
+    """Whether a backward that will be differentiated is autograd's over the pure forward: where the trace
+    calls an op whose gradient formula switches form in grad mode, and no custom autograd Function (whose
+    backward the pure forward does not know). See NOTE [a backward that will be differentiated]."""
+    calls = zip(joint.trace, joint.call_nodes, strict=True)
+    found = [call for call, node in calls if node.target in _SWITCH_IN_GRAD_MODE]
+    return bool(found) and all(call.scope is None for call in joint.trace)
+
+
+_SWITCH_IN_GRAD_MODE = _quirks.GRADIENTS_SWITCH_IN_GRAD_MODE.table
+
+
+def _inputs_to_differentiate_again(joint: JointGraph, split: _Split, kept: Sequence[Kept]) -> list[fx.Node]:
+    """The inputs that recomputing the outputs reads, not kept already: kept by reference (they cost
+    nothing), where a backward that will be differentiated must be autograd's over the pure forward.
+    Inputs the forward or the caller may overwrite are left out: a copy would cost memory."""
+    have = {k.node for k in kept}
+    overwritable = mutated_inputs(joint, split.returned)
+    reached: dict[fx.Node, None] = {}
+    stack, seen = [*split.returned_nodes], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            if node in joint.primals and node not in have and node not in overwritable:
+                reached[node] = None
+            continue
+        stack.extend(node.all_input_nodes)
+    return list(reached)
 
 
 def _offloaded(joint: JointGraph, decisions: Sequence[Decision], activations: Sequence[fx.Node]) -> dict[fx.Node, None]:
@@ -245,20 +294,6 @@ def _split(joint: JointGraph, decisions: Sequence[Decision], forward_mode: bool)
         recomputed=resolved.recomputed,
         random_states=[joint.call_nodes[c] for c in resolved.states],
     )
-
-
-def _pure_unsupported(joint: JointGraph, split: _Split) -> str | None:
-    """Why differentiating the kept values again would not be exact, if it would not."""
-    for call, node in zip(joint.trace, joint.call_nodes, strict=True):
-        if (
-            call.index in split.recomputed or call.index in split.replayed
-        ) and node.target in _NOT_TWICE_DIFFERENTIABLE:
-            return f"{call}: {_NOT_TWICE_DIFFERENTIABLE[node.target]}"
-    return None
-
-
-# Ops whose functional form torch differentiates wrongly a second time, and why.
-_NOT_TWICE_DIFFERENTIABLE = _quirks.RRELU_FUNCTIONAL_DERIVATIVE.table
 
 
 def _backward_not_differentiable(joint: JointGraph) -> str | None:

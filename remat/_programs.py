@@ -19,8 +19,8 @@ from . import _offload, _rng
 from ._capture import SCATTERS, history_of
 from ._errors import TraceError
 from ._facts import fill_of, stop_gradient_of
-from ._fidelity import fill_in_eager_layout, is_dense, runnable
-from ._joint import JointGraph, is_free, stops_gradient
+from ._fidelity import RRELU, fill_in_eager_layout, is_dense, run_rrelu_as_eager, runnable
+from ._joint import JointGraph, draws_random_numbers, is_free, stops_gradient
 from ._torch import (
     BoxedCodeGen,
     LazyGraphModule,
@@ -122,16 +122,29 @@ def backward_program(
 # NOTE [a backward that will be differentiated]
 # Eager runs gradient formulas with grad mode on where their results will be
 # differentiated (`create_graph=True`, `grad` of `grad`, `hessian`), and some
-# formulas switch form there: SiLU's, mish's, logit's and group norm's call a
-# fused backward op when grad mode is off, and twice-differentiable ops when it
-# is on. remat traces backward with grad mode off, for first-order speed, so its
-# backward program holds the fused ops, which torch cannot differentiate
-# ("derivative for aten::silu_backward is not implemented"). Where backward
-# runs with grad mode on, remat runs a copy of the program in which each call
-# of an op that autograd has no derivative for (found by calling it on the
-# trace's fake tensors, not from a list) is replaced by torch's decomposition
-# of it into differentiable ops: the same gradient to within round-off, and an
-# exact derivative of it.
+# formulas switch form there. remat traces backward with grad mode off, for
+# first-order speed, and its backward program holds the first form. Where
+# backward runs with grad mode on, two cases differ from eager:
+# - A formula that calls a fused backward op autograd has no derivative for
+#   (SiLU's, mish's, logit's, group norm's: "derivative for aten::silu_backward
+#   is not implemented"). remat runs a copy of the program in which each call of
+#   an op autograd cannot differentiate (found by calling it on the trace's fake
+#   tensors, not from a list) is torch's decomposition of it into ops it can:
+#   the same gradient to within round-off, and an exact derivative of it.
+# - A formula whose first form autograd differentiates wrongly
+#   (`_quirks.GRADIENTS_SWITCH_IN_GRAD_MODE`: cumprod's divides by its input,
+#   NaN at a zero; linalg.solve's, det's and slogdet's read LU factors). Where
+#   the trace calls one, and the gradients may be differentiated (something
+#   they come from requires grad at some level), the backward is autograd's
+#   over the pure forward (`Programs.pure_with_outputs`, recomputing the outputs
+#   too), so that every formula runs as eager runs it in grad mode. That needs
+#   the inputs the outputs are computed from (kept by reference: they cost
+#   nothing), and no custom autograd Function in the trace (the pure forward
+#   does not know their backward); elsewhere the first case's program runs, and
+#   the LU formulas refuse to be differentiated (NOTE [second derivatives of
+#   gradients that read LU factors]).
+
+
 def differentiable_again(program: fx.GraphModule) -> fx.GraphModule:
     """`program` with each call of an op autograd cannot differentiate replaced by a decomposition of
     it that autograd can (`program` itself if it has none). See NOTE [a backward that will be
@@ -203,6 +216,22 @@ class PureForward:
 
     def forward(self, *kept: Any) -> Any:
         return self.module.forward(*kept)
+
+    @functools.cached_property
+    def reads_only_what_is_kept(self) -> bool:
+        """Whether the targets can be recomputed from the kept values: no input it reaches is missing,
+        and no random call it reaches would draw afresh (its state or its output is kept)."""
+        states = {node for node, is_state in self.kept if is_state}
+        stack, seen = list(self.targets), set()
+        while stack:
+            node = stack.pop()
+            if node in seen or node in self.inputs:
+                continue
+            seen.add(node)
+            if node.op == "placeholder" or (draws_random_numbers(node) and node not in states):
+                return False
+            stack.extend(node.all_input_nodes)
+        return True
 
     @functools.cached_property
     def module(self) -> fx.GraphModule:
@@ -476,6 +505,8 @@ def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.
         copy.target = _as_strided_scattered
     elif node.target is aten.index_fill.int_Tensor:
         copy.target = _index_filled
+    elif node.target in RRELU:
+        copy.target = run_rrelu_as_eager
     return copy
 
 

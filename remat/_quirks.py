@@ -29,6 +29,7 @@ __all__ = [
     "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS",
     "RRELU_FUNCTIONAL_DERIVATIVE",
     "GRADIENTS_READ_LU_FACTORS",
+    "GRADIENTS_SWITCH_IN_GRAD_MODE",
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING",
     "UNBACKED_SYMBOL_NAMES",
     "CpuLayout",
@@ -139,6 +140,7 @@ _CPU_LAYOUTS: Mapping[Any, CpuLayout] = {
             aten.normal.Tensor_Tensor,
             aten.normal.float_Tensor,
             aten.rrelu_with_noise.default,
+            aten.rrelu_with_noise_functional.default,  # as eager's in-place one: NOTE [rrelu runs as eager's]
             aten.pow.Scalar,
         )
     },
@@ -203,16 +205,12 @@ RRELU_FUNCTIONAL_DERIVATIVE = Quirk(
     ops=(aten.rrelu_with_noise_functional.default,),
     releases=None,
     differs=(
-        "the derivative of the functional `rrelu_with_noise` reads its `noise` input (uninitialized in a "
-        "trace) instead of the noise it returns, so differentiating a replay of it a second time is wrong"
+        "the derivative of the functional `rrelu_with_noise` (what `F.rrelu` traces to) reads its `noise` "
+        "input (uninitialized in a trace) instead of the noise it returns, and on the CPU its output takes "
+        "the input's layout where eager's in-place `rrelu_with_noise` gives a contiguous one"
     ),
-    note="`_partition` refuses second derivatives through a replay of it (Programs.pure_unsupported)",
-    table={
-        aten.rrelu_with_noise_functional.default: (
-            "torch's derivative of the functional `rrelu_with_noise` reads its uninitialized `noise` input; "
-            "save this call with the policy, or take second derivatives outside remat.checkpoint"
-        ),
-    },
+    note="NOTE [rrelu runs as eager's] (remat/_programs.py): the programs compute it as the input times its noise",
+    table=frozenset({aten.rrelu_with_noise_functional.default}),
 )
 
 _FACTORS_READ = (
@@ -237,6 +235,21 @@ GRADIENTS_READ_LU_FACTORS = Quirk(
         aten._linalg_det.default: f"linalg.det: {_FACTORS_READ}",
         aten._linalg_slogdet.default: f"linalg.slogdet: {_FACTORS_READ}",
     },
+)
+
+GRADIENTS_SWITCH_IN_GRAD_MODE = Quirk(
+    ops=(aten.cumprod.default, *GRADIENTS_READ_LU_FACTORS.ops),
+    releases=None,
+    differs=(
+        "their gradient formulas take another form where grad mode is on as they run (the gradient will "
+        "itself be differentiated) than where it is off, and the form remat traces (grad mode off) is not "
+        "differentiated as eager's: cumprod's divides by its input where that has no zero, so its second "
+        "derivative is NaN at an input with a zero; linalg.solve, det and slogdet's read LU factors "
+        "(GRADIENTS_READ_LU_FACTORS). Found by sweeping OpInfo's samples, with and without zeros put in, "
+        "for second derivatives through remat's backward against eager's"
+    ),
+    note="NOTE [a backward that will be differentiated] (remat/_programs.py)",
+    table=frozenset({aten.cumprod.default, *GRADIENTS_READ_LU_FACTORS.ops}),
 )
 
 # --- torch.compile ------------------------------------------------------------------------------
@@ -272,6 +285,7 @@ QUIRKS: tuple[Quirk, ...] = (
     BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS,
     RRELU_FUNCTIONAL_DERIVATIVE,
     GRADIENTS_READ_LU_FACTORS,
+    GRADIENTS_SWITCH_IN_GRAD_MODE,
     SAC_ASKS_AGAIN_WHILE_RECOMPUTING,
     REGIONS_ALLOCATE_FOR_IN_PLACE_OPS,
 )

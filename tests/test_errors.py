@@ -433,24 +433,6 @@ def test_in_place_update_of_a_parameter_is_a_trace_error():
     assert "clone" in str(info.value)
 
 
-def test_second_derivative_through_rrelu_is_refused_not_wrong():
-    # torch's derivative of the functional rrelu reads its uninitialized noise input, so a
-    # second derivative through a replayed rrelu would be garbage: remat refuses it.
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.rrelu(x, training=True).square()
-
-    x = _randn(20)
-    torch.manual_seed(0)
-    (expected,) = torch.autograd.grad(fn(x).sum(), x)
-    checkpointed = remat.checkpoint(fn)
-    torch.manual_seed(0)
-    (first,) = torch.autograd.grad(checkpointed(x).sum(), x)
-    torch.testing.assert_close(first, expected)  # first order is exact
-    with pytest.raises(NotImplementedError, match=r"rrelu_with_noise_functional.*save this call"):
-        (gradient,) = torch.autograd.grad(checkpointed(x).sum(), x, create_graph=True)
-        gradient.sum().backward()
-
-
 # --- names, module paths, costs ---------------------------------------------------------------------
 
 

@@ -89,7 +89,10 @@ def _rrelu_functional_derivative_reads_its_noise_input() -> bool:
     y, noise = aten.rrelu_with_noise_functional.default(x, torch.full((3,), 7.0), 0.1, 0.3, True)
     (grad,) = torch.autograd.grad(y.sum(), x)
     assert noise[:2].lt(1).all()  # the slopes drawn for the negative inputs
-    return bool(grad[0] == 7.0)
+    transposed = torch.randn(3, 5).t()
+    functional, _ = aten.rrelu_with_noise_functional.default(transposed, torch.empty(5, 3), 0.1, 0.3, True)
+    in_place = aten.rrelu_with_noise.default(transposed, torch.empty(5, 3), 0.1, 0.3, True)
+    return bool(grad[0] == 7.0) and not functional.is_contiguous() and in_place.is_contiguous()
 
 
 def _gradients_read_lu_factors() -> bool:
@@ -105,6 +108,27 @@ def _gradients_read_lu_factors() -> bool:
         for mode in (False, True)
     }
     return aten.linalg_lu_solve.default in ops[False] and aten.linalg_lu_solve.default not in ops[True]
+
+
+def _gradients_switch_in_grad_mode() -> bool:
+    """Each op's traced gradient holds other calls where grad mode is on as it runs than where it is off."""
+    a = torch.randn(3, 3, dtype=torch.float64) + 3 * torch.eye(3, dtype=torch.float64)
+    functions: dict[object, Callable[[torch.Tensor], torch.Tensor]] = {
+        aten.cumprod.default: lambda t: torch.cumprod(t, 0),
+        aten._linalg_solve_ex.default: lambda t: torch.linalg.solve(t, t[:, :1].detach()),
+        aten._linalg_det.default: torch.linalg.det,
+        aten._linalg_slogdet.default: lambda t: torch.linalg.slogdet(t).logabsdet,
+    }
+    assert set(functions) == _quirks.GRADIENTS_SWITCH_IN_GRAD_MODE.table
+
+    def calls(fn: Callable[[torch.Tensor], torch.Tensor], create_graph: bool) -> list[object]:
+        def gradient(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().requires_grad_()
+            return torch.autograd.grad(fn(t).sum(), t, create_graph=create_graph)[0]
+
+        return [node.target for node in make_fx(gradient)(a).graph.nodes]
+
+    return all(calls(fn, False) != calls(fn, True) for fn in functions.values())
 
 
 def _sac_asks_again_while_recomputing() -> bool:
@@ -163,6 +187,7 @@ PROBES: dict[str, Callable[[], bool]] = {
     "BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS": _batch_norm_training_ignores_running_stats,
     "RRELU_FUNCTIONAL_DERIVATIVE": _rrelu_functional_derivative_reads_its_noise_input,
     "GRADIENTS_READ_LU_FACTORS": _gradients_read_lu_factors,
+    "GRADIENTS_SWITCH_IN_GRAD_MODE": _gradients_switch_in_grad_mode,
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING": _sac_asks_again_while_recomputing,
     "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS": _regions_allocate_for_in_place_ops,
 }

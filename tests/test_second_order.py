@@ -140,3 +140,53 @@ def test_a_first_order_backward_keeps_the_fused_gradient_ops() -> None:
         (grad,) = torch.autograd.grad(z.sum(), x, create_graph=True)
     assert aten.silu_backward.default not in ran
     assert grad.requires_grad
+
+
+# --- gradient formulas that autograd differentiates wrongly in their first form ------------------------
+
+
+def _with_zeros(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().clone()
+    x.view(-1)[::3] = 0.0
+    return x.requires_grad_()
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.cumprod(x, 1),
+        lambda x: torch.cumprod(x * (x > 0.3), 1),
+        lambda x: torch.cumprod(F.dropout(x, 0.5), 1).exp(),
+    ],
+    ids=["zeros in the input", "masked", "after dropout"],
+)
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_cumprod_second_derivatives_where_its_input_has_zeros(fn: Callable[..., Any], policy: Any) -> None:
+    # cumprod's first-form gradient divides by its input where it has no zero; differentiated, it gave
+    # NaN or infinity at a zero where eager's (the grad-mode form) is finite. NOTE [a backward that will
+    # be differentiated]
+    _assert_second_order_equal(fn, _with_zeros(_float64(3, 5)), policy)
+
+
+# --- rrelu ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: F.rrelu(x, training=True).square(),
+        lambda x: F.rrelu(x.t(), training=True).sin(),
+        lambda x: F.dropout(F.rrelu(x.t(), training=True), 0.5),
+        lambda x: F.rrelu(x, training=False).square(),
+    ],
+    ids=["training", "transposed", "then dropout", "evaluation"],
+)
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_rrelu_at_every_order(fn: Callable[..., Any], policy: Any) -> None:
+    # The functional rrelu remat traces lays its output out as its input, where eager's is contiguous
+    # (a dropout after it drew another mask), and torch's derivative of it reads an uninitialized input
+    # (second derivatives were refused, forward mode raised). NOTE [rrelu runs as eager's]
+    x = _float64(3, 5)
+    assert_checkpoint_equivalent(fn, x, policy=policy, transforms=["grad", "jvp", "vmap", *SECOND_ORDER])
+    expected = _create_graph_then_backward(fn, x)
+    torch.testing.assert_close(_create_graph_then_backward(remat.checkpoint(fn, policy=policy), x), expected)
