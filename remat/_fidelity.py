@@ -38,6 +38,7 @@ from ._torch import (
     HigherOrderOperator,
     TorchDispatchMode,
     UncheckedRealValuesFakeMode,
+    drawn_per_example_but_unbatched,
     elementwise_output_strides,
     empty_in_memory_layout,
     from_functional,
@@ -111,10 +112,16 @@ def fill_in_eager_layout(fill: FillInEagerLayout, like: torch.Tensor, /, *args: 
     out = _empty_as_batched(fill, like) if under_torch_func(like) else None
     if out is None:
         out = like.new_empty_strided(like.shape, fill.strides)
+    if fill.op == _BERNOULLI_FILL and drawn_per_example_but_unbatched(out):
+        # (a dropout of a tensor the vmap does not batch: eager draws the batch's masks out of place)
+        return aten.bernoulli.p(out, *args, **kwargs)  # type: ignore[no-any-return]
     _op_named(fill.op)(out, *args, **kwargs)
     # A non-dense layout (a strided view in eager) is only written back into its base:
     # hand on a compact copy, the size the trace accounted for.
     return out if fill.dense else out.contiguous()
+
+
+_BERNOULLI_FILL = "aten::bernoulli_.float"
 
 
 def _empty_as_batched(fill: FillInEagerLayout, like: torch.Tensor) -> torch.Tensor | None:
@@ -663,7 +670,11 @@ def _on_cuda(args: Sequence[Any]) -> bool:
 
 
 def _eager_strides(layout: _quirks.CpuLayout, output: torch.Tensor, args: Sequence[Any]) -> tuple[int, ...] | None:
-    """The strides the CPU kernel gives `output`, by `layout`; None where the fake's can stand."""
+    """The strides the CPU kernel gives `output`, by `layout`; None where the fake's can stand (and
+    where sizes depend on values, which meta tensors cannot take: the fake's stand there too)."""
+    tensors = [output, *(a for a in args if isinstance(a, torch.Tensor))]
+    if any(not isinstance(n, int) for t in tensors for n in (*t.shape, *t.stride())):
+        return None
     if layout.position == _quirks.ELEMENTWISE:
         operands = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]  # 0-d ones lead nothing
         if not operands or torch.broadcast_shapes(*(o.shape for o in operands)) != output.shape:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from . import _offload, _rng
+from . import _offload, _quirks, _rng
 from ._capture import SCATTERS, history_of
 from ._errors import TraceError
 from ._facts import fill_of, stop_gradient_of
@@ -551,6 +551,8 @@ _SCATTERS = SCATTERS - {aten.as_strided_scatter.default}  # (run as a write thro
 def _scattered_in_base_layout(op: Any, base: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
     """`op(base, *args, **kwargs)`, in the layout of `base`, as eager's write through a view leaves it."""
     scatter = _select_scattered if op is aten.select_scatter.default else op
+    if op in _NEGATIVE_BOUNDS_UNDER_VMAP:
+        args, kwargs = _bounds_from_the_start(base, *args, **kwargs), {}
     out: torch.Tensor = scatter(base, *args, **kwargs)
     # Under vmap, the layout is that of the batched tensors, the batch dimension's place in memory too.
     layout = memory_layout(base)
@@ -558,6 +560,33 @@ def _scattered_in_base_layout(op: Any, base: torch.Tensor, /, *args: Any, **kwar
     if memory_layout(out) == layout or not is_dense(shape, stride):
         return out
     return torch.empty_like(base).copy_(out)
+
+
+# NOTE [slice scatters count from the start]
+# Under vmap, torch's batching rule for `slice_scatter` raises on a negative
+# bound ("upper bound and lower bound inconsistent with step sign"), which a
+# write through `t[:, 1:-1]` functionalizes into. The bounds are counted from
+# the start of the dimension instead, the same elements
+# (`_quirks.SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP`).
+_NEGATIVE_BOUNDS_UNDER_VMAP = _quirks.SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP.table
+
+
+def _bounds_from_the_start(
+    base: torch.Tensor,
+    source: torch.Tensor,
+    dim: int = 0,
+    start: int | None = None,
+    end: int | None = None,
+    step: int = 1,
+) -> tuple[Any, ...]:
+    """The arguments after `base` of a `slice_scatter`, with negative bounds counted from the start:
+    see NOTE [slice scatters count from the start]."""
+    size = base.shape[dim]
+    if start is not None and start < 0:
+        start = max(start + size, 0)
+    if end is not None and end < 0:
+        end = max(end + size, 0)
+    return source, dim, start, end, step
 
 
 # NOTE [a select scatter runs as a slice scatter]

@@ -30,6 +30,7 @@ __all__ = [
     "RRELU_FUNCTIONAL_DERIVATIVE",
     "GRADIENTS_READ_LU_FACTORS",
     "GRADIENTS_SWITCH_IN_GRAD_MODE",
+    "SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP",
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING",
     "UNBACKED_SYMBOL_NAMES",
     "CpuLayout",
@@ -252,6 +253,17 @@ GRADIENTS_SWITCH_IN_GRAD_MODE = Quirk(
     table=frozenset({aten.cumprod.default, *GRADIENTS_READ_LU_FACTORS.ops}),
 )
 
+SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP = Quirk(
+    ops=(aten.slice_scatter.default,),
+    releases=None,
+    differs=(
+        "under vmap, the batching rule of `slice_scatter` raises on a negative bound (`upper bound and "
+        "lower bound inconsistent with step sign`), where a write through `t[:, 1:-1]` in eager runs"
+    ),
+    note="NOTE [slice scatters count from the start] (remat/_programs.py)",
+    table=frozenset({aten.slice_scatter.default}),
+)
+
 # --- torch.compile ------------------------------------------------------------------------------
 
 SAC_ASKS_AGAIN_WHILE_RECOMPUTING = Quirk(
@@ -286,6 +298,7 @@ QUIRKS: tuple[Quirk, ...] = (
     RRELU_FUNCTIONAL_DERIVATIVE,
     GRADIENTS_READ_LU_FACTORS,
     GRADIENTS_SWITCH_IN_GRAD_MODE,
+    SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP,
     SAC_ASKS_AGAIN_WHILE_RECOMPUTING,
     REGIONS_ALLOCATE_FOR_IN_PLACE_OPS,
 )

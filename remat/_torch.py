@@ -125,6 +125,7 @@ __all__ = [
     "get_proxy_mode",
     "has_data_mutation",
     "import_jvp_decompositions",
+    "drawn_per_example_but_unbatched",
     "has_no_derivative",
     "decomposition_of",
     "inplace_requires_grad_allowed",
@@ -676,6 +677,19 @@ def make_dual(primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
     for level, bdim in reversed(wrappers):
         dual = torch._C._functorch._add_batch_dim(dual, bdim, level)
     return dual
+
+
+def drawn_per_example_but_unbatched(tensor: torch.Tensor) -> bool:
+    """Whether the innermost `vmap` running draws different random numbers for each example
+    (`randomness="different"`) while `tensor` is not batched by it: there an in-place random fill of
+    `tensor` raises, where an out-of-place draw gives the whole batch its numbers. Never inside a graph
+    Dynamo compiles (`compile=`), which runs under no transform."""
+    if torch.compiler.is_compiling():
+        return False
+    for interpreter in reversed(functorch_interpreters()):
+        if interpreter.key() == TransformType.Vmap:
+            return interpreter.randomness() == "different" and interpreter.level() not in vmap_levels(tensor)
+    return False
 
 
 def vmap_levels(tensor: torch.Tensor) -> frozenset[int]:

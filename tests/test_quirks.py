@@ -131,6 +131,16 @@ def _gradients_switch_in_grad_mode() -> bool:
     return all(calls(fn, False) != calls(fn, True) for fn in functions.values())
 
 
+def _slice_scatter_refuses_negative_bounds_under_vmap() -> bool:
+    base, source = torch.zeros(2, 5, 4), torch.ones(2, 5, 2)
+    try:
+        torch.func.vmap(lambda b, s: torch.slice_scatter(b, s, 1, 1, -1))(base, source)
+    except RuntimeError as error:
+        assert "inconsistent with step sign" in str(error)
+        return True
+    return False
+
+
 def _sac_asks_again_while_recomputing() -> bool:
     asked: list[bool] = []
 
@@ -188,6 +198,7 @@ PROBES: dict[str, Callable[[], bool]] = {
     "RRELU_FUNCTIONAL_DERIVATIVE": _rrelu_functional_derivative_reads_its_noise_input,
     "GRADIENTS_READ_LU_FACTORS": _gradients_read_lu_factors,
     "GRADIENTS_SWITCH_IN_GRAD_MODE": _gradients_switch_in_grad_mode,
+    "SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP": _slice_scatter_refuses_negative_bounds_under_vmap,
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING": _sac_asks_again_while_recomputing,
     "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS": _regions_allocate_for_in_place_ops,
 }

@@ -432,6 +432,19 @@ def test_regression_vmap_of_a_fill_by_the_batched_gradient(fn: Callable, policy:
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+@SEVERAL_POLICIES
+def test_regression_vmap_of_a_write_through_a_slice_that_ends_before_the_end(policy: Any) -> None:
+    # `t[:, 1:-1]` functionalizes into a `slice_scatter` ending at -1, which torch's batching rule refuses
+    # ("upper bound and lower bound inconsistent with step sign"). NOTE [slice scatters count from the start]
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = x * 2
+        t[:, 1:-1][1:].mul_(2)
+        t[-3:-1, :-2].add_(1)
+        return t.sin()
+
+    assert_checkpoint_equivalent(fn, models.randn(5, 4, seed=14), policy=policy, transforms=["vmap", "jvp_of_vmap"])
+
+
 _B = models.randn(4, 2, seed=12, requires_grad=False)
 LU_FACTORED = {
     "solve": lambda a: torch.linalg.solve(a, _B).sin().sum(),
@@ -722,6 +735,28 @@ def test_per_sample_grads_through_dropout_with_randomness_different(policy: Any)
     assert torch.equal(actual_values, expected_values)
     torch.testing.assert_close(actual_grads, expected_grads, rtol=RTOL, atol=ATOL)
     assert torch.equal(actual_next, expected_next)
+
+
+_WEIGHT = models.randn(3, 8, seed=6, requires_grad=False)
+
+
+def _dropout_of_an_unbatched_weight(x: torch.Tensor) -> torch.Tensor:
+    return (F.dropout(_WEIGHT, 0.5) * x).tanh()
+
+
+@SEVERAL_POLICIES
+def test_vmap_randomness_different_dropout_of_a_tensor_the_vmap_does_not_batch(policy: Any) -> None:
+    # Eager draws each example's mask (out of place, into the batch); remat's fill in place of a tensor the
+    # vmap does not batch raised "Cannot ask for different inplace randomness on an unbatched tensor".
+    checkpointed = remat.checkpoint(_dropout_of_an_unbatched_weight, policy=policy)
+    run = functools.partial(_vmapped_backward, randomness="different")
+    (expected, expected_grad), expected_next = _seeded(lambda: run(_dropout_of_an_unbatched_weight))
+    (actual, actual_grad), actual_next = _seeded(lambda: run(checkpointed))
+    assert torch.equal(actual, expected)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=RTOL, atol=ATOL)
+    assert torch.equal(actual_next, expected_next)
+    zeros = expected == 0  # different masks per example
+    assert zeros.any() and not all(torch.equal(zeros[0], zeros[i]) for i in range(1, 4))
 
 
 def _unbatched_draw_fn(x: torch.Tensor) -> torch.Tensor:
@@ -1089,6 +1124,25 @@ def test_nested_inner_policy_indexes_its_own_calls_from_zero() -> None:
         remat.RECOMPUTE,
         remat.RECOMPUTE,
     ]
+
+
+@pytest.mark.parametrize(
+    "select",
+    [lambda x: x[x > 0], lambda x: x.nonzero().double(), lambda x: x.repeat_interleave((x > 0).long() + 1)],
+    ids=["boolean mask", "nonzero", "repeat_interleave"],
+)
+@pytest.mark.parametrize(
+    "inner_policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"]
+)
+def test_a_nested_checkpoint_of_a_value_dependent_size(select: Callable[..., Any], inner_policy: Any) -> None:
+    # The nested region was noted by the graph nodes around it, and make_fx then removed size arithmetic it
+    # no longer needed among them: `KeyError: 'mul'` from the trace. The region is noted node by node now.
+    inner = remat.checkpoint(lambda t: (t * 2).sin(), policy=inner_policy)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return inner(select(x)).sum() + x.cos().sum()
+
+    assert_checkpoint_equivalent(fn, models.randn(6, seed=3), checkpointed=remat.checkpoint(fn))
 
 
 def _backward_counts(fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[collections.Counter, torch.Tensor]:

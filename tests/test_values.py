@@ -161,6 +161,40 @@ def test_a_value_read_for_arithmetic_stays_symbolic() -> None:
     assert checkpointed.cache_info().traces == 1
 
 
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda n: torch.xlogy(n, n.exp()),
+        lambda n: torch.special.xlog1py(n, n),
+        lambda n: torch.copysign(n, -n),
+        lambda n: torch.xlogy(n.reshape(-1, 1), n.reshape(1, -1).exp()),
+    ],
+    ids=["xlogy", "xlog1py", "copysign", "xlogy broadcast"],
+)
+def test_ops_that_choose_their_layout_on_tensors_sized_by_values(op: Callable[..., torch.Tensor]) -> None:
+    # The CPU layout these ops choose (TensorIterator's) was computed on meta tensors, which take no
+    # symbolic size: "SymIntArrayRef expected to contain only concrete integers".
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return op(x[x > 0]).sum() + x.sum()
+
+    for policy in POLICIES[:2]:
+        remat.testing.assert_checkpoint_equivalent(fn, randn(5, 3, seed=4), policy=policy)
+
+
+def test_a_masked_assignment_before_a_batch_norm_with_a_cumulative_average() -> None:
+    # The gradient of the mask's elements has a size of its own, made in backward, and torch's checks of
+    # it (`u4 == u2`) were taken for checks the forward makes: a bare AssertionError from the trace.
+    norm = torch.nn.BatchNorm1d(3, momentum=None).double()  # the average reads `num_batches_tracked`
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = torch.zeros_like(x)
+        t[x > 0] = x[x > 0] * 2
+        return norm(t)
+
+    for policy in POLICIES[:2]:
+        remat.testing.assert_checkpoint_equivalent(fn, randn(5, 3, seed=5), policy=policy, params=norm.parameters())
+
+
 # --- values Python reads --------------------------------------------------------------------------
 
 
