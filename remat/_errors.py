@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-from ._fidelity import FakeKernelRefused, OverlappingWrite
+from ._fidelity import FakeKernelRefused, OverlappingWrite, ReadsWhatItWrites
 from ._rng import GeneratorMadeInside, GlobalSeeding
 from ._specialize import FloatRead, UncheckedValue
 from ._torch import (
@@ -107,6 +107,13 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             f"elements share memory (`{error.op}` into shape {error.shape}, strides {error.strides}: a broadcast "
             "`expand` or an overlapping `unfold`). Eager writes such elements one after another, which a traced "
             "graph cannot express. Write into a copy (`.clone()` the view first) or into the tensor it views."
+        ) from error
+    except ReadsWhatItWrites as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: `{error.op}`{_at(error)} updates a tensor in place "
+            "from a tensor that shares part of its memory (`t.scatter_(1, index, t[:, :2])`). Eager then reads "
+            "elements it has already overwritten, in its kernel's order, which a traced graph cannot express. "
+            "Pass a copy as the source (`t[:, :2].clone()`)."
         ) from error
     except FakeRankMismatch as error:
         fake, real = (", ".join(map(str, ranks)) for ranks in (error.fake_ranks, error.real_ranks))

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _quirks
 from ._facts import fill_of, note_fill
+from ._measure import storage_key
 from ._rng import DrawnGenerators
 from ._torch import (
     FAKE_DTYPE_ERRATA,
@@ -49,6 +50,7 @@ from ._torch import (
     run_real_kernel_on_zeros,
     sync,
     trace_call,
+    tree_leaves,
     tree_map_only,
     under_torch_func,
 )
@@ -60,6 +62,7 @@ __all__ = [
     "FillInEagerLayout",
     "FunctionalModeKeepingChecks",
     "OverlappingWrite",
+    "ReadsWhatItWrites",
     "eager_fidelity",
     "fill_in_eager_layout",
     "is_dense",
@@ -245,6 +248,49 @@ class OverlappingWrite(RuntimeError):
     def __init__(self, op: Any, shape: Sequence[int], strides: Sequence[int]):
         super().__init__(f"{op} writes into a tensor of shape {tuple(shape)} with strides {tuple(strides)}")
         self.op, self.shape, self.strides = op, tuple(shape), tuple(strides)
+
+
+# NOTE [in-place ops that read what they write]
+# An in-place op whose source shares memory with the tensor it writes, in part
+# (`t.scatter_(1, idx, t[:, :2])`), reads in eager some elements it has already
+# overwritten, in the order its kernel happens to run; elementwise ops and
+# `copy_` refuse such overlap in eager, and scatters do not. A traced graph is
+# functional: it reads every source element before any write, so its result
+# would differ from eager's without a word. remat refuses it at the trace.
+class ReadsWhatItWrites(RuntimeError):
+    """An in-place op reads memory it writes, in part (raised while tracing)."""
+
+    def __init__(self, op: Any):
+        super().__init__(f"{op} reads memory it writes")
+        self.op = op
+
+
+def _reads_what_it_writes(written: torch.Tensor, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a tensor argument other than `written` overlaps its memory without being it."""
+    if not all(isinstance(n, int) for n in (*written.shape, *written.stride())):
+        return False
+    storage, span = _memory_span(written)
+    for value in tree_leaves((args, kwargs)):
+        if value is written or not isinstance(value, torch.Tensor) or value.numel() == 0:
+            continue
+        if not all(isinstance(n, int) for n in (*value.shape, *value.stride(), value.storage_offset())):
+            continue
+        other_storage, other_span = _memory_span(value)
+        same_view = (value.storage_offset(), value.shape, value.stride()) == (
+            written.storage_offset(),
+            written.shape,
+            written.stride(),
+        )
+        if other_storage == storage and not same_view and other_span[0] < span[1] and span[0] < other_span[1]:
+            return True
+    return False
+
+
+def _memory_span(tensor: torch.Tensor) -> tuple[Any, tuple[int, int]]:
+    """The storage `tensor` views, and the range of element offsets it spans there."""
+    start = tensor.storage_offset()
+    end = start + 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True) if n > 0)
+    return storage_key(tensor), (start, end)
 
 
 # In-place random ops that only write their `self` (`rrelu_with_noise_` reads it, so it is not one).
@@ -456,6 +502,8 @@ class EagerFidelity(TorchDispatchMode):
         for tensor in written:
             if _may_overlap(tensor.shape, tensor.stride()):
                 raise OverlappingWrite(func, tensor.shape, tensor.stride())
+            if _reads_what_it_writes(tensor, args, kwargs):  # NOTE [in-place ops that read what they write]
+                raise ReadsWhatItWrites(func)
         if not written or func.overloadpacket not in _RANDOM_FILLS:
             return trace_call(func, args, kwargs)
         target = written[0]

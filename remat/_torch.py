@@ -69,7 +69,7 @@ from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import _quirks
@@ -150,6 +150,7 @@ __all__ = [
     "temporarily_clear_interpreter_stack",
     "random_calls_traced",
     "trace_call",
+    "tree_leaves",
     "tree_map_only",
     "under_torch_func",
     "unset_fake_temporarily",
