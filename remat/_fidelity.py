@@ -286,7 +286,7 @@ def _reads_what_it_writes(written: torch.Tensor, args: Sequence[Any], kwargs: Ma
     return False
 
 
-def _memory_span(tensor: torch.Tensor) -> tuple[Any, tuple[int, int]]:
+def _memory_span(tensor: torch.Tensor) -> tuple[Any, tuple[Any, Any]]:
     """The storage `tensor` views, and the range of element offsets it spans there."""
     start = tensor.storage_offset()
     end = start + 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True) if n > 0)
