@@ -282,6 +282,55 @@ def _assign_transposed_column_without_grad(x: torch.Tensor) -> torch.Tensor:
 # Each entry maps (x, y, constants) -> a tensor shaped like x; y is another value of the same shape.
 # Every one is well-defined and differentiable almost everywhere on random float inputs.
 _Op = Callable[[torch.Tensor, torch.Tensor, Constants], torch.Tensor]
+
+
+def _group_norm(x: torch.Tensor) -> torch.Tensor:
+    rows, cols = x.shape
+    return F.group_norm(x.reshape(1, rows, cols), 1 if rows % 2 else 2).reshape(rows, cols)
+
+
+def _cumprod_at_zeros(x: torch.Tensor) -> torch.Tensor:
+    # Exact zeros, where cumprod's first-form gradient divides by zero: NOTE [a backward that will be
+    # differentiated]
+    return torch.cumprod(x * (x > 0.0), 1).tanh()
+
+
+class _Cube(torch.autograd.Function):
+    """A custom autograd Function whose backward, written by hand, is its derivative."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * x * x
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad * 3 * x * x
+
+
+class _FirstColumn(torch.autograd.Function):
+    """A custom autograd Function returning a view of its input, gradients not materialized."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.narrow(-1, 0, 1)
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.set_materialize_grads(False)  # type: ignore[attr-defined]
+        ctx.shape = inputs[0].shape  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor | None) -> torch.Tensor | None:
+        if grad is None:
+            return None
+        return F.pad(grad, (0, ctx.shape[-1] - 1))  # type: ignore[attr-defined]
+
+
 CATALOG: dict[str, tuple[int, _Op]] = {
     # pointwise unary
     "sin": (1, lambda x, y, c: x.sin()),
@@ -399,6 +448,16 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     "slice_assign_transposed_clone": (2, lambda x, y, c: _slice_assign_transposed_clone(x, y)),
     "uniform_transposed_clone_": (1, lambda x, y, c: _uniform_transposed_clone(x)),
     "normal_transposed_reduced_": (1, lambda x, y, c: _normal_transposed_reduced(x)),
+    # gradient formulas that switch form where their result will be differentiated, and rrelu's kernel
+    "silu": (1, lambda x, y, c: F.silu(x)),
+    "mish": (1, lambda x, y, c: F.mish(x)),
+    "logit_of_sigmoid": (1, lambda x, y, c: torch.logit(x.sigmoid(), eps=1e-3)),
+    "group_norm": (1, lambda x, y, c: _group_norm(x)),
+    "cumprod_at_zeros": (1, lambda x, y, c: _cumprod_at_zeros(x)),
+    "rrelu_transposed_then_dropout": (1, lambda x, y, c: F.dropout(F.rrelu(x.t(), training=True), 0.2).t()),
+    # custom autograd Functions: a hand-written derivative, and a view with gradients not materialized
+    "custom_cube": (1, lambda x, y, c: _Cube.apply(x.tanh())),
+    "custom_view_of_first_column": (1, lambda x, y, c: x * _FirstColumn.apply(x.sin())),
     # updates of the operand (an input, maybe) under no_grad through views of its transpose, returning it
     "scale_transposed_slice_without_grad_": (1, lambda x, y, c: _scale_transposed_slice_without_grad(x)),
     "assign_transposed_column_without_grad_": (1, lambda x, y, c: _assign_transposed_column_without_grad(x)),
@@ -417,7 +476,7 @@ RANDOM_OPS = frozenset(
         "normal_strided_", "exponential_rows_", "uniform_through_expand_", "normal_of_bernoulli",
         "rand_from_generator", "branch_on_generator", "normal_unfold_window_", "bernoulli_transposed_attention_",
         "bernoulli_reshaped_transposed_", "uniform_transposed_clone_", "normal_transposed_reduced_",
-        "normal_leading_expand_",
+        "normal_leading_expand_", "rrelu_transposed_then_dropout",
     }
 )  # fmt: skip
 

@@ -31,6 +31,7 @@ from ._torch import (
     release_saved_tensors,
     tangent_of,
     unwrap_batched,
+    unwrap_dead_wrappers,
 )
 
 __all__ = ["Executable", "forward_mode_active", "nested_forward_mode", "run", "unsupported_under", "vmap_active"]
@@ -415,6 +416,8 @@ def _differentiated_again(
     pure = programs.pure_with_outputs
     if pure is None or not pure.reads_only_what_is_kept:
         return False
+    if not functorch_active():  # (a pullback whose level has ended: only what requires grad below counts)
+        kept = unwrap_dead_wrappers(kept)
     return any(t is not None and requires_grad_at_any_level(t) for t in (*kept, *grads))
 
 
@@ -439,6 +442,8 @@ def _pure_vjp(
     if not chosen:
         return result
     positions = [i for i, _ in chosen]
+    if not functorch_active():  # a pullback whose level has ended: its tensors are plain ones now, as
+        kept = unwrap_dead_wrappers(kept)  # `Function.apply` takes them (NOTE [custom Functions applied again])
     values = [
         value if isinstance(k.where, KeptInput) and requires_grad_at_any_level(value) else value.detach()
         for value, k in zip(kept, programs.kept, strict=False)  # (`kept` may have the anchor of `_saved` after)
@@ -457,12 +462,34 @@ def _pure_vjp(
             outputs = pure.forward(*arguments)
         return tuple(outputs[k] for k in differentiated)
 
-    recomputed, pullback = torch.func.vjp(recompute, *(kept[i] for i in positions))[:2]
-    # (the cotangent of an offloaded value is in host memory, as the value was)
-    cotangents = tuple(grads[k].to(v.device) for k, v in zip(differentiated, recomputed, strict=True))  # type: ignore[union-attr]
-    for (_, primal), grad in zip(chosen, pullback(cotangents), strict=True):
+    if functorch_active():
+        recomputed, pullback = torch.func.vjp(recompute, *(kept[i] for i in positions))[:2]
+        computed = pullback(_cotangents(grads, differentiated, recomputed))
+    else:  # (plain autograd: an old-style Function, with a `ctx` forward, is applied again there too)
+        inputs = [kept[i] if kept[i].requires_grad else kept[i].detach().requires_grad_() for i in positions]
+        with torch.enable_grad():
+            recomputed = recompute(*inputs)
+        cotangents = _cotangents(grads, differentiated, recomputed)
+        pairs = [(v, g) for v, g in zip(recomputed, cotangents, strict=True) if v.requires_grad]
+        if not pairs:
+            return result
+        outputs, cotangents = zip(*pairs, strict=True)
+        computed = torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True, create_graph=True)
+        # (a gradient of an input only this level differentiated: nothing below differentiates it again)
+        computed = tuple(
+            g if g is None or kept[i].requires_grad else g.detach() for i, g in zip(positions, computed, strict=True)
+        )
+    for (_, primal), grad in zip(chosen, computed, strict=True):
         result[primal] = grad
     return result
+
+
+def _cotangents(
+    grads: Sequence[torch.Tensor | None], differentiated: Sequence[int], recomputed: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """The cotangents of the recomputed values (that of an offloaded value is in host memory, as the
+    value was)."""
+    return tuple(grads[k].to(v.device) for k, v in zip(differentiated, recomputed, strict=True))  # type: ignore[union-attr]
 
 
 def _is_float(node: Any) -> bool:

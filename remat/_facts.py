@@ -14,6 +14,9 @@ from torch import fx
 
 __all__ = [
     "CallSite",
+    "CustomApplication",
+    "application_of",
+    "note_application",
     "StopGradient",
     "add_tag",
     "differentiable_outputs",
@@ -27,12 +30,13 @@ __all__ = [
     "tags_of",
 ]
 
-_STOPS, _SITE, _FILL, _TAGS, _DIFFERENTIABLE = (
+_STOPS, _SITE, _FILL, _TAGS, _DIFFERENTIABLE, _APPLICATION = (
     "remat_stops_gradient",
     "remat_site",
     "remat_fill",
     "remat_tags",
     "remat_differentiable_outputs",
+    "remat_application",
 )
 
 # Why `fn` computed a value where autograd does not see: through a `detach()`, under `no_grad`, or as
@@ -98,3 +102,25 @@ def differentiable_outputs(node: fx.Node) -> tuple[bool, ...] | None:
 
 def note_differentiable_outputs(node: fx.Node, flags: tuple[bool, ...]) -> None:
     node.meta[_DIFFERENTIABLE] = flags
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CustomApplication:
+    """One application of a custom autograd Function in `fn`: the class, its arguments with each tensor
+    as the graph node it was, the nodes of its tensor outputs (in order), and the nodes its forward made.
+    See NOTE [custom Functions applied again]."""
+
+    function: type
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: tuple[fx.Node, ...]
+    region: frozenset[fx.Node]
+
+
+def application_of(node: fx.Node) -> tuple[CustomApplication, int] | None:
+    """The custom Function application whose output `node` is, and which of its tensor outputs, or None."""
+    return node.meta.get(_APPLICATION)  # type: ignore[no-any-return]
+
+
+def note_application(node: fx.Node, application: CustomApplication, index: int) -> None:
+    node.meta.setdefault(_APPLICATION, (application, index))

@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from . import _quirks, _rng
+from ._applications import ApplicationRecorder
 from ._cache import requires_grad_at_any_level
 from ._calls import Call, TensorMeta, Trace
 from ._capture import (
@@ -60,6 +61,7 @@ from ._torch import (
     carry_real_values,
     forget_pending_sizes,
     from_functional,
+    function_applications_noted,
     functorch_active,
     get_proxy_mode,
     grad_dtype_override,
@@ -634,7 +636,9 @@ class _ForwardThenBackward:
             eager_fidelity(self.under_functorch, self.fake_mode) as fidelity,
         ):
             args, kwargs = self.flat_args.rebuild(arguments)
-            outputs, _ = flatten_outputs(self.fn(*args, **kwargs))
+            # See NOTE [custom Functions applied again].
+            with function_applications_noted(ApplicationRecorder(graph, mode.substitute)):
+                outputs, _ = flatten_outputs(self.fn(*args, **kwargs))
         self.ran_in_fn.update(graph.nodes)
         self.detached.update(mode.detached)
         self.dropout_layout_matters = fidelity.dropout_layout_matters

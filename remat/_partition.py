@@ -22,9 +22,11 @@ from torch import fx
 
 from . import _quirks, _rng
 from ._accounting import saved_calls
+from ._applications import application_of
 from ._calls import Decision
 from ._capture import history_of
-from ._joint import JointGraph, stops_gradient
+from ._facts import CustomApplication
+from ._joint import JointGraph, draws_random_numbers, stops_gradient
 from ._programs import PureForward, backward_program, forward_program, views_of_inputs
 from ._rules import rules_of
 from ._value_graph import (
@@ -198,8 +200,9 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             False,
             tuple(kept_pairs),
             tuple(offloaded),
-            {**{p: p for p in holder}, **{c: c for c in split.constants}},
+            {**{p: p for p in holder}, **{c: c for c in _constants_to_autograd(joint, split.constants)}},
             tuple([*split.returned_nodes, *activations]),
+            reapply=True,
         ),
         traced_for_forward_mode=forward_mode,
         pure_inputs=tuple((i, primal_index[node]) for node, i in holder.items()),
@@ -207,7 +210,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         epilogue=epilogue,
         returned=returned,
         n_activations=len(activations),
-        backward_not_differentiable=_backward_not_differentiable(joint),
+        backward_not_differentiable=_backward_not_differentiable(joint, by_autograd),
         non_differentiable=_non_differentiable(
             joint,
             returned,
@@ -228,11 +231,46 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
 
 def _differentiated_again_by_autograd(joint: JointGraph) -> bool:
     """Whether a backward that will be differentiated is autograd's over the pure forward: where the trace
-    calls an op whose gradient formula switches form in grad mode, and no custom autograd Function (whose
-    backward the pure forward does not know). See NOTE [a backward that will be differentiated]."""
-    calls = zip(joint.trace, joint.call_nodes, strict=True)
-    found = [call for call, node in calls if node.target in _SWITCH_IN_GRAD_MODE]
-    return bool(found) and all(call.scope is None for call in joint.trace)
+    calls an op whose gradient formula switches form in grad mode, or applies a custom autograd Function,
+    and the pure forward can apply every such Function again. See NOTE [a backward that will be
+    differentiated] and NOTE [custom Functions applied again]."""
+    scoped = [node for call, node in zip(joint.trace, joint.call_nodes, strict=True) if call.scope is not None]
+    applied = {found[0] for node in joint.graph.nodes if (found := application_of(node)) is not None}
+    if scoped or applied:  # (a Function whose forward only takes a view calls no op of its own)
+        live = set(joint.graph.nodes)
+        usable = [a for a in applied if _applies_again(a, live)]
+        covered = frozenset().union(*(a.region for a in usable))
+        return len(usable) == len(applied) and all(node in covered or _is_custom_op(node) for node in scoped)
+    return any(node.target in _SWITCH_IN_GRAD_MODE for node in joint.call_nodes)
+
+
+def _constants_to_autograd(joint: JointGraph, constants: set[fx.Node]) -> set[fx.Node]:
+    """The kept values that autograd, as eager runs it, gives no derivative: those without one in the
+    trace, but for the outputs of custom Functions and what is computed from them (traced under
+    `no_grad`, they have the Function's backward in eager). See NOTE [custom Functions applied again]."""
+    from_applications: set[fx.Node] = set()
+    for node in joint.graph.nodes:
+        if node in joint.forward_nodes and (
+            application_of(node) is not None or any(a in from_applications for a in node.all_input_nodes)
+        ):
+            from_applications.add(node)
+    return constants - from_applications
+
+
+def _applies_again(application: CustomApplication, live: set[fx.Node]) -> bool:
+    """Whether the pure forward can apply `application` again: its nodes are still in the graph, and its
+    forward draws no random numbers (a second application would draw other ones)."""
+    inputs: list[fx.Node] = []
+    fx.node.map_arg((application.args, application.kwargs), inputs.append)
+    if not all(node in live for node in (*inputs, *application.outputs)):
+        return False
+    return not any(draws_random_numbers(node) for node in application.region if node in live)
+
+
+def _is_custom_op(node: fx.Node) -> bool:
+    """Whether `node` calls a `torch.library` custom op (one node, differentiated by its own rule)."""
+    namespace = getattr(node.target, "namespace", None)
+    return namespace not in (None, "aten", "prims")
 
 
 _SWITCH_IN_GRAD_MODE = _quirks.GRADIENTS_SWITCH_IN_GRAD_MODE.table
@@ -296,9 +334,14 @@ def _split(joint: JointGraph, decisions: Sequence[Decision], forward_mode: bool)
     )
 
 
-def _backward_not_differentiable(joint: JointGraph) -> str | None:
+def _backward_not_differentiable(joint: JointGraph, by_autograd: bool) -> str | None:
     """Why differentiating the backward program would not be exact, if it would not: a call with a
-    derivative whose traced gradient formula reads what autograd does not differentiate."""
+    derivative whose traced gradient formula reads what autograd does not differentiate, or a custom
+    autograd Function the pure forward cannot apply again (where it is not `by_autograd`)."""
+    if not by_autograd:
+        for call in joint.trace:
+            if call.scope is not None and not _is_custom_op(joint.call_nodes[call.index]):
+                return f"{call}: {_NOT_APPLIED_AGAIN.format(call.scope)}"
     found = [
         (call, node)
         for call, node in zip(joint.trace, joint.call_nodes, strict=True)
@@ -315,6 +358,12 @@ def _backward_not_differentiable(joint: JointGraph) -> str | None:
 
 
 _FORMULA_READS_FACTORS = _quirks.GRADIENTS_READ_LU_FACTORS.table
+_NOT_APPLIED_AGAIN = (
+    "it runs inside the custom autograd Function {}, which remat cannot apply again (its forward draws random "
+    "numbers, or its arguments are not tensors the trace can place): its first derivatives are exact, but a "
+    "second derivative through its outputs would not be. Draw the random numbers outside the Function and "
+    "pass them in, or take second derivatives outside remat.checkpoint"
+)
 
 
 def _non_differentiable(

@@ -16,9 +16,10 @@ import torch
 from torch import fx
 
 from . import _offload, _quirks, _rng
+from ._applications import Reapplication, application_of
 from ._capture import SCATTERS, history_of
 from ._errors import TraceError
-from ._facts import fill_of, stop_gradient_of
+from ._facts import CustomApplication, fill_of, stop_gradient_of
 from ._fidelity import RRELU, fill_in_eager_layout, is_dense, run_rrelu_as_eager, runnable
 from ._joint import JointGraph, draws_random_numbers, is_free, stops_gradient
 from ._torch import (
@@ -213,6 +214,7 @@ class PureForward:
     offloaded: tuple[fx.Node, ...]
     inputs: Mapping[fx.Node, fx.Node]
     targets: tuple[fx.Node, ...]
+    reapply: bool = False  # custom Functions applied again: NOTE [custom Functions applied again]
 
     def forward(self, *kept: Any) -> Any:
         return self.module.forward(*kept)
@@ -242,7 +244,7 @@ class PureForward:
             if node in self.inputs.values():
                 holders[node] = graph.call_function(_offload.reload_now, (holders[node], device_of(node)))
         env = {primal: holders[holder] for primal, holder in self.inputs.items()}
-        emit = _emitter(graph, env, states, self.forward_mode)
+        emit = _emitter(graph, env, states, self.forward_mode, reapply=self.reapply)
         graph.output(tuple(emit(target) for target in self.targets))
         return _module(self.joint, graph)
 
@@ -418,6 +420,7 @@ def _emitter(
     states: Mapping[fx.Node, fx.Node],
     forward_mode: bool,
     hosts: Mapping[fx.Node, fx.Node] | None = None,
+    reapply: bool = False,
 ) -> Callable[[fx.Node], fx.Node]:
     """A function that copies a node of the joint graph into `graph` (and, first, the nodes
     it reads that are not there yet), replaying random calls from their kept states, so
@@ -425,6 +428,24 @@ def _emitter(
     NOTE [differentiating the forward again]. A node with a placeholder in `hosts` is
     reloaded from that host copy where it is first read."""
     hosts = hosts or {}
+    reapplications: dict[CustomApplication, Reapplication] = {}
+
+    def reapplication(node: fx.Node) -> Reapplication | None:
+        """How the program applies again the custom Function whose output `node` is, if it does."""
+        found = application_of(node) if reapply else None
+        if found is None:
+            return None
+        application = found[0]
+        if application not in reapplications:
+            reapplications[application] = Reapplication(application)
+        return reapplications[application]
+
+    def apply_again(again: Reapplication) -> None:
+        applied = graph.call_function(again, tuple(env[n] for n in again.inputs))
+        for k, output in enumerate(again.application.outputs):
+            if output not in env:
+                env[output] = graph.call_function(operator.getitem, (applied, k))
+                env[output].meta = dict(output.meta)
 
     def reload(node: fx.Node) -> fx.Node:
         started = graph.call_function(_offload.start_reload, (hosts[node], device_of(node)))
@@ -471,6 +492,14 @@ def _emitter(
                 continue
             if node in hosts:
                 env[node] = reload(node)
+                continue
+            again = reapplication(node)
+            if again is not None:  # See NOTE [custom Functions applied again].
+                if inputs_done:
+                    apply_again(again)
+                else:
+                    stack.append((node, True))
+                    stack.extend((arg, False) for arg in reversed(again.inputs) if arg not in env)
                 continue
             if not inputs_done:
                 stack.append((node, True))

@@ -16,10 +16,11 @@ import inspect
 import logging
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -125,7 +126,10 @@ __all__ = [
     "get_proxy_mode",
     "has_data_mutation",
     "import_jvp_decompositions",
+    "FunctionApplications",
+    "function_applications_noted",
     "drawn_per_example_but_unbatched",
+    "unwrap_dead_wrappers",
     "has_no_derivative",
     "decomposition_of",
     "inplace_requires_grad_allowed",
@@ -680,6 +684,12 @@ def make_dual(primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
     return dual
 
 
+def unwrap_dead_wrappers(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors`, each unwrapped from the torch.func wrappers of levels that have ended (as
+    `Function.apply` unwraps its arguments)."""
+    return list(torch._functorch.utils.unwrap_dead_wrappers(tuple(tensors)))
+
+
 def drawn_per_example_but_unbatched(tensor: torch.Tensor) -> bool:
     """Whether the innermost `vmap` running draws different random numbers for each example
     (`randomness="different"`) while `tensor` is not batched by it: there an in-place random fill of
@@ -721,6 +731,65 @@ def import_jvp_decompositions() -> None:
 
 
 # --- autograd ----------------------------------------------------------------------------------------------
+
+
+class FunctionApplications(Protocol):
+    """What `function_applications_noted` tells about the custom autograd Functions applied."""
+
+    def started(self) -> None: ...
+
+    def finished(self, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Any) -> None: ...
+
+
+class _Noting(threading.local):
+    listener: FunctionApplications | None = None
+    depth = 0
+
+
+_noting = _Noting()
+_noting_lock = threading.Lock()
+_noting_threads = 0
+_ORIGINAL_APPLY = inspect.getattr_static(torch.autograd.Function, "apply")
+_APPLY_IS_OWN = "apply" in vars(torch.autograd.Function)
+
+
+def _apply_noting(cls: type, *args: Any, **kwargs: Any) -> Any:
+    apply = _ORIGINAL_APPLY.__get__(None, cls)
+    listener = _noting.listener
+    if listener is None or _noting.depth:  # another thread's, or a Function applied inside another's
+        return apply(*args, **kwargs)
+    listener.started()
+    _noting.depth += 1
+    try:
+        outputs = apply(*args, **kwargs)
+    finally:
+        _noting.depth -= 1
+    listener.finished(cls, args, kwargs, outputs)
+    return outputs
+
+
+@contextlib.contextmanager
+def function_applications_noted(listener: FunctionApplications) -> Iterator[None]:
+    """Tell `listener` of each custom autograd Function applied on this thread while this runs (not
+    those applied inside another's `forward`): `Function.apply` is wrapped meanwhile, for every thread,
+    and passes other threads' calls straight on. A class that defines its own `apply` is not seen."""
+    global _noting_threads
+    with _noting_lock:
+        if _noting_threads == 0:
+            torch.autograd.Function.apply = classmethod(_apply_noting)  # type: ignore[assignment, method-assign]
+        _noting_threads += 1
+    outer, _noting.listener = _noting.listener, listener
+    try:
+        yield
+    finally:
+        _noting.listener = outer
+        with _noting_lock:
+            _noting_threads -= 1
+            if _noting_threads == 0:
+                if _APPLY_IS_OWN:
+                    torch.autograd.Function.apply = _ORIGINAL_APPLY  # type: ignore[method-assign]
+                else:
+                    del torch.autograd.Function.apply
 
 
 def has_no_derivative(op: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

@@ -190,3 +190,90 @@ def test_rrelu_at_every_order(fn: Callable[..., Any], policy: Any) -> None:
     assert_checkpoint_equivalent(fn, x, policy=policy, transforms=["grad", "jvp", "vmap", *SECOND_ORDER])
     expected = _create_graph_then_backward(fn, x)
     torch.testing.assert_close(_create_graph_then_backward(remat.checkpoint(fn, policy=policy), x), expected)
+
+
+# --- custom autograd Functions ---------------------------------------------------------------------------
+
+
+class _Cos(torch.autograd.Function):
+    """Old style: `forward` takes `ctx` (eager applies it under plain autograd only)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.cos()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return -grad * x.sin()
+
+
+class _StraightThroughRound(torch.autograd.Function):
+    """A backward that is not the forward's derivative (a straight-through estimator): eager's second
+    derivatives go through it, not through the ops the forward ran."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (x * 4).round() / 4 + x.detach().sin() * 0
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * x.tanh()
+
+
+class _NoisyScale(torch.autograd.Function):
+    """A forward that draws random numbers: remat cannot apply it again."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * (1 + 0.1 * torch.rand_like(x))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        x, y = ctx.saved_tensors
+        return grad * y / x
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_second_derivatives_through_a_custom_function_whose_output_another_formula_reads(policy: Any) -> None:
+    # The product's gradient formula reads the Function's output; eager differentiates it again through
+    # the Function's backward. remat's replay of it (its forward's ops, under no_grad) had no derivative:
+    # that part of the second derivative was lost. NOTE [custom Functions applied again]
+    x = _float64(5)
+
+    def old_style(x: torch.Tensor) -> torch.Tensor:
+        return x * x * _Cos.apply(x)
+
+    expected = _create_graph_then_backward(old_style, x)
+    torch.testing.assert_close(_create_graph_then_backward(remat.checkpoint(old_style, policy=policy), x), expected)
+
+    def straight_through(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() * _StraightThroughRound.apply(x * 1.3)
+
+    _assert_second_order_equal(straight_through, _float64(3, 4), policy)
+
+
+def test_a_second_derivative_through_a_custom_function_that_draws_random_numbers_is_refused() -> None:
+    # remat cannot apply such a Function again (it would draw other numbers): the first derivative is
+    # exact, and a second derivative through it raises remat's own error rather than come out wrong.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * _NoisyScale.apply(x)
+
+    x = _float64(4)
+    torch.manual_seed(0)
+    (expected,) = torch.autograd.grad(fn(x).sum(), x)
+    torch.manual_seed(0)
+    (gradient,) = torch.autograd.grad(remat.checkpoint(fn)(x).sum(), x, create_graph=True)
+    torch.testing.assert_close(gradient, expected)
+    with pytest.raises(NotImplementedError, match=r"custom autograd Function _NoisyScale, which remat cannot apply"):
+        gradient.sum().backward()

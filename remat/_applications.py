@@ -1,0 +1,109 @@
+"""Custom autograd Functions applied in `fn`: noted while tracing, applied again where programs are
+differentiated.
+
+Imports only the torch door and the facts of graph nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from ._facts import CustomApplication, application_of, note_application
+from ._torch import node_behind, tree_leaves
+
+__all__ = ["ApplicationRecorder", "Reapplication", "application_of"]
+
+
+# NOTE [custom Functions applied again]
+# make_fx runs a custom autograd Function's forward as the ops it calls, under
+# `no_grad`, and traces its backward as ops too. That is exact for first
+# derivatives. But where a gradient formula of another op reads an output of
+# the Function (`x * x * Cube.apply(x)`: the product's formula reads the cube),
+# eager differentiates that output again through the Function's own backward,
+# run in grad mode; the traced ops say only that the output has no derivative
+# (it was computed under `no_grad`). So tracing notes each application of a
+# Function (`Function.apply`, wrapped while `fn` runs): the class, its arguments
+# as graph nodes, its outputs' nodes and the nodes its forward made. A program
+# that autograd will differentiate again (the pure forward, NOTE [a backward
+# that will be differentiated]) applies the Function again on its inputs, as
+# eager does, where an output of it is needed: its values are its forward's,
+# and its derivative is its backward. An application whose forward draws random
+# numbers, or whose arguments tracing could not place, is not applied again:
+# there the backward that will be differentiated is remat's own (first
+# derivatives exact, second derivatives through the Function's outputs not).
+
+
+class ApplicationRecorder:
+    """Notes each custom Function applied while `fn` is traced (a `FunctionApplications` listener): the
+    outputs' nodes of `graph` are given their application (`_facts.application_of`)."""
+
+    def __init__(self, graph: fx.Graph, substitute: Callable[[Any], Any]):
+        self.graph = graph
+        self.substitute = substitute  # a closed-over tensor -> the graph input standing for it
+        self.started_after: list[fx.Node] = []
+
+    def started(self) -> None:
+        self.started_after.append(next(iter(reversed(self.graph.nodes))))
+
+    def finished(self, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Any) -> None:
+        before = self.started_after.pop()
+        region, node = [], before.next
+        while node.op != "root":
+            region.append(node)
+            node = node.next
+        found = [self._node_of(t) for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+        placed = [n for n in found if n is not None]
+        if len(placed) < len(found):
+            return
+        try:
+            args, kwargs = _with_nodes((args, kwargs), self._node_of)
+        except _Unplaced:
+            return
+        application = CustomApplication(cls, args, kwargs, tuple(placed), frozenset(region))
+        for index, output in enumerate(placed):
+            note_application(output, application, index)
+
+    def _node_of(self, tensor: Any) -> fx.Node | None:
+        return node_behind(self.substitute(tensor))  # type: ignore[no-any-return]
+
+
+class _Unplaced(Exception):
+    """A tensor argument tracing cannot place in the graph."""
+
+
+def _with_nodes(tree: Any, node_of: Callable[[Any], fx.Node | None]) -> Any:
+    """`tree` with each tensor as its graph node."""
+
+    def place(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        node = node_of(value)
+        if node is None:
+            raise _Unplaced
+        return node
+
+    return fx.node.map_aggregate(tree, place)
+
+
+class Reapplication:
+    """A program's call applying `application`'s Function again, on the values of its tensor arguments
+    (in the order of `inputs`), returning its tensor outputs as a tuple. See NOTE [custom Functions
+    applied again]."""
+
+    def __init__(self, application: CustomApplication):
+        self.application = application
+        self.inputs: list[fx.Node] = []
+        fx.node.map_arg((application.args, application.kwargs), self.inputs.append)
+        # What FX's code calls it by (a target must have a name).
+        self.__name__ = f"apply_{application.function.__name__}"
+        self.__module__ = __name__
+
+    def __call__(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        value_of = dict(zip(self.inputs, values, strict=True))
+        args, kwargs = fx.node.map_arg((self.application.args, self.application.kwargs), value_of.__getitem__)
+        outputs = self.application.function.apply(*args, **kwargs)  # type: ignore[attr-defined]
+        return tuple(t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor))
