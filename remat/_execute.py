@@ -98,8 +98,12 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
         # (Under `vmap` of `jvp`, torch's own check of the Function's dirty inputs would raise first.)
         raise NotImplementedError(_UPDATED_INPUT_UNDER_FUNC_JVP)
     # See NOTE [updated inputs that are views].
-    views = [i for i in executable.dirty if primals[i]._is_view() and primals[i].requires_grad]
-    if views and forward_mode_active():
+    # (Under forward mode a dual tensor is a view of its primal: one the function updates, running
+    # statistics say, is updated through a clone too, which carries the tangent on as eager's update does.)
+    views = [
+        i for i in executable.dirty if primals[i]._is_view() and (primals[i].requires_grad or forward_mode_active())
+    ]
+    if views and any(primals[i].requires_grad for i in views) and forward_mode_active():
         raise NotImplementedError(
             "remat.checkpoint: under forward mode the function updates in place an input that is a view of "
             "another tensor (a dual tensor of a tensor that requires grad is one), which autograd does not let "

@@ -524,6 +524,13 @@ def _emitter(
 
 def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.Node:
     """A copy of `node` in `graph` that runs as eager ran it. See NOTE [random fills draw in eager's layout]."""
+    ignored = _RUNNING_STATS_IGNORED.get(node.target)
+    if ignored is not None and node.args[ignored[0]] is True:
+        # A replayed training-mode batch norm does not read its running statistics (it drops the ones it
+        # computes): they go in detached, for the functional op refuses ones that require grad at some
+        # level, as an input `fn` hands it (instance norm's, under `grad` of `grad`) may.
+        stats = {a for i, a in enumerate(node.args) if i in ignored[1] and isinstance(a, fx.Node)}
+        env = {**env, **{a: graph.call_function(aten.detach.default, (env[a],)) for a in stats}}
     copy = graph.node_copy(node, lambda n: env[n])
     fill = fill_of(node)
     if fill is not None:  # a NamedTuple prints as an argument, not as a target
@@ -589,6 +596,9 @@ def _scattered_in_base_layout(op: Any, base: torch.Tensor, /, *args: Any, **kwar
     if memory_layout(out) == layout or not is_dense(shape, stride):
         return out
     return torch.empty_like(base).copy_(out)
+
+
+_RUNNING_STATS_IGNORED = _quirks.BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS.table["replay"]
 
 
 # NOTE [slice scatters count from the start]
