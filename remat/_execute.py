@@ -435,10 +435,12 @@ def _pure_vjp(
     differentiating the pure forward with grad mode on: each op's gradient formula as eager runs it
     where its result will be differentiated, and differentiable in turn.
 
-    By `torch.func.vjp`, a level of its own: where a torch.func transform's level has ended before its
-    pullback runs backward (`jacrev` of `jacrev`), `torch.autograd.grad` here would differentiate at the
-    level outside it, which never saw the recomputation. Inputs not differentiated here stay connected
-    to whatever differentiates them below (`.backward()` of a `torch.func.grad`)."""
+    Under a torch.func transform, by `torch.func.vjp`, a level of its own: where a transform's level has
+    ended before its pullback runs backward (`jacrev` of `jacrev`), `torch.autograd.grad` here would
+    differentiate at the level outside it, which never saw the recomputation. Under plain autograd, by
+    `torch.autograd.grad` (`torch.func` refuses old-style Functions, which the pure forward may apply
+    again). Inputs not differentiated here stay connected to whatever differentiates them below
+    (`.backward()` of a `torch.func.grad`)."""
     result: list[torch.Tensor | None] = [None] * len(needs_grad)
     pure = programs.pure_with_outputs
     assert pure is not None

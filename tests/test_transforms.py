@@ -710,16 +710,28 @@ def _vmapped_backward(fn: Callable, randomness: str) -> tuple[torch.Tensor, torc
     return out.detach(), xs.grad
 
 
+_WEIGHT = models.randn(3, 8, seed=6, requires_grad=False)
+
+
+def _dropout_of_an_unbatched_weight(x: torch.Tensor) -> torch.Tensor:
+    # Eager draws each example's mask (out of place, into the batch); remat's fill in place of a tensor the
+    # vmap does not batch raised "Cannot ask for different inplace randomness on an unbatched tensor".
+    return (F.dropout(_WEIGHT, 0.5) * x).tanh()
+
+
+@pytest.mark.parametrize("fn", [_dropout_fn, _dropout_of_an_unbatched_weight], ids=["batched", "unbatched weight"])
 @SEVERAL_POLICIES
-def test_vmap_randomness_different_dropout_backward_replays_the_same_masks(policy: Any) -> None:
-    checkpointed = remat.checkpoint(_dropout_fn, policy=policy)
+def test_vmap_randomness_different_dropout_backward_replays_the_same_masks(fn: Callable, policy: Any) -> None:
+    checkpointed = remat.checkpoint(fn, policy=policy)
 
     run = functools.partial(_vmapped_backward, randomness="different")
-    (expected, expected_grad), expected_next = _seeded(lambda: run(_dropout_fn))
+    (expected, expected_grad), expected_next = _seeded(lambda: run(fn))
     (actual, actual_grad), actual_next = _seeded(lambda: run(checkpointed))
     assert torch.equal(actual, expected)
     torch.testing.assert_close(actual_grad, expected_grad, rtol=RTOL, atol=ATOL)
     assert torch.equal(actual_next, expected_next)
+    zeros = expected == 0  # different masks per example (the comparison is not blind)
+    assert zeros.any() and not all(torch.equal(zeros[0], zeros[i]) for i in range(1, 4))
 
 
 @SEVERAL_POLICIES
@@ -735,28 +747,6 @@ def test_per_sample_grads_through_dropout_with_randomness_different(policy: Any)
     assert torch.equal(actual_values, expected_values)
     torch.testing.assert_close(actual_grads, expected_grads, rtol=RTOL, atol=ATOL)
     assert torch.equal(actual_next, expected_next)
-
-
-_WEIGHT = models.randn(3, 8, seed=6, requires_grad=False)
-
-
-def _dropout_of_an_unbatched_weight(x: torch.Tensor) -> torch.Tensor:
-    return (F.dropout(_WEIGHT, 0.5) * x).tanh()
-
-
-@SEVERAL_POLICIES
-def test_vmap_randomness_different_dropout_of_a_tensor_the_vmap_does_not_batch(policy: Any) -> None:
-    # Eager draws each example's mask (out of place, into the batch); remat's fill in place of a tensor the
-    # vmap does not batch raised "Cannot ask for different inplace randomness on an unbatched tensor".
-    checkpointed = remat.checkpoint(_dropout_of_an_unbatched_weight, policy=policy)
-    run = functools.partial(_vmapped_backward, randomness="different")
-    (expected, expected_grad), expected_next = _seeded(lambda: run(_dropout_of_an_unbatched_weight))
-    (actual, actual_grad), actual_next = _seeded(lambda: run(checkpointed))
-    assert torch.equal(actual, expected)
-    torch.testing.assert_close(actual_grad, expected_grad, rtol=RTOL, atol=ATOL)
-    assert torch.equal(actual_next, expected_next)
-    zeros = expected == 0  # different masks per example
-    assert zeros.any() and not all(torch.equal(zeros[0], zeros[i]) for i in range(1, 4))
 
 
 def _unbatched_draw_fn(x: torch.Tensor) -> torch.Tensor:
