@@ -14,6 +14,7 @@ from ._cache import requires_grad_at_any_level
 from ._calls import TensorMeta
 from ._compiled import CompiledPrograms
 from ._contexts import autocast_disabled
+from ._fidelity import is_dense
 from ._partition import KeptActivation, KeptGeneratorState, KeptInput, KeptOutput, Programs
 from ._programs import differentiable_again
 from ._torch import (
@@ -32,6 +33,7 @@ from ._torch import (
     tangent_of,
     unwrap_batched,
     unwrap_dead_wrappers,
+    vmap_levels,
 )
 
 __all__ = ["Executable", "forward_mode_active", "nested_forward_mode", "run", "unsupported_under", "vmap_active"]
@@ -485,9 +487,25 @@ def _pure_vjp(
         computed = tuple(
             g if g is None or kept[i].requires_grad else g.detach() for i, g in zip(positions, computed, strict=True)
         )
+    traced = dict(zip(pure.joint.grad_of, pure.joint.grads, strict=True))
     for (_, primal), grad in zip(chosen, computed, strict=True):
-        result[primal] = grad
+        result[primal] = grad if grad is None or primal not in traced else _in_traced_layout(grad, traced[primal])
     return result
+
+
+def _in_traced_layout(grad: torch.Tensor, traced: Any) -> torch.Tensor:
+    """`grad` laid out as the traced backward lays out that gradient (eager's layout): autograd's formulas
+    over the pure forward may lay it out otherwise. (Not where the trace's sizes are symbols, nor under
+    `vmap`, whose batched gradients are laid out as the batching rules give them.)"""
+    value = traced.meta.get("val")
+    if not isinstance(value, torch.Tensor) or vmap_levels(grad):
+        return grad
+    stride = value.stride()
+    if tuple(grad.stride()) == tuple(stride) or not all(isinstance(n, int) for n in (*value.shape, *stride)):
+        return grad
+    if tuple(grad.shape) != tuple(value.shape) or not is_dense(value.shape, stride):
+        return grad
+    return grad.new_empty_strided(grad.shape, stride).copy_(grad)
 
 
 def _cotangents(

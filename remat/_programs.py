@@ -377,14 +377,15 @@ class _WithHistoryOf(torch.autograd.Function):
         return tensor_tangent
 
 
-def _computable(node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> bool:
-    """Whether a program with the values in `env` can compute `node` (no input it reads is missing)."""
+def _computable(node: fx.Node, env: Mapping[fx.Node, fx.Node], states: Collection[fx.Node]) -> bool:
+    """Whether a program with the values in `env` can compute `node`: no input it reads is missing, and no
+    random call it needs would draw afresh (its generator state is not in `states`)."""
     stack, seen = [node], set()
     while stack:
         current = stack.pop()
         if current in env or current in seen:
             continue
-        if current.op == "placeholder":
+        if current.op == "placeholder" or (current not in states and draws_random_numbers(current)):
             return False
         seen.add(current)
         stack.extend(current.all_input_nodes)
@@ -476,7 +477,7 @@ def _emitter(
             if _value_stops_gradient(node, forward_mode):
                 copy = graph.call_function(aten.detach.default, (copy,))
             history = history_of(node, forward_mode=forward_mode)
-            if history is not None and _computable(history, env):
+            if history is not None and _computable(history, env, states):
                 # See NOTE [updates under no_grad keep their tensors' histories].
                 copy = graph.call_function(_with_history_of, (copy, emit(history)))
                 copy.meta = dict(node.meta)

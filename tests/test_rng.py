@@ -547,3 +547,27 @@ def test_seeding_on_another_thread_while_tracing_is_not_refused() -> None:
     thread.join()
     assert seeded.is_set()
     assert torch.equal(out, _randn(3, device=torch.device("cpu"), seed=1).sin())
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_backward_never_draws_to_give_a_value_updated_under_no_grad_its_history(policy: Any) -> None:
+    # A value updated in place under no_grad keeps its old history (NOTE [updates under no_grad keep their
+    # tensors' histories]); backward recomputed that history, a random call with no kept state among it,
+    # and drew afresh: the random stream was left elsewhere than eager leaves it.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        v = F.dropout(F.rrelu(x.t(), training=True), 0.2).t()
+        with torch.no_grad():
+            v.mul_(2)
+        return v.abs()
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    streams = []
+    for f in (fn, remat.checkpoint(fn, policy=policy)):
+        torch.manual_seed(0)
+        out = f(x)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        streams.append((out, grad, torch.get_rng_state()))
+    (expected, expected_grad, expected_stream), (actual, actual_grad, actual_stream) = streams
+    assert torch.equal(actual, expected)
+    torch.testing.assert_close(actual_grad, expected_grad)
+    assert torch.equal(actual_stream, expected_stream)
