@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ._api import DEFAULT_CACHE_SIZE, Checkpointed
+
 # --- the catalog -----------------------------------------------------------------------------------
 
 
@@ -331,6 +333,11 @@ class _FirstColumn(torch.autograd.Function):
         return F.pad(grad, (0, ctx.shape[-1] - 1))  # type: ignore[attr-defined]
 
 
+# A checkpoint called inside the checkpointed function: its calls join the outer trace, under its own
+# policy (NOTE [nested checkpoints]).
+_INNER = Checkpointed(lambda t: t.sin().exp() * 0.5, policy=None, cache_size=DEFAULT_CACHE_SIZE)
+
+
 CATALOG: dict[str, tuple[int, _Op]] = {
     # pointwise unary
     "sin": (1, lambda x, y, c: x.sin()),
@@ -455,6 +462,7 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     "group_norm": (1, lambda x, y, c: _group_norm(x)),
     "cumprod_at_zeros": (1, lambda x, y, c: _cumprod_at_zeros(x)),
     "rrelu_transposed_then_dropout": (1, lambda x, y, c: F.dropout(F.rrelu(x.t(), training=True), 0.2).t()),
+    "nested_checkpoint": (1, lambda x, y, c: _INNER(x.tanh()) * x),
     # custom autograd Functions: a hand-written derivative, and a view with gradients not materialized
     "custom_cube": (1, lambda x, y, c: _Cube.apply(x.tanh())),
     "custom_view_of_first_column": (1, lambda x, y, c: x * _FirstColumn.apply(x.sin())),
