@@ -31,6 +31,7 @@ BENCHMARKS = {
     "torch-func": "benchmarks.transform_table",
     "faults": "benchmarks.faults",
     "profile": "benchmarks.profile",
+    "backward": "benchmarks.backward",
     "render": "benchmarks.render",
 }
 

@@ -1,6 +1,6 @@
 """First-order backward time of a checkpointed GPT-2 block, for two checkouts of remat side by side.
 
-    python -m benchmarks.backward OTHER_CHECKOUT [--rounds 10] [--repeats 60] [--threads 1]
+    python -m benchmarks backward OTHER_CHECKOUT [--rounds 10] [--repeats 60] [--threads 1]
                                   [--out benchmarks/results/backward-cpu.json]
 
 What a change to how backward runs costs a plain `.backward()`: each round runs this checkout's remat
@@ -58,14 +58,16 @@ def _commit(checkout: pathlib.Path) -> str:
     return subprocess.run(run, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks backward", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("other", type=pathlib.Path, help="another checkout of remat (the baseline)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=pathlib.Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     times: dict[str, list[float]] = {"this": [], "other": []}
     for _ in range(args.rounds):
         times["this"].append(_median_ms(HERE, args.repeats, args.threads))
