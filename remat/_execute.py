@@ -55,11 +55,6 @@ class Executable:
     not_under_forward_ad: str | None = None  # why they cannot under `torch.autograd.forward_ad`, if so
     higher_order_ops: frozenset[HigherOrderOperator] = frozenset()  # called by the programs (flex attention)
     sized_by_values: tuple[int, ...] = ()  # returned differentiable outputs whose sizes depend on values
-    # The backward program to run where grad mode is on, made on first need: NOTE [a backward that will be
-    # differentiated].
-    _backward_differentiable_again: list[torch.fx.GraphModule] = dataclasses.field(
-        default_factory=list, compare=False, repr=False
-    )
 
     def forward(self, *primals: torch.Tensor) -> Sequence[torch.Tensor]:
         if self.compiled is not None and not functorch_active():
@@ -74,13 +69,14 @@ class Executable:
             # kept outputs that reach a call it leaves to eager (an offload copy) as graph inputs.
             return self.compiled.backward(*(t if t is None else t.detach() for t in kept_and_tangents))  # type: ignore[no-any-return]
         if torch.is_grad_enabled():  # its gradients will be differentiated
-            return self._differentiable_backward().forward(kept_and_tangents)  # type: ignore[no-any-return]
+            return self.differentiable_backward.forward(kept_and_tangents)  # type: ignore[no-any-return]
         return self.programs.backward.forward(kept_and_tangents)  # type: ignore[no-any-return]
 
-    def _differentiable_backward(self) -> torch.fx.GraphModule:
-        if not self._backward_differentiable_again:
-            self._backward_differentiable_again.append(differentiable_again(self.programs.backward))
-        return self._backward_differentiable_again[0]
+    @functools.cached_property
+    def differentiable_backward(self) -> torch.fx.GraphModule:
+        """The backward program to run where grad mode is on, made on first need: NOTE [a backward that
+        will be differentiated]."""
+        return differentiable_again(self.programs.backward)
 
 
 _UPDATED_INPUT_UNDER_FUNC_JVP = (
