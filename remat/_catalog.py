@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ._api import DEFAULT_CACHE_SIZE, Checkpointed
 
@@ -20,8 +21,9 @@ class CatalogState(torch.nn.Module):
     A user `torch.Generator` that `rand_from_generator` and `branch_on_generator` draw from, and a
     `BatchNorm1d(rows, momentum=None)` in training mode that `batch_norm_momentum_none` runs (its
     running statistics and `num_batches_tracked` change at every call, and its update reads
-    `num_batches_tracked` in Python: a value read). Both start from the function's seed.
-    `assert_checkpoint_equivalent` puts both back before the checkpoint's run and compares them after.
+    `num_batches_tracked` in Python: a value read), and an `InstanceNorm1d(rows)` with affine parameters
+    and running statistics that `instance_norm_running_stats` runs. All start from the function's seed.
+    `assert_checkpoint_equivalent` puts them back before the checkpoint's run and compares them after.
 
     >>> import remat.testing
     >>> state = remat.testing.CatalogState(rows=2, seed=0)
@@ -34,6 +36,7 @@ class CatalogState(torch.nn.Module):
     def __init__(self, rows: int, seed: int):
         super().__init__()
         self.batch_norm = torch.nn.BatchNorm1d(rows, momentum=None, dtype=torch.float64)
+        self.instance_norm = torch.nn.InstanceNorm1d(rows, affine=True, track_running_stats=True, dtype=torch.float64)
         self.generator = torch.Generator().manual_seed(seed)
 
 
@@ -333,6 +336,61 @@ class _FirstColumn(torch.autograd.Function):
         return F.pad(grad, (0, ctx.shape[-1] - 1))  # type: ignore[attr-defined]
 
 
+class _SortedWithRanks(torch.autograd.Function):
+    """A custom autograd Function with an output marked not differentiable (the ranks), read again as floats."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        values, ranks = x.sort(dim=-1)
+        return values, ranks
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple[torch.Tensor], outputs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        ctx.mark_non_differentiable(outputs[1])  # type: ignore[attr-defined]
+        ctx.save_for_backward(outputs[1])  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor, grad_ranks: None) -> torch.Tensor:
+        (ranks,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return torch.zeros_like(grad).scatter(-1, ranks, grad)
+
+
+def _sorted_with_ranks(x: torch.Tensor) -> torch.Tensor:
+    values, ranks = _SortedWithRanks.apply(x)
+    return values * (1.0 + ranks.to(values.dtype) / values.shape[-1])
+
+
+class _SquareOnce(torch.autograd.Function):
+    """A custom autograd Function whose backward is `once_differentiable`: differentiating it twice raises."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)  # type: ignore[attr-defined]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return 2.0 * x * grad
+
+
+def _autocast_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # A bfloat16 autocast region on the operands' device: its matmul runs in bfloat16 (in float32 or lower
+    # precision inputs: autocast leaves float64 as it is, so the region casts to float32 first).
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        product = (x.float() @ y.float().t()).tanh() @ y.float()
+    return x + product.to(x.dtype) / x.shape[1]
+
+
+def _instance_norm_running_stats(x: torch.Tensor, c: Constants) -> torch.Tensor:
+    # A module with running statistics that instance norm updates in training (one channel per row).
+    return c.state.instance_norm(x.unsqueeze(0).to(device="cpu", dtype=torch.float64)).squeeze(0).to(x)
+
+
 # A checkpoint called inside the checkpointed function: its calls join the outer trace, under its own
 # policy (NOTE [nested checkpoints]).
 _INNER = Checkpointed(lambda t: t.sin().exp() * 0.5, policy=None, cache_size=DEFAULT_CACHE_SIZE)
@@ -466,6 +524,13 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     # custom autograd Functions: a hand-written derivative, and a view with gradients not materialized
     "custom_cube": (1, lambda x, y, c: _Cube.apply(x.tanh())),
     "custom_view_of_first_column": (1, lambda x, y, c: x * _FirstColumn.apply(x.sin())),
+    # custom autograd Function flags: an output marked not differentiable, a backward differentiable once
+    "custom_sorted_with_ranks": (1, lambda x, y, c: _sorted_with_ranks(x)),
+    "custom_square_once_differentiable": (1, lambda x, y, c: _SquareOnce.apply(x.sin())),
+    # a region under autocast
+    "autocast_matmul": (2, lambda x, y, c: _autocast_matmul(x, y)),
+    # a layer with buffers other than batch norm
+    "instance_norm_running_stats": (1, lambda x, y, c: _instance_norm_running_stats(x, c)),
     # updates of the operand (an input, maybe) under no_grad through views of its transpose, returning it
     "scale_transposed_slice_without_grad_": (1, lambda x, y, c: _scale_transposed_slice_without_grad(x)),
     "assign_transposed_column_without_grad_": (1, lambda x, y, c: _assign_transposed_column_without_grad(x)),
@@ -493,7 +558,16 @@ RANDOM_OPS = frozenset(
 # (remat says so under both; docs/testing.md). `transforms_for` leaves those transforms out.
 AS_STRIDED_WRITES = frozenset({"mul_as_strided_of_view_", "mul_interleaved_as_strided_"})
 
+# Catalog ops that compute in bfloat16 within a float64 program. A second derivative reaches a value by
+# several paths; eager sums them where they meet (in bfloat16, inside the region), remat some of them at its
+# Function's inputs (in float64): second derivatives differ by bfloat16's rounding (docs/torch-func.md,
+# "Second derivatives in low precision"). `transforms_for` leaves the second-order transforms out, as the
+# checker compares a float64 program tightly.
+LOW_PRECISION_OPS = frozenset({"autocast_matmul"})
+
 # Catalog ops that change the function's `CatalogState` (its user generator, its batch norm's buffers), so
 # that two calls differ unless that state is put back between them, as `assert_checkpoint_equivalent` does;
 # `functions()` leaves them out unless `stateful=True` or asked for by name.
-STATEFUL_OPS = frozenset({"rand_from_generator", "branch_on_generator", "batch_norm_momentum_none"})
+STATEFUL_OPS = frozenset(
+    {"rand_from_generator", "branch_on_generator", "batch_norm_momentum_none", "instance_norm_running_stats"}
+)

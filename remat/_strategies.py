@@ -14,7 +14,16 @@ from hypothesis import strategies as st
 
 from . import policies as _policies
 from ._calls import Call, Decision, Trace
-from ._catalog import AS_STRIDED_WRITES, CATALOG, RANDOM_OPS, REFUSABLE_OPS, STATEFUL_OPS, CatalogState, Constants
+from ._catalog import (
+    AS_STRIDED_WRITES,
+    CATALOG,
+    LOW_PRECISION_OPS,
+    RANDOM_OPS,
+    REFUSABLE_OPS,
+    STATEFUL_OPS,
+    CatalogState,
+    Constants,
+)
 from ._check_transforms import _BATCHED, _UNDER_FUNC_JVP, TRANSFORMS, _tensor_leaves
 
 
@@ -379,7 +388,8 @@ def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
     does not let a Function update the input's tangent in place, which remat says; nor, under
     `"grad_of_forward_ad"`, update a dual tensor, a view of a tensor that requires grad), the batched
     transforms and `forward_ad` for writes through `as_strided` (`AS_STRIDED_WRITES`: remat says it does
-    not support them there).
+    not support them there), and second derivatives of regions that compute in bfloat16
+    (`LOW_PRECISION_OPS`: remat sums some paths' contributions in another precision than eager).
 
     >>> import remat.testing
     >>> fn = remat.testing.RandomFunction((2, 3), 1, (remat.testing.Step("sin", 0, 0),), (1,))
@@ -392,4 +402,6 @@ def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
         left_out |= _UNDER_FUNC_JVP | {"grad_of_forward_ad"}
     if AS_STRIDED_WRITES & ops:
         left_out |= _BATCHED | {"forward_ad", "grad_of_forward_ad"}
+    if LOW_PRECISION_OPS & ops:
+        left_out |= {"grad_of_grad", "grad_of_jvp", "grad_of_jvp_of_vmap", "grad_of_forward_ad"}
     return tuple(t for t in TRANSFORMS if t not in left_out)

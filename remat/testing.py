@@ -26,7 +26,15 @@ import contextlib
 from collections.abc import Iterator
 
 from . import _offload
-from ._catalog import AS_STRIDED_WRITES, CATALOG, RANDOM_OPS, REFUSABLE_OPS, STATEFUL_OPS, CatalogState
+from ._catalog import (
+    AS_STRIDED_WRITES,
+    CATALOG,
+    LOW_PRECISION_OPS,
+    RANDOM_OPS,
+    REFUSABLE_OPS,
+    STATEFUL_OPS,
+    CatalogState,
+)
 from ._check_transforms import TRANSFORMS
 from ._equivalence import CheckpointedRun, assert_checkpoint_equivalent
 from ._strategies import RandomFunction, Step, functions, inputs, policies, transforms_for
@@ -34,6 +42,7 @@ from ._strategies import RandomFunction, Step, functions, inputs, policies, tran
 __all__ = [
     "AS_STRIDED_WRITES",
     "CATALOG",
+    "LOW_PRECISION_OPS",
     "RANDOM_OPS",
     "REFUSABLE_OPS",
     "STATEFUL_OPS",

@@ -25,6 +25,7 @@ import remat
 import remat.testing
 from remat.testing import (
     CATALOG,
+    LOW_PRECISION_OPS,
     RANDOM_OPS,
     REFUSABLE_OPS,
     STATEFUL_OPS,
@@ -171,6 +172,10 @@ NEW_OPS = [
     "normal_transposed_reduced_",
     "scale_transposed_slice_without_grad_",
     "assign_transposed_column_without_grad_",
+    "custom_sorted_with_ranks",
+    "custom_square_once_differentiable",
+    "autocast_matmul",
+    "instance_norm_running_stats",
 ]
 
 
@@ -188,9 +193,25 @@ def test_programs_of_one_new_op_are_drawn_and_run(op: str, data: st.DataObject) 
 
 def test_the_new_ops_are_sorted_into_the_catalogs_sets() -> None:
     assert set(NEW_OPS) <= set(CATALOG)
-    assert sorted(STATEFUL_OPS) == ["batch_norm_momentum_none", "branch_on_generator", "rand_from_generator"]
+    assert sorted(STATEFUL_OPS) == [
+        "batch_norm_momentum_none",
+        "branch_on_generator",
+        "instance_norm_running_stats",
+        "rand_from_generator",
+    ]
+    assert sorted(LOW_PRECISION_OPS) == ["autocast_matmul"]
     assert {"rand_from_generator", "branch_on_generator", "normal_unfold_window_"} <= RANDOM_OPS
     assert {"scale_transposed_slice_without_grad_", "assign_transposed_column_without_grad_"} <= REFUSABLE_OPS
+
+
+def test_transforms_for_leaves_out_what_remat_cannot_compare_tightly() -> None:
+    def left_out(op: str) -> set[str]:
+        return set(remat.testing.TRANSFORMS) - set(transforms_for(RandomFunction((2, 4), 2, (Step(op, 0, 1),), (2,))))
+
+    assert left_out("sin") == set()
+    assert left_out("autocast_matmul") == {"grad_of_grad", "grad_of_jvp", "grad_of_jvp_of_vmap", "grad_of_forward_ad"}
+    assert {"vmap", "forward_ad", "grad_of_forward_ad"} <= left_out("mul_as_strided_of_view_")
+    assert {"jvp", "grad_of_forward_ad"} <= left_out("scale_without_grad_")
 
 
 @examples(ci=5, soak=200)
@@ -486,7 +507,10 @@ def test_a_random_functions_state_is_compared(monkeypatch: pytest.MonkeyPatch) -
     fn = RandomFunction((2, 4), 2, (Step("batch_norm_momentum_none", 0, 1),), (2,))
     args = (_float64(2, 4), _float64(2, 4, requires_grad=False))
     run = assert_checkpoint_equivalent(fn, *args, calls=2)
-    assert run is not None and all(g is not None for g in run.param_grads)  # the batch norm's, by default
+    assert run is not None  # the state's parameters are compared by default: the batch norm's have grads
+    grads = dict(zip((name for name, _ in fn.state.named_parameters()), run.param_grads, strict=True))
+    assert grads["batch_norm.weight"] is not None and grads["batch_norm.bias"] is not None
+    assert grads["instance_norm.weight"] is None  # not run by this function
 
     def one_more_batch(fn: Any, policy: Any) -> Any:
         checkpointed = remat.checkpoint(fn, policy=policy)
