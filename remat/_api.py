@@ -31,7 +31,7 @@ from ._peak import predict_peak
 from ._pytree import FlatArgs, flatten_args
 from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure_of
 from ._specialize import ValuesChanged
-from ._torch import HigherOrderOperator, functorch_active
+from ._torch import HigherOrderOperator, functorch_active, grad_transform_active
 from ._value_graph import with_value_graph
 from .policies import save_nothing
 from .report import Report, ReportRow
@@ -57,6 +57,8 @@ class _Entry:
         """The closed-over tensors to call with, or None if the trace no longer fits them (or, where
         it depends on it, whether a torch.func transform runs: see NOTE [dropout under torch.func])."""
         if self.joint.under_functorch not in (None, functorch_active()):
+            return None
+        if self.joint.backward_in_grad_mode != grad_transform_active():  # NOTE [a backward traced as it will run]
             return None
         lifted = [slot.fetch() for slot in self.joint.lifted]
         return lifted if _guard(self.joint, lifted) == self.guard else None

@@ -65,6 +65,7 @@ from ._torch import (
     functorch_active,
     get_proxy_mode,
     grad_dtype_override,
+    grad_transform_active,
     has_data_mutation,
     insert_value_checks,
     is_functorch_wrapped,
@@ -121,6 +122,7 @@ class JointGraph:
     reached_modules: tuple[torch.nn.Module, ...]
     regions: tuple[tuple[Any, tuple[int, ...]], ...]  # (policy, call indices) of nested checkpoints
     under_functorch: bool | None  # traced for calls under a torch.func transform, or not; None: for both
+    backward_in_grad_mode: bool  # traced for a backward that runs in grad mode: NOTE [a backward traced as it will run]
     value_checks: tuple[str, ...] = ()  # what the trace assumes of values Python read: NOTE [values Python reads]
     # User outputs taken again from their bases: NOTE [outputs whose elements may share memory].
     rebuilt: tuple[int, ...] = ()
@@ -138,6 +140,7 @@ def joint_graph_of(
     """Trace `fn` at the signature of `flat_args` into a `JointGraph` (for forward-mode AD too,
     with `forward_mode`: see NOTE [in-place updates of differentiable inputs])."""
     under_functorch = functorch_active()  # see NOTE [dropout under torch.func]
+    backward_in_grad_mode = grad_transform_active()  # see NOTE [a backward traced as it will run]
     outer_regions = _regions.recorded
     try:
         with (
@@ -150,12 +153,16 @@ def joint_graph_of(
             unset_fake_temporarily(),  # a fake mode of the caller's: the trace has its own
         ):
             try:
-                joint = _joint_graph_attempt(fn, flat_args, roots, forward_mode, under_functorch, with_values=False)
+                joint = _joint_graph_attempt(
+                    fn, flat_args, roots, forward_mode, under_functorch, backward_in_grad_mode, with_values=False
+                )
             except GuardOnDataDependentSymNode:
                 if under_functorch:  # the inputs' values are not reachable under a transform
                     raise
                 with real_values_traced():  # See NOTE [values Python reads].
-                    joint = _joint_graph_attempt(fn, flat_args, roots, forward_mode, under_functorch, with_values=True)
+                    joint = _joint_graph_attempt(
+                        fn, flat_args, roots, forward_mode, under_functorch, backward_in_grad_mode, with_values=True
+                    )
         _warn_about_hooks(joint.reached_modules, roots)
         return joint
     finally:
@@ -168,6 +175,7 @@ def _joint_graph_attempt(
     roots: ModuleRoots,
     forward_mode: bool,
     under_functorch: bool,
+    backward_in_grad_mode: bool,
     with_values: bool,
 ) -> JointGraph:
     # Sizes that depend on data are symbols; every other size is the int it is. See NOTE [kernels
@@ -190,7 +198,9 @@ def _joint_graph_attempt(
         forget_pending_sizes(fake_mode)
         put_streams_back()
         _regions.recorded = []
-        joint = _make_joint_graph(fn, flat_args, roots, fake_mode, discovery, under_functorch, with_values)
+        joint = _make_joint_graph(
+            fn, flat_args, roots, fake_mode, discovery, under_functorch, backward_in_grad_mode, with_values
+        )
         _rng.check_generators_outlive_fn(joint.generators, discovered_generators)
         return joint
     finally:
@@ -530,11 +540,14 @@ def _make_joint_graph(
     fake_mode: EagerLayoutFakeMode,
     discovery: _Discovery,
     under_functorch: bool,
+    backward_in_grad_mode: bool,
     with_values: bool,
 ) -> JointGraph:
     real_primals = [*flat_args.tensors, *discovery.closed_over]
     fake_primals = [_fake_like(fake_mode, t) for t in real_primals]
-    joint = _ForwardThenBackward(fn, flat_args, roots, discovery, fake_primals, fake_mode, under_functorch, with_values)
+    joint = _ForwardThenBackward(
+        fn, flat_args, roots, discovery, fake_primals, fake_mode, under_functorch, backward_in_grad_mode, with_values
+    )
     outputs = [*discovery.output_fakes, *(fake_primals[i] for i in discovery.dirty), *discovery.bases]
     first_base = len(outputs) - len(discovery.bases)
     with fake_mode:
@@ -572,11 +585,13 @@ class _ForwardThenBackward:
         fake_primals: list[torch.Tensor],
         fake_mode: EagerLayoutFakeMode,
         under_functorch: bool,
+        backward_in_grad_mode: bool,
         with_values: bool,
     ):
         self.fn, self.flat_args, self.roots, self.discovery = fn, flat_args, roots, discovery
         self.fake_mode = fake_mode
         self.fake_primals, self.under_functorch, self.with_values = fake_primals, under_functorch, with_values
+        self.backward_in_grad_mode = backward_in_grad_mode
         self.n_args = len(flat_args.tensors)
         self.differentiated = [_requires_grad(t) for t in [*flat_args.tensors, *discovery.closed_over]]
         # See NOTE [gradients in another dtype than the tensor's].
@@ -608,7 +623,12 @@ class _ForwardThenBackward:
             with torch.enable_grad():
                 arguments, outputs = self._run_fn(inputs)
                 wrt = [i for i, grad in enumerate(self.differentiated) if grad]
-                grads = self._gradients([outputs[i] for i in self.differentiable], [inputs[i] for i in wrt], tangents)
+                grads = self._gradients(
+                    [outputs[i] for i in self.differentiable],
+                    [inputs[i] for i in wrt],
+                    tangents,
+                    create_graph=self.backward_in_grad_mode,
+                )
             for primal, value in zip(primals, functional, strict=True):
                 sync(value)
                 if has_data_mutation(value):
@@ -651,9 +671,22 @@ class _ForwardThenBackward:
             )
         return arguments, [*outputs, *(arguments[i] for i in self.discovery.dirty), *bases]
 
+    # NOTE [a backward traced as it will run]
+    # torch.func's reverse mode (`grad`, `vjp`, `jacrev`, `hessian`) runs backward
+    # with `create_graph=True`, in grad mode, where many of eager's gradient
+    # formulas take another form than under `.backward()`: group norm's and
+    # SiLU's run differentiable ops instead of a fused kernel, cumprod's and
+    # linalg.solve's another formula. The forms give other layouts (group norm's
+    # gradient follows the incoming one's) and other round-off. A trace made while
+    # such a transform runs traces backward in grad mode too, and is kept apart in
+    # the cache from one made for `.backward()` (`JointGraph.backward_in_grad_mode`,
+    # checked by the cache entry), so that each runs eager's formulas for where it
+    # runs. Plain autograd's `create_graph=True` is not known when tracing: its
+    # backward is the first form, made differentiable (NOTE [a backward that will
+    # be differentiated]).
     @staticmethod
     def _gradients(
-        outputs: list[Any], wrt: list[torch.Tensor], tangents: list[torch.Tensor]
+        outputs: list[Any], wrt: list[torch.Tensor], tangents: list[torch.Tensor], create_graph: bool
     ) -> Sequence[torch.Tensor | None]:
         if not outputs or not wrt:
             return [None] * len(wrt)
@@ -663,11 +696,8 @@ class _ForwardThenBackward:
                 wrt,
                 [FunctionalTensor.to_functional(t) for t in tangents],
                 allow_unused=True,
-                # Not `create_graph`: under it some formulas (silu's, mish's) trade their fused backward
-                # kernel for ops that can be differentiated again, and the traced backward would differ
-                # from eager's. Second derivatives come from the pure forward instead: see NOTE
-                # [differentiating the forward again].
-                create_graph=False,
+                # As eager's backward will run: see NOTE [a backward traced as it will run].
+                create_graph=create_graph,
             )
 
 
@@ -744,6 +774,7 @@ def _joint_graph(
         lifted=tuple(roots.slot_of(t, discovery.reached_modules, variables) for t in discovery.closed_over),
         reached_modules=discovery.reached_modules,
         under_functorch=under_functorch if joint.dropout_layout_matters else None,
+        backward_in_grad_mode=joint.backward_in_grad_mode,
         value_checks=tuple(str(describe_check(check)) for check in value_checks if check.target is check_value),
         rebuilt=rebuilt,
     )

@@ -123,9 +123,12 @@ def backward_program(
 # NOTE [a backward that will be differentiated]
 # Eager runs gradient formulas with grad mode on where their results will be
 # differentiated (`create_graph=True`, `grad` of `grad`, `hessian`), and some
-# formulas switch form there. remat traces backward with grad mode off, for
-# first-order speed, and its backward program holds the first form. Where
-# backward runs with grad mode on, two cases differ from eager:
+# formulas switch form there. Under torch.func's reverse-mode transforms remat
+# knows this when it traces, and traces the backward in grad mode too (NOTE [a
+# backward traced as it will run]). Elsewhere (`create_graph=True` of plain
+# autograd) it traces backward with grad mode off, for first-order speed, and
+# its backward program holds the first form. Where such a backward runs with
+# grad mode on, two cases differ from eager:
 # - A formula that calls a fused backward op autograd has no derivative for
 #   (SiLU's, mish's, logit's, group norm's: "derivative for aten::silu_backward
 #   is not implemented"). remat runs a copy of the program in which each call of

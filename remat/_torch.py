@@ -122,6 +122,7 @@ __all__ = [
     "forward_grad_enabled",
     "from_functional",
     "functorch_active",
+    "grad_transform_active",
     "functorch_interpreters",
     "get_proxy_mode",
     "has_data_mutation",
@@ -560,6 +561,12 @@ def any_autocast_enabled() -> bool:
 def functorch_active() -> bool:
     """Whether a torch.func transform (grad, vmap, jvp, ...) is running."""
     return bool(torch._C._are_functorch_transforms_active())
+
+
+def grad_transform_active() -> bool:
+    """Whether a torch.func reverse-mode transform (`grad`, `vjp`, `jacrev`, `hessian`) is running: its
+    backward runs in grad mode (`create_graph=True`)."""
+    return functorch_active() and any(i.key() == TransformType.Grad for i in functorch_interpreters())
 
 
 def functorch_interpreters() -> list[Any]:

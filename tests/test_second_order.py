@@ -277,3 +277,39 @@ def test_a_second_derivative_through_a_custom_function_that_draws_random_numbers
     torch.testing.assert_close(gradient, expected)
     with pytest.raises(NotImplementedError, match=r"custom autograd Function _NoisyScale, which remat cannot apply"):
         gradient.sum().backward()
+
+
+# --- a backward traced as it will run ------------------------------------------------------------------
+
+
+def _group_norm_of_a_transposed_gradient(x: torch.Tensor) -> torch.Tensor:
+    # The gradient reaching group norm is transposed (through `.t().contiguous()` after it); in grad mode
+    # eager's formula keeps that layout, where `.backward()`'s fused kernel makes it contiguous.
+    normed = F.group_norm(x.reshape(1, 2, 4), 2).reshape(2, 4)
+    return F.silu(normed.t().contiguous())
+
+
+@pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
+def test_under_torch_func_grad_the_backward_runs_eager_grad_mode_formulas_bit_for_bit(policy: Any) -> None:
+    # NOTE [a backward traced as it will run]: torch.func.grad runs backward in grad mode, where group norm's
+    # and SiLU's formulas take their differentiable form; a trace for `.backward()` ran the fused kernels,
+    # which gave a contiguous gradient (eager's is transposed) and other round-off.
+    x = torch.randn(2, 4, dtype=torch.float64)
+    weights = torch.linspace(-1, 1, 8, dtype=torch.float64).reshape(4, 2)
+
+    def gradient(fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        return torch.func.grad(lambda x: (fn(x) * weights).sum())(x)
+
+    checkpointed = remat.checkpoint(_group_norm_of_a_transposed_gradient, policy=policy)
+    expected, got = gradient(_group_norm_of_a_transposed_gradient), gradient(checkpointed)
+    assert got.stride() == expected.stride() == (1, 2)
+    assert torch.equal(got, expected)
+    # `.backward()` runs the fused kernels, as eager's does, from a trace of its own.
+    leaf = x.clone().requires_grad_()
+    (checkpointed(leaf) * weights).sum().backward()
+    eager_leaf = x.clone().requires_grad_()
+    (_group_norm_of_a_transposed_gradient(eager_leaf) * weights).sum().backward()
+    assert leaf.grad is not None and eager_leaf.grad is not None
+    assert leaf.grad.stride() == eager_leaf.grad.stride() == (4, 1)
+    assert torch.equal(leaf.grad, eager_leaf.grad)
+    assert checkpointed.cache_info().traces == 2
