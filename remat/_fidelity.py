@@ -42,6 +42,7 @@ from ._torch import (
     drawn_per_example_but_unbatched,
     elementwise_output_strides,
     empty_in_memory_layout,
+    forward_ad_level,
     from_functional,
     inherit_higher_order_rules,
     memory_layout,
@@ -452,7 +453,47 @@ class FunctionalModeKeepingChecks(FunctionalTensorMode):
         if func in _ERROR_CHECKS:  # NOTE [error checks of linalg ops]
             args, kwargs = tree_map_only(FunctionalTensor, _unwrap, (args, kwargs or {}))
             return func(*args, **kwargs)  # this mode is off while it dispatches: make_fx records the op
+        out_of_place = _out_of_place_under_forward_ad(func)
+        if out_of_place is not None:  # See NOTE [in-place ops whose meta kernels fail under forward AD].
+            result = self.__torch_dispatch__(out_of_place, types, args, kwargs)
+            _check_in_place_result(func, args[0], result)
+            target = args[0]  # updated as functionalization updates a tensor in place
+            target.replace_(torch._from_functional_tensor(result.elem))
+            target.commit_update()
+            target.sync()
+            return target
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+# NOTE [in-place ops whose meta kernels fail under forward AD]
+# The meta kernel of `lerp_` with a tensor weight calls `lerp` by its overload
+# packet, and resolving the overload prints the weight as it tries it against
+# `lerp.Scalar`; while a forward-mode AD level is active, printing a tensor
+# inside a kernel raises torch's internal assert about `_fw_primal`
+# (`_quirks.IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD`). `quantile` calls
+# `lerp_`, so it could not be traced under `jvp` or `forward_ad`. While a level
+# is active, remat's fake and functional modes run such an op as its out-of-place
+# overload (the same kernel), after the check the in-place op adds (the result's
+# shape is the updated tensor's); the functional mode then gives the updated
+# tensor that result as its new value, as functionalization does for an in-place
+# op.
+
+
+def _out_of_place_under_forward_ad(func: Any) -> Any:
+    """The out-of-place overload to run instead of `func` (in place), if its meta kernel would fail here."""
+    table = _quirks.IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD.table
+    if func not in table or forward_ad_level() < 0:
+        return None
+    return table[func]
+
+
+def _check_in_place_result(func: Any, target: torch.Tensor, result: torch.Tensor) -> None:
+    """The check `func` (in place into `target`) makes of its `result` beyond the out-of-place op's (which
+    already asks for one dtype), as eager's message says it."""
+    if result.shape != target.shape:
+        raise RuntimeError(
+            f"{func}: output with shape {list(target.shape)} doesn't match the broadcast shape {list(result.shape)}"
+        )
 
 
 def _unwrap(functional: FunctionalTensor) -> torch.Tensor:
@@ -652,6 +693,10 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
         try:
             if func in STRICT_FAKE_KERNELS and not _on_cuda(args):
                 return run_real_kernel_on_zeros(self, func, args, kwargs)
+            out_of_place = _out_of_place_under_forward_ad(func)
+            if out_of_place is not None:  # See NOTE [in-place ops whose meta kernels fail under forward AD].
+                _check_in_place_result(func, args[0], self.dispatch(out_of_place, types, args, kwargs))
+                return args[0]
             self.drawn_generators.note(kwargs.get("generator"))  # tracing with real values draws for real
             if func in _CACHE_LOSES_OFFSETS and self.cache_enabled:
                 result: Any = self._uncached(func, types, args, kwargs)

@@ -22,6 +22,7 @@ __all__ = [
     "CONTIGUOUS",
     "CPU_KERNELS_CHOOSE_LAYOUTS",
     "DETACH_TRACES_AS_ALIAS",
+    "IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD",
     "ELEMENTWISE",
     "FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK",
     "LINALG_CHECKS_ARE_EFFECTFUL",
@@ -65,6 +66,19 @@ DETACH_TRACES_AS_ALIAS = Quirk(
     differs="make_fx records `x.detach()` as `aten.alias`, a view autograd differentiates, not as `aten.detach`",
     note="NOTE [a detach runs as a detach] (remat/_joint.py)",
     table=frozenset({aten.detach.default, aten.alias.default}),  # what a detach traces as, on any release
+)
+
+IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD = Quirk(
+    ops=(aten.lerp_.Tensor,),
+    releases=None,
+    differs=(
+        "the meta kernel of `lerp_` calls `lerp` by its overload packet, whose overload resolution prints the "
+        "weight tensor as it tries it against `lerp.Scalar`; while a forward-mode AD level is active, printing "
+        "a tensor inside a kernel raises torch's internal assert about `_fw_primal`. So `quantile` (which "
+        "calls `lerp_`) could not be traced under `torch.func.jvp` or `forward_ad`, where eager runs"
+    ),
+    note="NOTE [in-place ops whose meta kernels fail under forward AD] (remat/_fidelity.py)",
+    table={aten.lerp_.Tensor: aten.lerp.Tensor},
 )
 
 UNBACKED_SYMBOL_NAMES = Quirk(
@@ -290,6 +304,7 @@ REGIONS_ALLOCATE_FOR_IN_PLACE_OPS = Quirk(
 
 QUIRKS: tuple[Quirk, ...] = (
     DETACH_TRACES_AS_ALIAS,
+    IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD,
     UNBACKED_SYMBOL_NAMES,
     LINALG_CHECKS_ARE_EFFECTFUL,
     CPU_KERNELS_CHOOSE_LAYOUTS,

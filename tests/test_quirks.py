@@ -17,6 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from remat import _quirks
+from remat._contexts import dispatch_keys_put_back
 from remat._quirks import Quirk
 
 aten = torch.ops.aten
@@ -141,6 +142,20 @@ def _slice_scatter_refuses_negative_bounds_under_vmap() -> bool:
     return False
 
 
+def _in_place_meta_kernels_fail_under_forward_ad() -> bool:
+    failing = set()
+    for op in _quirks.IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD.ops:
+        try:  # the failure leaves the thread's dispatch keys changed: they are put back
+            with dispatch_keys_put_back(), FakeTensorMode(), torch.autograd.forward_ad.dual_level():
+                a, b, c = (torch.rand(2, 3, dtype=torch.float64) + 1 for _ in range(3))
+                target = torch.autograd.forward_ad.make_dual(a, torch.ones_like(a))
+                op(target, b, 0.5 if op is torch.ops.aten.lerp_.Scalar else c)
+        except RuntimeError as error:
+            assert "_fw_primal" in str(error)
+            failing.add(op)
+    return failing == set(_quirks.IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD.ops)
+
+
 def _sac_asks_again_while_recomputing() -> bool:
     asked: list[bool] = []
 
@@ -199,6 +214,7 @@ PROBES: dict[str, Callable[[], bool]] = {
     "GRADIENTS_READ_LU_FACTORS": _gradients_read_lu_factors,
     "GRADIENTS_SWITCH_IN_GRAD_MODE": _gradients_switch_in_grad_mode,
     "SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP": _slice_scatter_refuses_negative_bounds_under_vmap,
+    "IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD": _in_place_meta_kernels_fail_under_forward_ad,
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING": _sac_asks_again_while_recomputing,
     "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS": _regions_allocate_for_in_place_ops,
 }

@@ -1677,3 +1677,31 @@ def test_regression_a_detach_of_a_value_autograd_saves_keeps_its_second_derivati
     (eager,) = torch.autograd.grad(fn(x).sum(), x, create_graph=True)
     assert grad.requires_grad
     torch.testing.assert_close(torch.autograd.grad(grad.sum(), x)[0], torch.autograd.grad(eager.sum(), x)[0])
+
+
+# NOTE [in-place ops whose meta kernels fail under forward AD]: `lerp_` with a tensor weight (which `quantile`
+# calls) could not be traced while a forward-mode level was active.
+_LERP_UNDER_FORWARD_MODE = {
+    "quantile": lambda t: torch.quantile(t.sin(), 0.3, dim=1) * 2,
+    "nanquantile": lambda t: torch.nanquantile(t, torch.tensor([0.2, 0.7], dtype=t.dtype), dim=0).sum(0),
+    "lerp_of_transposed": lambda t: t.t().exp().lerp_(t.t().sin(), t.t().sigmoid()).t(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_LERP_UNDER_FORWARD_MODE))
+@pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
+def test_lerp_with_a_tensor_weight_under_forward_mode_equals_eager(name: str, policy: Any) -> None:
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    transforms = ["jvp", "forward_ad", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp", "grad_of_forward_ad"]
+    assert_checkpoint_equivalent(_LERP_UNDER_FORWARD_MODE[name], x, policy=policy, transforms=transforms)
+
+
+def test_lerp_into_a_smaller_tensor_under_forward_mode_raises_as_eager() -> None:
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return t[:1].exp().lerp_(t.sin(), t.cos())  # the broadcast shape is larger than the updated tensor
+
+    x, tangent = torch.randn(3, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"output with shape \[1, 4\] doesn't match the broadcast shape \[3, 4\]"):
+        jvp(fn, (x,), (tangent,))
+    with pytest.raises(RuntimeError, match=r"output with shape \[1, 4\] doesn't match the broadcast shape \[3, 4\]"):
+        jvp(remat.checkpoint(fn), (x,), (tangent,))
