@@ -18,6 +18,7 @@ from ._torch import (
 
 __all__ = [
     "AUTOCAST_DEVICES",
+    "autocast_cache_enabled",
     "autocast_disabled",
     "dispatch_keys_put_back",
     "outside_functorch",
@@ -26,6 +27,33 @@ __all__ = [
 
 # The device types whose autocast state a trace depends on (and programs run with turned off).
 AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+# NOTE [autocast's cache of casts]
+# Within a `torch.autocast` region, autocast casts a float32 tensor that is a
+# leaf requiring grad (a parameter, an input leaf; not a view) to the region's
+# low precision once, and hands every later op of the region that cast again,
+# until the outermost region exits. A weight used twice in a region (a layer
+# applied twice, a recurrent cell's steps, tied weights) has one low-precision
+# copy, whose gradient sums both uses in low precision before it is cast back.
+# make_fx turns the cache off while tracing (so that casts made before the trace
+# do not become its constants); remat turns it back on, as the caller had it,
+# while `fn` runs in the trace. The trace's inputs mirror the real tensors'
+# leaf-ness (fake tensors keep it), so autocast caches exactly the casts it
+# caches in eager, and a trace is keyed on the leaf-ness of float32 arguments
+# that require grad (`tensor_key`). Eager's cache is not shared across the
+# checkpoint's boundary: a weight used both inside a checkpointed function and
+# outside it (or in two of its calls) within one region is cast in each, and
+# the same tensor passed as two arguments is cast for each (docs/torch-func.md).
+@contextmanager
+def autocast_cache_enabled(enabled: bool) -> Iterator[None]:
+    """Autocast's cache of casts on (or off) for the duration: NOTE [autocast's cache of casts]."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
 
 
 # NOTE [autocast is traced, not re-applied]

@@ -35,7 +35,13 @@ from ._capture import (
     redirect_histories,
     variable_slots,
 )
-from ._contexts import autocast_disabled, dispatch_keys_put_back, outside_functorch, without_saved_tensors_hooks
+from ._contexts import (
+    autocast_cache_enabled,
+    autocast_disabled,
+    dispatch_keys_put_back,
+    outside_functorch,
+    without_saved_tensors_hooks,
+)
 from ._errors import TraceError, explain_tracing_errors
 from ._facts import (
     add_tag,
@@ -592,6 +598,7 @@ class _ForwardThenBackward:
         self.fake_mode = fake_mode
         self.fake_primals, self.under_functorch, self.with_values = fake_primals, under_functorch, with_values
         self.backward_in_grad_mode = backward_in_grad_mode
+        self.autocast_cache_enabled = torch.is_autocast_cache_enabled()  # make_fx turns it off
         self.n_args = len(flat_args.tensors)
         self.differentiated = [_requires_grad(t) for t in [*flat_args.tensors, *discovery.closed_over]]
         # See NOTE [gradients in another dtype than the tensor's].
@@ -654,6 +661,7 @@ class _ForwardThenBackward:
         with (
             capture_mode(self.roots, substitutes, detached_views=self.detached_views) as mode,
             eager_fidelity(self.under_functorch, self.fake_mode) as fidelity,
+            autocast_cache_enabled(self.autocast_cache_enabled),  # NOTE [autocast's cache of casts]
         ):
             args, kwargs = self.flat_args.rebuild(arguments)
             # See NOTE [custom Functions applied again].

@@ -271,3 +271,39 @@ def test_second_derivatives_through_a_bfloat16_region_differ_by_its_rounding_onl
         expected, got = second_order(_bfloat16_region), second_order(checkpointed)
         assert not torch.equal(got, expected)  # the sums meet elsewhere: see the docs; if equal, update them
         torch.testing.assert_close(got, expected, rtol=2**-7, atol=2**-7 * expected.abs().max().item())
+
+
+def _layer_applied_twice(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return layer(torch.tanh(layer(x))).float()
+
+    return fn
+
+
+def test_a_weight_used_twice_in_a_region_is_cast_once_as_in_eager() -> None:
+    # NOTE [autocast's cache of casts]: eager casts the leaf weight once and sums both uses' gradients in
+    # bfloat16; a trace with autocast's cache off cast it twice and summed them in float32.
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    fn = _layer_applied_twice(layer)
+    checkpointed = remat.checkpoint(fn)
+    for x in (torch.randn(4, 8, requires_grad=True), torch.randn(4, 8).requires_grad_() * 1.0):
+        expected = torch.autograd.grad(fn(x).pow(2).sum(), [x, layer.weight, layer.bias])
+        got = torch.autograd.grad(checkpointed(x).pow(2).sum(), [x, layer.weight, layer.bias])
+        for e, g in zip(expected, got, strict=True):
+            assert torch.equal(g, e)
+    casts = [c for c in remat.trace(fn, x) if c.op is aten._to_copy.default and c.outputs[0].dtype == torch.bfloat16]
+    assert len(casts) == 3  # the weight once, the bias once, the input once (the second input is the tanh)
+    assert checkpointed.cache_info().traces == 2  # a leaf input and a non-leaf one: autocast caches only the first
+
+
+def test_an_input_leaf_used_twice_in_a_region_is_cast_once_as_in_eager() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return ((x @ x.t()).tanh() @ x).float()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    (expected,) = torch.autograd.grad(fn(x).sum(), x)
+    (got,) = torch.autograd.grad(remat.checkpoint(fn)(x).sum(), x)
+    assert torch.equal(got, expected)
