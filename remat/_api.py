@@ -20,6 +20,7 @@ from ._cache import CacheInfo, LRUCache, SignatureKey, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
 from ._compiled import compile_options, compile_programs
+from ._contexts import cast_once
 from ._decide import decide_nested
 from ._dynamo import call_under_dynamo, register
 from ._errors import TraceError
@@ -53,13 +54,16 @@ class _Entry:
     executable: Executable
     guard: tuple[Any, ...]  # see _guard
 
-    def fetch_if_valid(self) -> list[torch.Tensor] | None:
-        """The closed-over tensors to call with, or None if the trace no longer fits them (or, where
-        it depends on it, whether a torch.func transform runs: see NOTE [dropout under torch.func])."""
+    def fetch_if_valid(self, flat: FlatArgs) -> list[torch.Tensor] | None:
+        """The closed-over tensors to call with, or None if the trace no longer fits them or `flat`'s
+        tensors (or, where it depends on it, whether a torch.func transform runs: see NOTE [dropout under
+        torch.func])."""
         if self.joint.under_functorch not in (None, functorch_active()):
             return None
         if self.joint.backward_in_grad_mode != grad_transform_active():  # NOTE [a backward traced as it will run]
             return None
+        if self.joint.cast_once is not None and self.joint.cast_once != tuple(map(cast_once, flat.tensors)):
+            return None  # NOTE [autocast's cache of casts]
         lifted = [slot.fetch() for slot in self.joint.lifted]
         return lifted if _guard(self.joint, lifted) == self.guard else None
 
@@ -179,7 +183,7 @@ class Checkpointed(Generic[P, T]):
         )
         entries = self._cache.get(key) or []
         for entry in entries:
-            lifted = entry.fetch_if_valid()
+            lifted = entry.fetch_if_valid(flat)
             if lifted is not None and entry not in tried:
                 return key, entry, lifted, False
         if self._last_key is not None and logger.isEnabledFor(logging.INFO):
@@ -192,7 +196,7 @@ class Checkpointed(Generic[P, T]):
         structure = None if self._shared is None else structure_of(self.__wrapped__, roots)
         shared_key = (structure, key)
         if structure is not None:
-            taken = self._take_shared(shared_key, roots, tried)
+            taken = self._take_shared(shared_key, roots, flat, tried)
             if taken is not None:
                 entry, lifted = taken
                 logger.debug("%s takes the trace of an identical block", self)
@@ -219,7 +223,7 @@ class Checkpointed(Generic[P, T]):
         return key, entry, lifted, True
 
     def _take_shared(
-        self, key: Hashable, roots: ModuleRoots, tried: Sequence[_Entry]
+        self, key: Hashable, roots: ModuleRoots, flat: FlatArgs, tried: Sequence[_Entry]
     ) -> tuple[_Entry, list[torch.Tensor]] | None:
         """An identical block's trace at `key` (not one of `tried`), on this block's tensors and modules,
         with the closed-over tensors to call it with; None if there is none."""
@@ -236,7 +240,7 @@ class Checkpointed(Generic[P, T]):
             if shared.policy is not self.policy:  # blocks `remat.fit` planned apart
                 executable = self._rebuilt(joint, executable)
             entry = _Entry(joint, executable, shared.entry.guard)
-            lifted = entry.fetch_if_valid()  # the same metadata and `training` flags as the block that traced
+            lifted = entry.fetch_if_valid(flat)  # the same metadata and `training` flags as the block that traced
             if lifted is not None:
                 return entry, lifted
         return None

@@ -51,8 +51,6 @@ def tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
         requires_grad_at_any_level(tensor),
         tensor.layout,
         grad_dtype_override(tensor),
-        # Whether autocast casts it once per region: NOTE [autocast's cache of casts].
-        tensor.is_leaf and not tensor._is_view() if tensor.requires_grad and tensor.dtype == torch.float32 else None,
     )
 
 

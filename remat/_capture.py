@@ -32,6 +32,7 @@ from ._higher_order import with_closures_lifted
 from ._torch import (
     FakeTensor,
     FakeTensorMode,
+    any_autocast_enabled,
     flex_attention_as_one_call,
     get_proxy_mode,
     innermost,
@@ -220,6 +221,7 @@ class _CaptureMode(TorchFunctionMode):
         self.fakes: dict[int, torch.Tensor] = {}
         self.module_stack: list[nn.Module] = []
         self.detached: set[Any] = set()  # graph nodes `fn` detached (see `stops_gradient`)
+        self.autocast_seen = False  # whether autocast was on as any torch function ran
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         args, kwargs = with_closures_lifted(func, args, kwargs or {})
@@ -230,6 +232,7 @@ class _CaptureMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.substitutes:
             args, kwargs = tree_map_only(torch.Tensor, self.substitute, (args, kwargs))
+        self.autocast_seen = self.autocast_seen or any_autocast_enabled()
         proxy_mode = get_proxy_mode()
         if proxy_mode is None:
             return func(*args, **kwargs)

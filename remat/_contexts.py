@@ -20,6 +20,7 @@ __all__ = [
     "AUTOCAST_DEVICES",
     "autocast_cache_enabled",
     "autocast_disabled",
+    "cast_once",
     "dispatch_keys_put_back",
     "outside_functorch",
     "without_saved_tensors_hooks",
@@ -40,11 +41,18 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 # do not become its constants); remat turns it back on, as the caller had it,
 # while `fn` runs in the trace. The trace's inputs mirror the real tensors'
 # leaf-ness (fake tensors keep it), so autocast caches exactly the casts it
-# caches in eager, and a trace is keyed on the leaf-ness of float32 arguments
-# that require grad (`tensor_key`). Eager's cache is not shared across the
+# caches in eager. A trace in which autocast was on somewhere fits only calls
+# whose arguments autocast would cache alike (`cast_once`, checked by the cache
+# entry); others need no such check. Eager's cache is not shared across the
 # checkpoint's boundary: a weight used both inside a checkpointed function and
 # outside it (or in two of its calls) within one region is cast in each, and
 # the same tensor passed as two arguments is cast for each (docs/torch-func.md).
+def cast_once(tensor: torch.Tensor) -> bool:
+    """Whether autocast casts `tensor` once per region (a float32 leaf that requires grad, not a view):
+    NOTE [autocast's cache of casts]."""
+    return tensor.dtype == torch.float32 and tensor.requires_grad and tensor.is_leaf and not tensor._is_view()
+
+
 @contextmanager
 def autocast_cache_enabled(enabled: bool) -> Iterator[None]:
     """Autocast's cache of casts on (or off) for the duration: NOTE [autocast's cache of casts]."""

@@ -458,7 +458,7 @@ class FunctionalModeKeepingChecks(FunctionalTensorMode):
             result = self.__torch_dispatch__(out_of_place, types, args, kwargs)
             _check_in_place_result(func, args[0], result)
             target = args[0]  # updated as functionalization updates a tensor in place
-            target.replace_(torch._from_functional_tensor(result.elem))
+            target.replace_(from_functional(result))
             target.commit_update()
             target.sync()
             return target

@@ -38,6 +38,7 @@ from ._capture import (
 from ._contexts import (
     autocast_cache_enabled,
     autocast_disabled,
+    cast_once,
     dispatch_keys_put_back,
     outside_functorch,
     without_saved_tensors_hooks,
@@ -129,6 +130,8 @@ class JointGraph:
     regions: tuple[tuple[Any, tuple[int, ...]], ...]  # (policy, call indices) of nested checkpoints
     under_functorch: bool | None  # traced for calls under a torch.func transform, or not; None: for both
     backward_in_grad_mode: bool  # traced for a backward that runs in grad mode: NOTE [a backward traced as it will run]
+    # Where autocast was on: which tensor arguments it casts once per region (NOTE [autocast's cache of casts]).
+    cast_once: tuple[bool, ...] | None
     value_checks: tuple[str, ...] = ()  # what the trace assumes of values Python read: NOTE [values Python reads]
     # User outputs taken again from their bases: NOTE [outputs whose elements may share memory].
     rebuilt: tuple[int, ...] = ()
@@ -599,6 +602,7 @@ class _ForwardThenBackward:
         self.fake_primals, self.under_functorch, self.with_values = fake_primals, under_functorch, with_values
         self.backward_in_grad_mode = backward_in_grad_mode
         self.autocast_cache_enabled = torch.is_autocast_cache_enabled()  # make_fx turns it off
+        self.autocast_seen = False
         self.n_args = len(flat_args.tensors)
         self.differentiated = [_requires_grad(t) for t in [*flat_args.tensors, *discovery.closed_over]]
         # See NOTE [gradients in another dtype than the tensor's].
@@ -669,6 +673,7 @@ class _ForwardThenBackward:
                 outputs, _ = flatten_outputs(self.fn(*args, **kwargs))
         self.ran_in_fn.update(graph.nodes)
         self.detached.update(mode.detached)
+        self.autocast_seen = mode.autocast_seen
         self.dropout_layout_matters = fidelity.dropout_layout_matters
         outputs = [mode.substitute(o) for o in outputs]
         rebuilt, bases = _bases_to_return(outputs, [*inputs, *arguments]) if self.discovery.forward_mode else ({}, [])
@@ -783,6 +788,7 @@ def _joint_graph(
         reached_modules=discovery.reached_modules,
         under_functorch=under_functorch if joint.dropout_layout_matters else None,
         backward_in_grad_mode=joint.backward_in_grad_mode,
+        cast_once=tuple(map(cast_once, joint.flat_args.tensors)) if joint.autocast_seen else None,
         value_checks=tuple(str(describe_check(check)) for check in value_checks if check.target is check_value),
         rebuilt=rebuilt,
     )

@@ -23,7 +23,7 @@ __all__ = ["describe_signature", "explain_retrace", "log_trace", "logger"]
 
 logger = logging.getLogger("remat")
 
-_TENSOR_FIELDS = ("shape", "stride", "dtype", "device", "requires_grad", "layout", "grad_dtype", "is_leaf")
+_TENSOR_FIELDS = ("shape", "stride", "dtype", "device", "requires_grad", "layout", "grad_dtype")
 
 
 def _leaf_names(flat: FlatArgs) -> list[str]:
