@@ -322,6 +322,7 @@ def _build_executable(
         sized_by_values=tuple(
             i for i in joint.differentiable_outputs if output_metas[i].data_dependent and i in programs.returned
         ),
+        backward_error=joint.backward_error,
     )
 
 

@@ -55,6 +55,7 @@ class Executable:
     not_under_forward_ad: str | None = None  # why they cannot under `torch.autograd.forward_ad`, if so
     higher_order_ops: frozenset[HigherOrderOperator] = frozenset()  # called by the programs (flex attention)
     sized_by_values: tuple[int, ...] = ()  # returned differentiable outputs whose sizes depend on values
+    backward_error: str | None = None  # what eager's backward raises: NOTE [a backward eager cannot run]
 
     def forward(self, *primals: torch.Tensor) -> Sequence[torch.Tensor]:
         if self.compiled is not None and not functorch_active():
@@ -216,6 +217,8 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         executable: Executable = ctx.executable
+        if executable.backward_error is not None:  # See NOTE [a backward eager cannot run].
+            raise RuntimeError(executable.backward_error)
         programs = executable.programs
         n_returned = len(programs.returned)
         taken = getattr(ctx, "remat_taken_grads", None)

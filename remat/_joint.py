@@ -76,6 +76,7 @@ from ._torch import (
     has_data_mutation,
     insert_value_checks,
     is_functorch_wrapped,
+    is_saved_value_modified,
     lazy_graph_modules,
     make_fx,
     op_schema,
@@ -136,6 +137,7 @@ class JointGraph:
     # User outputs taken again from their bases: NOTE [outputs whose elements may share memory].
     rebuilt: tuple[int, ...] = ()
     values: Any = None  # the value graph the rules run on (`_value_graph.with_value_graph`)
+    backward_error: str | None = None  # what eager's backward raises: NOTE [a backward eager cannot run]
 
     @functools.cached_property
     def generators(self) -> tuple[torch.Generator, ...]:
@@ -603,6 +605,7 @@ class _ForwardThenBackward:
         self.backward_in_grad_mode = backward_in_grad_mode
         self.autocast_cache_enabled = torch.is_autocast_cache_enabled()  # make_fx turns it off
         self.autocast_seen = False
+        self.backward_error: str | None = None  # NOTE [a backward eager cannot run]
         self.n_args = len(flat_args.tensors)
         self.differentiated = [_requires_grad(t) for t in [*flat_args.tensors, *discovery.closed_over]]
         # See NOTE [gradients in another dtype than the tensor's].
@@ -634,12 +637,18 @@ class _ForwardThenBackward:
             with torch.enable_grad():
                 arguments, outputs = self._run_fn(inputs)
                 wrt = [i for i, grad in enumerate(self.differentiated) if grad]
-                grads = self._gradients(
-                    [outputs[i] for i in self.differentiable],
-                    [inputs[i] for i in wrt],
-                    tangents,
-                    create_graph=self.backward_in_grad_mode,
-                )
+                try:
+                    grads = self._gradients(
+                        [outputs[i] for i in self.differentiable],
+                        [inputs[i] for i in wrt],
+                        tangents,
+                        create_graph=self.backward_in_grad_mode,
+                    )
+                except RuntimeError as error:  # See NOTE [a backward eager cannot run].
+                    if not is_saved_value_modified(error):
+                        raise
+                    self.backward_error = str(error)
+                    grads = [None] * len(wrt)
             for primal, value in zip(primals, functional, strict=True):
                 sync(value)
                 if has_data_mutation(value):
@@ -683,6 +692,14 @@ class _ForwardThenBackward:
                 f"({rebuilt}) than when run on fake tensors ({dict(self.discovery.rebuilt)}); please report this."
             )
         return arguments, [*outputs, *(arguments[i] for i in self.discovery.dirty), *bases]
+
+    # NOTE [a backward eager cannot run]
+    # A function that updates in place a value its own backward needs (`v =
+    # u.exp(); v.mul_(2)`: exp's gradient reads its output) runs forward in eager
+    # and raises in backward, when the gradient formula finds the value changed.
+    # Tracing runs that backward too, and met the error at the first call. The
+    # trace keeps it instead: the forward runs, and the Function's backward
+    # raises eager's error, where eager's would.
 
     # NOTE [a backward traced as it will run]
     # torch.func's reverse mode (`grad`, `vjp`, `jacrev`, `hessian`) runs backward
@@ -789,6 +806,7 @@ def _joint_graph(
         under_functorch=under_functorch if joint.dropout_layout_matters else None,
         backward_in_grad_mode=joint.backward_in_grad_mode,
         cast_once=tuple(map(cast_once, joint.flat_args.tensors)) if joint.autocast_seen else None,
+        backward_error=joint.backward_error,
         value_checks=tuple(str(describe_check(check)) for check in value_checks if check.target is check_value),
         rebuilt=rebuilt,
     )

@@ -123,6 +123,7 @@ __all__ = [
     "from_functional",
     "functorch_active",
     "grad_transform_active",
+    "is_saved_value_modified",
     "functorch_interpreters",
     "get_proxy_mode",
     "has_data_mutation",
@@ -561,6 +562,11 @@ def any_autocast_enabled() -> bool:
 def functorch_active() -> bool:
     """Whether a torch.func transform (grad, vmap, jvp, ...) is running."""
     return bool(torch._C._are_functorch_transforms_active())
+
+
+def is_saved_value_modified(error: RuntimeError) -> bool:
+    """Whether autograd raised `error` because a value a gradient formula saved was updated in place since."""
+    return "modified by an inplace operation" in str(error)
 
 
 def grad_transform_active() -> bool:

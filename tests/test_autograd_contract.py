@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+from typing import Any
 
 import pytest
 import torch
@@ -73,6 +74,33 @@ def test_overwriting_a_kept_activation_is_impossible_from_outside() -> None:
             out.add_(1)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
+
+
+def _updates_what_its_backward_reads(x: torch.Tensor) -> torch.Tensor:
+    v = x.sin().exp()
+    v.mul_(2)  # exp's gradient reads its output, which this changes: eager's backward raises
+    return v * x
+
+
+@pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
+def test_a_function_whose_own_backward_is_invalid_runs_forward_and_raises_in_backward(policy: Any) -> None:
+    # NOTE [a backward eager cannot run]: remat raised at the first call, where eager raises in backward.
+    checkpointed = remat.checkpoint(_updates_what_its_backward_reads, policy=policy)
+    x = torch.randn(3, 4, dtype=DTYPE, requires_grad=True)
+    expected_out = _updates_what_its_backward_reads(x)
+    out = checkpointed(x)
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as eager_error:
+        expected_out.sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as remat_error:
+        out.sum().backward()
+    assert str(remat_error.value).split(";")[0] == str(eager_error.value).split(";")[0]
+    # Forward mode reads no saved value: both run.
+    tangent = torch.ones_like(x)
+    expected = torch.func.jvp(_updates_what_its_backward_reads, (x.detach(),), (tangent,))
+    got = torch.func.jvp(checkpointed, (x.detach(),), (tangent,))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 class _Boom(Exception):
