@@ -245,6 +245,13 @@ TRANSFORM_CASES = [
     for name in sorted(_TWICE_DIFFERENTIABLE if PROFILE == "soak" else _TWICE_DIFFERENTIABLE & SECOND_ORDER_OPS)
     for policy in _POLICIES
 ]
+# (op, transform) pairs where eager is wrong and remat right, each shown by a test: skipped by the sweep.
+EAGER_WRONG = {
+    (
+        "select_scatter",
+        "vmap",
+    ): "test_transforms.py::test_select_scatter_under_vmap_gives_the_per_example_gradient_where_torch_does_not",
+}
 _SWEPT_TRANSFORMS = (
     remat.testing.TRANSFORMS if PROFILE == "soak" else ("grad_of_grad", "grad_of_jvp", "grad_of_forward_ad")
 )
@@ -261,6 +268,8 @@ def test_first_float64_sample_under_transforms(name: str, policy: Any) -> None:
         if not tensors or not tensors[0].requires_grad:
             continue
         for transform in _SWEPT_TRANSFORMS:
+            if (name, transform) in EAGER_WRONG:
+                continue
             try:
                 remat.testing.assert_checkpoint_equivalent(fn, *tensors, policy=policy, transforms=[transform])
             except (NotImplementedError, remat.TraceError) as error:  # a refusal: remat's own words
@@ -284,5 +293,7 @@ def test_the_sweep_covers_the_ops_of_the_issue() -> None:
 
 def test_known_outcomes_name_real_ops() -> None:
     """A renamed or removed op would silently leave a list: every name listed must exist."""
-    unknown = (READS_VALUES | SIZE_FROM_VALUES | SPARSE | FORWARD_ONLY) - set(_FLOAT64_OPS)
+    unknown = (READS_VALUES | SIZE_FROM_VALUES | SPARSE | FORWARD_ONLY | {n for n, _ in EAGER_WRONG}) - set(
+        _FLOAT64_OPS
+    )
     assert not unknown, f"not in OpInfo's float64 ops: {sorted(unknown)}"

@@ -1705,3 +1705,29 @@ def test_lerp_into_a_smaller_tensor_under_forward_mode_raises_as_eager() -> None
         jvp(fn, (x,), (tangent,))
     with pytest.raises(RuntimeError, match=r"output with shape \[1, 4\] doesn't match the broadcast shape \[3, 4\]"):
         jvp(remat.checkpoint(fn), (x,), (tangent,))
+
+
+def test_select_scatter_under_vmap_gives_the_per_example_gradient_where_torch_does_not() -> None:
+    # Eager's own `vmap` of `select_scatter` gives its source a wrong gradient (torch 2.13 to 2.15: off from
+    # the per-example gradients, which are exact); remat's traced backward gives the per-example ones. The
+    # OpInfo sweep under transforms leaves this pair out for that reason (`EAGER_WRONG` in test_opinfo.py).
+    generator = torch.Generator().manual_seed(0)
+    x, src = (
+        torch.randn(2, 5, 5, 5, dtype=torch.float64, generator=generator),
+        torch.randn(2, 5, 5, dtype=torch.float64),
+    )
+    cotangent = torch.randn(2, 5, 5, 5, dtype=torch.float64, generator=generator)
+
+    def scatter(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return torch.select_scatter(x, src, 1, 2)
+
+    def source_gradient(fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        source = src.clone().requires_grad_()
+        (gradient,) = torch.autograd.grad((vmap(fn)(x, source) * cotangent).sum(), source)
+        return gradient
+
+    exact = cotangent[:, :, 2]  # each example's source lands in row 2 of dim 1
+    assert torch.equal(source_gradient(remat.checkpoint(scatter)), exact)
+    assert not torch.allclose(
+        source_gradient(scatter), exact
+    )  # torch's batching rule; if it is fixed, drop EAGER_WRONG
