@@ -104,8 +104,11 @@ def _views_with_gradient_formulas(joint: JointGraph, base_of: Callable[[fx.Node]
     `no_grad`, its own backward gives the gradient). Rebuilt after the Function as views, they would
     have no derivative at all; the Function returns them, so that their gradients reach its backward."""
     found = set()
+    final_values = overwritten(joint)
     for k, i in enumerate(joint.differentiable_outputs):
         if i >= joint.n_user_outputs or not joint.tangents[k].users:
+            continue
+        if joint.outputs[i] in final_values:  # an input `fn` updated, returned: the input itself
             continue
         node, base = joint.outputs[i], base_of(joint.outputs[i])
         while node is not base and node.op == "call_function" and is_free(node):

@@ -417,3 +417,28 @@ def test_regression_a_view_of_a_detach_updated_after_the_input_was_stays_detache
         remat.testing.assert_checkpoint_equivalent(
             fn, x.detach().clone().requires_grad_(), w, policy=policy, transforms=[transform]
         )
+
+
+def _scale_through_a_detached_view(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    view = y.detach().view(y.shape)
+    with torch.no_grad():
+        view.mul_(0.5)  # updates `y` where autograd does not see it
+    return view * 1.0 + x, y
+
+
+@pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
+@pytest.mark.parametrize("returned", ["input", "input_and_view"])
+def test_an_input_updated_through_a_detached_view_is_returned_as_itself(policy: Any, returned: str) -> None:
+    # The soak (torch 2.15) found `y` returned as a new tensor, and the view not sharing its memory: the
+    # final value of an updated input was taken for a view that a custom Function returns (NOTE [kept
+    # activations are outputs]), and returned by remat's Function.
+    def fn(x: torch.Tensor, y: torch.Tensor) -> Any:
+        out, updated = _scale_through_a_detached_view(x, y)
+        if returned == "input":
+            return out, updated
+        return y.detach().view(y.shape), updated
+
+    x, y = (torch.randn(2, 3, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    remat.testing.assert_checkpoint_equivalent(fn, x, y, policy=policy)
+    outputs = remat.checkpoint(fn, policy=policy)(x, y)
+    assert outputs[1] is y and y.is_leaf
