@@ -89,9 +89,21 @@ def _scalar(fn: Callable[..., Any], seed: int) -> Callable[..., torch.Tensor]:
     return scalar
 
 
-def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+# The transforms that differentiate forward-mode tangents: where eager's tangent formulas are not
+# differentiated exactly, the checker compares with finite-difference tangents (`finite_differences`).
+DIFFERENTIATED_TANGENTS = frozenset({"grad_of_jvp", "grad_of_jvp_of_vmap", "grad_of_forward_ad"})
+
+
+def _transformed(
+    name: str, fn: Callable[..., Any], seed: int, *, finite_differences: bool = False
+) -> Callable[..., Any]:
     """`fn` under the torch.func transform `name`, as a function of the same arguments (or stacked
-    positional ones); keyword arguments are passed through, neither differentiated nor batched."""
+    positional ones); keyword arguments are passed through, neither differentiated nor batched. With
+    `finite_differences`, tangents are central differences of `fn` (float64), not forward mode's."""
+    if finite_differences:
+        jvp, forward_ad = _finite_difference_jvp, _finite_difference_forward_ad
+    else:
+        jvp, forward_ad = _jvp, _forward_ad
     if name == "grad":
         return torch.func.grad(_scalar(fn, seed))
     if name == "grad_of_grad":  # reverse mode over reverse mode, as `hessian` by `jacrev(jacrev(fn))`
@@ -107,14 +119,14 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
         # warn (an error where warnings are errors): import them here, quietly.
         import_jvp_decompositions()
     if name == "jvp_of_vmap":
-        return _jvp(torch.func.vmap(fn, randomness="different"), seed)
+        return jvp(torch.func.vmap(fn, randomness="different"), seed)
     # The derivatives of forward mode's results are compared by value, as tangents are: see `_by_value`.
     if name == "grad_of_jvp":  # reverse mode over forward mode
-        return _valued(torch.func.grad(_scalar(_jvp(fn, seed), seed)))
+        return _valued(torch.func.grad(_scalar(jvp(fn, seed), seed)))
     if name == "grad_of_jvp_of_vmap":  # and over a batch, as `jacrev(jacfwd(fn))`
-        return _valued(torch.func.grad(_scalar(_jvp(torch.func.vmap(fn, randomness="different"), seed), seed)))
+        return _valued(torch.func.grad(_scalar(jvp(torch.func.vmap(fn, randomness="different"), seed), seed)))
     if name == "grad_of_forward_ad":
-        return _valued(_backward_of(_forward_ad(fn, seed), seed))
+        return _valued(_backward_of(forward_ad(fn, seed), seed))
     if name == "vmap_of_jvp":
 
         def jvp_per_example(*primals_and_tangents: Any, **kwargs: Any) -> Any:
@@ -131,9 +143,9 @@ def _transformed(name: str, fn: Callable[..., Any], seed: int) -> Callable[..., 
 
         return vmap_of_jvp
     if name == "jvp":
-        return _jvp(fn, seed)
+        return jvp(fn, seed)
     if name == "forward_ad":
-        return _forward_ad(fn, seed)
+        return forward_ad(fn, seed)
 
     def vjp(*primals: Any, **kwargs: Any) -> Any:
         outputs, pullback = torch.func.vjp(_bound(fn, kwargs), *primals)[:2]
@@ -187,6 +199,50 @@ def _jvp(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
         return outputs, _by_value(tangents)
 
     return jvp
+
+
+_STEP = 1e-6  # of central differences in float64: truncation and round-off both near 1e-10 relative
+
+
+def _central_difference(fn: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]) -> Any:
+    """(outputs, d outputs along `tangents`) by central differences, every evaluation drawing the same
+    random numbers (the default generators forked and seeded alike)."""
+
+    def evaluate(step: float) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            moved = [
+                p + step * t if isinstance(p, torch.Tensor) and _is_float(p) else p
+                for p, t in zip(primals, tangents, strict=True)
+            ]
+            return fn(*moved)
+
+    outputs, ahead, behind = evaluate(0.0), evaluate(_STEP), evaluate(-_STEP)
+    difference = optree.tree_map(
+        lambda a, b: (a - b) / (2 * _STEP) if isinstance(a, torch.Tensor) and _is_float(a) else a,
+        ahead,
+        behind,
+        none_is_leaf=False,
+    )
+    return outputs, difference
+
+
+def _finite_difference_jvp(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+    def jvp(*primals: Any, **kwargs: Any) -> Any:
+        outputs, tangents = _central_difference(_bound(fn, kwargs), primals, _tangents(primals, seed))
+        return outputs, _by_value(tangents)
+
+    return jvp
+
+
+def _finite_difference_forward_ad(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+    def forward_ad(*primals: Any, **kwargs: Any) -> Any:
+        outputs, tangents = _central_difference(_bound(fn, kwargs), primals, _tangents(primals, seed))
+        return optree.tree_map(
+            lambda o, t: (o, _by_value(t)) if isinstance(o, torch.Tensor) else o, outputs, tangents, none_is_leaf=False
+        )
+
+    return forward_ad
 
 
 def _forward_ad(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -325,13 +325,18 @@ def _pure_jvp(
     derivative, layer norm's, are exact only to the order they are written for.)"""
     if not chosen:  # no input the pure forward reads has a tangent (or it reads none)
         return [None] * (len(programs.returned) + programs.n_activations)
+    # See NOTE [tangents that will be differentiated].
+    differentiated = torch.is_grad_enabled() and any(
+        requires_grad_at_any_level(t) for t in (*kept, *(tangent for _, tangent in chosen))
+    )
+    run = programs.pure.tangents_to_differentiate if differentiated else programs.pure.forward
     if _func_jvp_active():  # torch.func.jvp nests: forward mode of our own
-        return _jvp_in_forward_mode(programs, kept, chosen)
-    return _jvp_at_the_dual_level(programs, kept, chosen, needs_grad)
+        return _jvp_in_forward_mode(run, kept, chosen)
+    return _jvp_at_the_dual_level(programs, run, kept, chosen, needs_grad)
 
 
 def _jvp_in_forward_mode(
-    programs: Programs, kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
+    run: Callable[..., Any], kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
 ) -> Sequence[torch.Tensor]:
     positions = [i for i, _ in chosen]
 
@@ -340,13 +345,14 @@ def _jvp_in_forward_mode(
         for position, value in zip(positions, inputs, strict=True):
             values[position] = value
         with autocast_disabled():
-            return tuple(programs.pure.forward(*values))
+            return tuple(run(*values))
 
     return torch.func.jvp(pure, tuple(kept[i] for i in positions), tuple(t for _, t in chosen))[1]  # type: ignore[no-any-return]
 
 
 def _jvp_at_the_dual_level(
     programs: Programs,
+    run: Callable[..., Any],
     kept: Sequence[torch.Tensor],
     chosen: Sequence[tuple[int, torch.Tensor]],
     needs_grad: Sequence[bool],
@@ -373,7 +379,7 @@ def _jvp_at_the_dual_level(
             if tangent is not None:
                 values[i] = make_dual(values[i], tangent)
         with autocast_disabled():
-            outputs = programs.pure.forward(*values)
+            outputs = run(*values)
         return [tangent_of(o) for o in outputs]
 
 

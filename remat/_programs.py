@@ -149,6 +149,37 @@ def backward_program(
 #   gradients that read LU factors]).
 
 
+# NOTE [tangents that will be differentiated]
+# Forward mode takes its tangents from the pure program by the forward-mode
+# formulas of its ops, as eager computes them, so that a transform outside
+# differentiates them as it does eager's. Some of those formulas read
+# statistics their op returns without a derivative (layer norm's and batch
+# norm's mean and inverse deviation: `_quirks.TANGENT_FORMULAS_READ_STATISTICS`),
+# and a reverse-mode derivative of such a tangent misses the terms through them:
+# eager's `grad` of `jvp` of a layer norm is off from float64 finite differences,
+# and under `vmap` eager and a per-example loop differ from each other as well.
+# Where the tangents will be differentiated (grad mode on, and something they
+# come from requires grad at some level), remat runs the pure program with those
+# ops as torch's decompositions, whose formulas differentiate exactly: the
+# tangents equal eager's to within round-off, and their derivatives are the
+# finite differences' rather than eager's.
+
+
+def decomposed(program: fx.GraphModule, ops: frozenset[Any]) -> fx.GraphModule:
+    """`program` with each call of one of `ops` replaced by torch's decomposition of it."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(program.graph, {}))
+    graph.set_codegen(program.graph._codegen)
+    replaced = False
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in ops:
+            decomposition = decomposition_of(node.target)
+            if decomposition is not None:
+                node.target = decomposition
+                replaced = True
+    return LazyGraphModule(program, graph) if replaced else program
+
+
 def differentiable_again(program: fx.GraphModule) -> fx.GraphModule:
     """`program` with each call of an op autograd cannot differentiate replaced by a decomposition of
     it that autograd can (`program` itself if it has none). See NOTE [a backward that will be
@@ -221,6 +252,15 @@ class PureForward:
 
     def forward(self, *kept: Any) -> Any:
         return self.module.forward(*kept)
+
+    def tangents_to_differentiate(self, *kept: Any) -> Any:
+        """`forward`, for forward mode whose tangents will be differentiated: NOTE [tangents that will be
+        differentiated]."""
+        return self.module_for_differentiated_tangents.forward(*kept)
+
+    @functools.cached_property
+    def module_for_differentiated_tangents(self) -> fx.GraphModule:
+        return decomposed(self.module, _quirks.TANGENT_FORMULAS_READ_STATISTICS.table)
 
     @functools.cached_property
     def reads_only_what_is_kept(self) -> bool:

@@ -32,6 +32,7 @@ __all__ = [
     "GRADIENTS_READ_LU_FACTORS",
     "GRADIENTS_SWITCH_IN_GRAD_MODE",
     "SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP",
+    "TANGENT_FORMULAS_READ_STATISTICS",
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING",
     "UNBACKED_SYMBOL_NAMES",
     "CpuLayout",
@@ -267,6 +268,34 @@ GRADIENTS_SWITCH_IN_GRAD_MODE = Quirk(
     table=frozenset({aten.cumprod.default, *GRADIENTS_READ_LU_FACTORS.ops}),
 )
 
+TANGENT_FORMULAS_READ_STATISTICS = Quirk(
+    ops=(
+        aten.native_layer_norm.default,
+        aten.native_batch_norm.default,
+        aten._native_batch_norm_legit.default,
+        aten._native_batch_norm_legit.no_stats,
+        aten._native_batch_norm_legit_functional.default,
+    ),
+    releases=None,
+    differs=(
+        "their forward-mode formulas read the mean and inverse deviation the op returns without a derivative, "
+        "so a reverse-mode derivative of their tangents (`grad` of `jvp`, `jacrev` of `jacfwd`) misses the "
+        "terms through those statistics: eager's is off from float64 finite differences (by about 1 on unit "
+        "inputs; layer norm, batch and instance norm in training). Found by comparing `grad` of `jvp` with "
+        "the gradient of a finite-difference tangent, op by op"
+    ),
+    note="NOTE [tangents that will be differentiated] (remat/_programs.py)",
+    table=frozenset(
+        {
+            aten.native_layer_norm.default,
+            aten.native_batch_norm.default,
+            aten._native_batch_norm_legit.default,
+            aten._native_batch_norm_legit.no_stats,
+            aten._native_batch_norm_legit_functional.default,
+        }
+    ),
+)
+
 SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP = Quirk(
     ops=(aten.slice_scatter.default,),
     releases=None,
@@ -314,6 +343,7 @@ QUIRKS: tuple[Quirk, ...] = (
     GRADIENTS_READ_LU_FACTORS,
     GRADIENTS_SWITCH_IN_GRAD_MODE,
     SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP,
+    TANGENT_FORMULAS_READ_STATISTICS,
     SAC_ASKS_AGAIN_WHILE_RECOMPUTING,
     REGIONS_ALLOCATE_FOR_IN_PLACE_OPS,
 )

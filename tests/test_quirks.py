@@ -156,6 +156,41 @@ def _in_place_meta_kernels_fail_under_forward_ad() -> bool:
     return failing == set(_quirks.IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD.ops)
 
 
+def _tangent_formulas_read_statistics() -> bool:
+    aten = torch.ops.aten
+    generator = torch.Generator().manual_seed(0)
+    x, tangent, weights = (torch.randn(4, 3, 5, dtype=torch.float64, generator=generator) for _ in range(3))
+    stats = (torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+    calls = {
+        aten.native_layer_norm.default: lambda t: aten.native_layer_norm(t, [5], None, None, 1e-5)[0],
+        aten.native_batch_norm.default: lambda t: aten.native_batch_norm(t, None, None, None, None, True, 0.1, 1e-5)[0],
+        aten._native_batch_norm_legit.default: lambda t: aten._native_batch_norm_legit(
+            t, None, None, stats[0].clone(), stats[1].clone(), True, 0.1, 1e-5
+        )[0],
+        aten._native_batch_norm_legit.no_stats: lambda t: aten._native_batch_norm_legit.no_stats(
+            t, None, None, True, 0.1, 1e-5
+        )[0],
+        aten._native_batch_norm_legit_functional.default: lambda t: aten._native_batch_norm_legit_functional(
+            t, None, None, *stats, True, 0.1, 1e-5
+        )[0],
+    }
+    assert set(calls) == _quirks.TANGENT_FORMULAS_READ_STATISTICS.table
+    off = {op for op, call in calls.items() if _grad_of_jvp_off(call, x, tangent, weights)}
+    return off == set(calls)
+
+
+def _grad_of_jvp_off(
+    call: Callable[..., torch.Tensor], x: torch.Tensor, tangent: torch.Tensor, weights: torch.Tensor
+) -> bool:
+    """Whether eager's `grad` of `jvp` of `call` differs from the gradient of a finite-difference tangent."""
+    step = 1e-5
+    exact = torch.func.grad(lambda t: (weights * torch.func.jvp(call, (t,), (tangent,))[1]).sum())(x)
+    differences = torch.func.grad(
+        lambda t: (weights * (call(t + step * tangent) - call(t - step * tangent)) / (2 * step)).sum()
+    )(x)
+    return not torch.allclose(exact, differences, rtol=1e-5, atol=1e-5)
+
+
 def _sac_asks_again_while_recomputing() -> bool:
     asked: list[bool] = []
 
@@ -215,6 +250,7 @@ PROBES: dict[str, Callable[[], bool]] = {
     "GRADIENTS_SWITCH_IN_GRAD_MODE": _gradients_switch_in_grad_mode,
     "SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP": _slice_scatter_refuses_negative_bounds_under_vmap,
     "IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD": _in_place_meta_kernels_fail_under_forward_ad,
+    "TANGENT_FORMULAS_READ_STATISTICS": _tangent_formulas_read_statistics,
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING": _sac_asks_again_while_recomputing,
     "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS": _regions_allocate_for_in_place_ops,
 }

@@ -817,3 +817,25 @@ def test_regression_forward_mode_over_vmap_of_an_output_whose_elements_share_mem
     x = torch.randn(2, 2, dtype=torch.float64, requires_grad=True)
     assert fn(x).stride() == (0, 2)
     assert_checkpoint_equivalent(fn, x, policy=policy, transforms=["jvp_of_vmap", "vmap_of_jvp", "forward_ad", "grad"])
+
+
+def _layer_norm_by_its_formula(x: torch.Tensor) -> torch.Tensor:
+    centred = x - x.mean(-1, keepdim=True)
+    return (centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5)).sin()
+
+
+def _fused_layer_norm(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],)).sin()
+
+
+def test_under_differentiated_tangents_the_checker_takes_finite_differences_over_a_wrong_eager() -> None:
+    # Eager's `grad` of `jvp` of the fused layer norm is off (its tangent formula reads statistics without
+    # a derivative); the formula's is exact. A checkpoint that matches finite-difference tangents passes
+    # where eager is off, and one that is off where eager is right still fails.
+    x = _float64(3, 5)
+    transforms = ["grad_of_jvp", "grad_of_jvp_of_vmap", "grad_of_forward_ad"]
+    assert_checkpoint_equivalent(_fused_layer_norm, x, checkpointed=_layer_norm_by_its_formula, transforms=transforms)
+    with pytest.raises(AssertionError, match=r"\[grad_of_jvp\] output 0 differs"):
+        assert_checkpoint_equivalent(
+            _layer_norm_by_its_formula, x, checkpointed=_fused_layer_norm, transforms=["grad_of_jvp"]
+        )

@@ -245,9 +245,19 @@ TRANSFORMS: dict[str, Callable[[Callable, Model], Any]] = {
 }
 
 
+def _jacrev_of_jacrev(fn: Callable, m: Model) -> Any:
+    return jacrev(jacrev(scalar_loss(fn), argnums=1), argnums=1)(m.x, m.s)
+
+
+# Where eager's own result is off, the same derivative by a route eager takes exactly: eager's `jacrev` of
+# `jacfwd` of a layer norm is off (NOTE [tangents that will be differentiated]); the Hessian by reverse
+# over reverse is not.
+EXACT_ROUTE = {"jacrev_of_jacfwd": _jacrev_of_jacrev}
+
+
 def check_transform(transform: str, model_name: str, policy: Any) -> None:
     m = model(model_name)
-    expected = TRANSFORMS[transform](m.fn, m)
+    expected = EXACT_ROUTE.get(transform, TRANSFORMS[transform])(m.fn, m)
     checkpointed = remat.checkpoint(m.fn, policy=policy)
     actual = TRANSFORMS[transform](checkpointed, m)
     assert_trees_close(actual, expected)
@@ -323,6 +333,18 @@ def _backward_of_forward_ad(fn: Callable, x: torch.Tensor, s: torch.Tensor, *, b
     return out.tangent, torch.autograd.grad(loss, s)
 
 
+def _backward_of_a_finite_difference_tangent(fn: Callable, x: torch.Tensor, s: torch.Tensor, *, batched: bool) -> Any:
+    """`_backward_of_forward_ad` with the tangent taken by central differences: exact where eager's tangent
+    formula is not differentiated exactly (layer norm's: NOTE [tangents that will be differentiated])."""
+    s = s.detach().requires_grad_()
+    mapped = vmap(fn, in_dims=(0, None)) if batched else fn
+    step, direction = 1e-6, cotangent_like(x, 1)
+    primal = mapped(x, s)
+    tangent = (mapped(x + step * direction, s) - mapped(x - step * direction, s)) / (2 * step)
+    loss = tangent.sin().sum() + primal.square().sum()
+    return tangent, torch.autograd.grad(loss, s)
+
+
 def _layer_norm(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x * s, s.shape).tanh()
 
@@ -342,7 +364,16 @@ def test_regression_backward_of_a_forward_ad_tangent(fn: str, batched: bool, pol
         x = torch.stack([x, x.flip(0).sin()])
     expected = _backward_of_forward_ad(f, x, s, batched=batched)
     assert expected[1][0].abs().max() > 1e-3
-    assert_trees_close(_backward_of_forward_ad(remat.checkpoint(f, policy=policy), x, s, batched=batched), expected)
+    got = _backward_of_forward_ad(remat.checkpoint(f, policy=policy), x, s, batched=batched)
+    if fn == "mlp":
+        assert_trees_close(got, expected)
+        return
+    # Eager's derivative of layer norm's tangent is off: remat's is the finite differences' (and the
+    # tangent itself eager's).
+    exact = _backward_of_a_finite_difference_tangent(f, x, s, batched=batched)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[1][0], exact[1][0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(expected[1][0], exact[1][0], rtol=1e-3, atol=1e-3)
 
 
 def _log_softmax_of_a_returned_constant(x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
