@@ -16,7 +16,9 @@ __all__ = [
     "CallSite",
     "CustomApplication",
     "application_of",
+    "computed_without_grad",
     "note_application",
+    "note_computed_without_grad",
     "StopGradient",
     "add_tag",
     "differentiable_outputs",
@@ -30,13 +32,14 @@ __all__ = [
     "tags_of",
 ]
 
-_STOPS, _SITE, _FILL, _TAGS, _DIFFERENTIABLE, _APPLICATION = (
+_STOPS, _SITE, _FILL, _TAGS, _DIFFERENTIABLE, _APPLICATION, _WITHOUT_GRAD = (
     "remat_stops_gradient",
     "remat_site",
     "remat_fill",
     "remat_tags",
     "remat_differentiable_outputs",
     "remat_application",
+    "remat_computed_without_grad",
 )
 
 # Why `fn` computed a value where autograd does not see: through a `detach()`, under `no_grad`, or as
@@ -124,3 +127,13 @@ def application_of(node: fx.Node) -> tuple[CustomApplication, int] | None:
 
 def note_application(node: fx.Node, application: CustomApplication, index: int) -> None:
     node.meta.setdefault(_APPLICATION, (application, index))
+
+
+def computed_without_grad(node: fx.Node) -> bool:
+    """Whether a backward traced in grad mode computed `node` with grad mode off (a `once_differentiable`
+    backward): NOTE [regions of a backward without grad]."""
+    return bool(node.meta.get(_WITHOUT_GRAD))
+
+
+def note_computed_without_grad(node: fx.Node) -> None:
+    node.meta[_WITHOUT_GRAD] = True

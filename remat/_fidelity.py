@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import _quirks
-from ._facts import fill_of, note_fill
+from ._facts import fill_of, note_computed_without_grad, note_fill
 from ._measure import storage_key
 from ._rng import DrawnGenerators
 from ._torch import (
@@ -562,6 +562,33 @@ class EagerFidelity(TorchDispatchMode):
             self.fake_mode.fill_strides = None
         if random_nodes:
             note_fill(random_nodes[0], fill)
+        return result
+
+
+# NOTE [regions of a backward without grad]
+# A backward traced in grad mode (NOTE [a backward traced as it will run]) may
+# run parts with grad mode off: a custom Function's `once_differentiable`
+# backward computes under `no_grad`, so eager never differentiates it (torch.func
+# takes its derivative as zero; plain autograd raises where one is asked for).
+# A traced graph does not say which ops ran so. While the backward is traced,
+# the nodes made with grad mode off are noted, and where the backward program
+# runs to be differentiated, their values are detached.
+class NodesWithoutGrad(TorchDispatchMode):
+    """Notes each graph node made while grad mode is off, as a backward is traced in grad mode."""
+
+    def __init__(self, graph: Any):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if torch.is_grad_enabled():
+            return func(*args, **(kwargs or {}))
+        last = next(reversed(self.graph.nodes), None)
+        result = func(*args, **(kwargs or {}))
+        for node in reversed(self.graph.nodes):
+            if node is last:
+                break
+            note_computed_without_grad(node)
         return result
 
 

@@ -15,7 +15,7 @@ import operator
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import optree
@@ -52,7 +52,13 @@ from ._facts import (
     stop_gradient_of,
     tags_of,
 )
-from ._fidelity import EagerLayoutFakeMode, FunctionalModeKeepingChecks, eager_fidelity, kept_as_dead_code
+from ._fidelity import (
+    EagerLayoutFakeMode,
+    FunctionalModeKeepingChecks,
+    NodesWithoutGrad,
+    eager_fidelity,
+    kept_as_dead_code,
+)
 from ._measure import estimate_flops, output_nbytes
 from ._pytree import FlatArgs, flatten_outputs
 from ._rng import seeding_refused
@@ -720,7 +726,8 @@ class _ForwardThenBackward:
     ) -> Sequence[torch.Tensor | None]:
         if not outputs or not wrt:
             return [None] * len(wrt)
-        with autocast_disabled():  # as eager's backward runs: NOTE [autocast is traced, not re-applied]
+        nodes_without_grad = NodesWithoutGrad(_traced_graph()) if create_graph else nullcontext()
+        with autocast_disabled(), nodes_without_grad:  # NOTE [autocast is traced, not re-applied]
             return torch.autograd.grad(
                 outputs,
                 wrt,
@@ -729,6 +736,12 @@ class _ForwardThenBackward:
                 # As eager's backward will run: see NOTE [a backward traced as it will run].
                 create_graph=create_graph,
             )
+
+
+def _traced_graph() -> fx.Graph:
+    proxy_mode = get_proxy_mode()
+    assert proxy_mode is not None
+    return proxy_mode.tracer.graph  # type: ignore[no-any-return]
 
 
 def _clean_up(graph: fx.Graph, copies: list[fx.Node], guarded_ints: set[str]) -> None:

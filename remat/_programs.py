@@ -19,7 +19,7 @@ from . import _offload, _quirks, _rng
 from ._applications import Reapplication, application_of
 from ._capture import SCATTERS, history_of
 from ._errors import TraceError
-from ._facts import CustomApplication, fill_of, stop_gradient_of
+from ._facts import CustomApplication, computed_without_grad, fill_of, stop_gradient_of
 from ._fidelity import RRELU, fill_in_eager_layout, is_dense, run_rrelu_as_eager, runnable
 from ._joint import JointGraph, draws_random_numbers, is_free, stops_gradient
 from ._torch import (
@@ -182,12 +182,21 @@ def decomposed(program: fx.GraphModule, ops: frozenset[Any]) -> fx.GraphModule:
 
 def differentiable_again(program: fx.GraphModule) -> fx.GraphModule:
     """`program` with each call of an op autograd cannot differentiate replaced by a decomposition of
-    it that autograd can (`program` itself if it has none). See NOTE [a backward that will be
-    differentiated]."""
+    it that autograd can, and the values its trace computed with grad mode off detached (`program` itself
+    if it has neither). See NOTE [a backward that will be differentiated] and NOTE [regions of a backward
+    without grad]."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(program.graph, {}))
     graph.set_codegen(program.graph._codegen)
     replaced = False
+    for node in list(graph.nodes):  # See NOTE [regions of a backward without grad].
+        if (
+            node.op == "call_function"
+            and computed_without_grad(node)
+            and isinstance(node.meta.get("val"), torch.Tensor)
+        ):
+            _detach_uses(graph, node)
+            replaced = True
     for node in graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, OpOverload):
             continue
@@ -199,6 +208,13 @@ def differentiable_again(program: fx.GraphModule) -> fx.GraphModule:
             node.target = decomposition
             replaced = True
     return LazyGraphModule(program, graph) if replaced else program
+
+
+def _detach_uses(graph: fx.Graph, node: fx.Node) -> None:
+    """Make every user of `node` read a detached alias of it instead."""
+    with graph.inserting_after(node):
+        detached = graph.call_function(aten.detach.default, (node,))
+    node.replace_all_uses_with(detached, delete_user_cb=lambda user: user is not detached)
 
 
 def _prefetch(graph: fx.Graph) -> None:
