@@ -580,8 +580,10 @@ class NodesWithoutGrad(TorchDispatchMode):
         super().__init__()
         self.graph = graph
 
+    supports_higher_order_operators = True  # See NOTE [higher-order ops under remat's modes].
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or isinstance(func, HigherOrderOperator):
             return func(*args, **(kwargs or {}))
         last = next(reversed(self.graph.nodes), None)
         result = func(*args, **(kwargs or {}))
