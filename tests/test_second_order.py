@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import remat
 from remat import policies
-from remat.testing import assert_checkpoint_equivalent
+from remat.testing import RandomFunction, Step, assert_checkpoint_equivalent
 
 aten = torch.ops.aten
 
@@ -361,25 +361,10 @@ def test_reverse_mode_of_norm_tangents_matches_finite_differences_where_eager_do
 # --- regions of a backward without grad ----------------------------------------------------------------
 
 
-class _OnceDifferentiableSquare(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x * x
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return 2.0 * x * grad
-
-
-def _once_differentiable_beside_a_draw(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    square = _OnceDifferentiableSquare.apply(x)
-    return square * torch.bernoulli(torch.full_like(square, 0.7)), square
+# The soak's find: the catalog's `once_differentiable` square, then a draw, both returned.
+_ONCE_DIFFERENTIABLE_BESIDE_A_DRAW = RandomFunction(
+    (1, 2), 1, (Step("custom_square_once_differentiable", 0, 0), Step("bernoulli", 1, 1)), (2, 1)
+)
 
 
 @pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
@@ -388,4 +373,4 @@ def test_a_once_differentiable_backward_is_not_differentiated_as_in_eager(policy
     # derivative through a `once_differentiable` backward (computed under no_grad) as zero. remat's backward,
     # traced in grad mode, held its ops as plain ops and differentiated them (found by the 2.15 soak).
     x = _float64(1, 2)
-    assert_checkpoint_equivalent(_once_differentiable_beside_a_draw, x, policy=policy, transforms=["grad_of_grad"])
+    assert_checkpoint_equivalent(_ONCE_DIFFERENTIABLE_BESIDE_A_DRAW, x, policy=policy, transforms=["grad_of_grad"])
