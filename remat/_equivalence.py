@@ -479,8 +479,13 @@ def assert_checkpoint_equivalent(
     each is called several times in a row, which is where a cached trace
     meets state (buffers, generators, values read in Python) that moved on.
     Where `fn` raises, the checkpoint must raise an exception of the same
-    type. Tolerances depend on the dtype (tight for float64, loose for
-    bfloat16 and float16) unless given.
+    type. Under the transforms that differentiate forward-mode tangents
+    (`grad_of_jvp`, `grad_of_jvp_of_vmap`, `grad_of_forward_ad`) in
+    float64, a result that differs from eager's passes where it matches the
+    same derivative taken with finite-difference tangents and eager's does
+    not (eager's tangent formulas for layer and batch norm are off there).
+    Tolerances depend on the dtype (tight for float64, loose for bfloat16
+    and float16) unless given.
 
     Args:
         fn: a function of tensors, or an `nn.Module`.
