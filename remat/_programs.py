@@ -167,16 +167,8 @@ def backward_program(
 
 def decomposed(program: fx.GraphModule, ops: frozenset[Any]) -> fx.GraphModule:
     """`program` with each call of one of `ops` replaced by torch's decomposition of it."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(program.graph, {}))
-    graph.set_codegen(program.graph._codegen)
-    replaced = False
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in ops:
-            decomposition = decomposition_of(node.target)
-            if decomposition is not None:
-                node.target = decomposition
-                replaced = True
+    graph = _copy_of(program)
+    replaced = _decompose(graph, lambda node: node.target in ops)
     return LazyGraphModule(program, graph) if replaced else program
 
 
@@ -185,29 +177,43 @@ def differentiable_again(program: fx.GraphModule) -> fx.GraphModule:
     it that autograd can, and the values its trace computed with grad mode off detached (`program` itself
     if it has neither). See NOTE [a backward that will be differentiated] and NOTE [regions of a backward
     without grad]."""
+    graph = _copy_of(program)
+    without_grad = [
+        node
+        for node in graph.nodes
+        if node.op == "call_function" and computed_without_grad(node) and isinstance(node.meta.get("val"), torch.Tensor)
+    ]
+    for node in without_grad:
+        _detach_uses(graph, node)
+    replaced = _decompose(graph, _has_no_derivative)
+    return LazyGraphModule(program, graph) if replaced or without_grad else program
+
+
+def _copy_of(program: fx.GraphModule) -> fx.Graph:
     graph = fx.Graph()
     graph.output(graph.graph_copy(program.graph, {}))
     graph.set_codegen(program.graph._codegen)
+    return graph
+
+
+def _decompose(graph: fx.Graph, wanted: Callable[[fx.Node], bool]) -> bool:
+    """Replace each call `wanted` picks that torch has a decomposition of by that decomposition; whether any was."""
     replaced = False
-    for node in list(graph.nodes):  # See NOTE [regions of a backward without grad].
-        if (
-            node.op == "call_function"
-            and computed_without_grad(node)
-            and isinstance(node.meta.get("val"), torch.Tensor)
-        ):
-            _detach_uses(graph, node)
-            replaced = True
     for node in graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, OpOverload):
             continue
         decomposition = decomposition_of(node.target)
-        if decomposition is None:
-            continue
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        if has_no_derivative(node.target, args, kwargs):
+        if decomposition is not None and wanted(node):
             node.target = decomposition
             replaced = True
-    return LazyGraphModule(program, graph) if replaced else program
+    return replaced
+
+
+def _has_no_derivative(node: fx.Node) -> bool:
+    """Whether autograd has no derivative for the op `node` calls (`_decompose` calls it for op calls only)."""
+    assert isinstance(node.target, OpOverload)
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    return has_no_derivative(node.target, args, kwargs)
 
 
 def _detach_uses(graph: fx.Graph, node: fx.Node) -> None:
