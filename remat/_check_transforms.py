@@ -26,6 +26,7 @@ TRANSFORMS = (
     "grad_of_jvp_of_vmap",
     "grad_of_forward_ad",
     "grad_of_grad",
+    "double_backward",
 )
 _BATCHED = frozenset({"vmap", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp_of_vmap"})  # of stacked arguments
 _UNDER_FUNC_JVP = frozenset({"jvp", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp", "grad_of_jvp_of_vmap"})
@@ -112,6 +113,8 @@ def _transformed(
         # input's second derivative arrives by two paths, summed (into a fresh tensor) at the input; eager's
         # meets before the call's derivative, whose view of the sum (a `stack`'s `select`) it returns.
         return _valued(torch.func.grad(_scalar(torch.func.grad(_scalar(fn, seed)), seed + 4)))
+    if name == "double_backward":
+        return _double_backward(fn, seed)
     if name == "vmap":
         return torch.func.vmap(fn, randomness="different")
     if name in _FORWARD_MODE:
@@ -174,6 +177,27 @@ def _backward_of(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
         return torch.zeros_like(first) if grad is None else grad
 
     return backward
+
+
+def _double_backward(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
+    """A gradient penalty's two passes under plain autograd: the gradient, by `torch.autograd.grad` with
+    `create_graph=True`, of a fixed random weighted sum of `fn`'s outputs with respect to its first
+    argument, then the gradient of a weighted sum of that gradient. The first is compared as an output
+    (layout, and whether it requires grad, included); the second by value, None where unused."""
+
+    def double_backward(first: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
+        first = first.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = _scalar(fn, seed)(first, *rest, **kwargs)
+            if not loss.requires_grad:
+                return None
+            (grad,) = torch.autograd.grad(loss, first, allow_unused=True, create_graph=True)
+            if grad is None or not grad.requires_grad:
+                return grad, None
+            (second,) = torch.autograd.grad(_scalar(lambda g: g, seed + 4)(grad), first, allow_unused=True)
+        return grad, None if second is None else _by_value(second)
+
+    return double_backward
 
 
 def _bound(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:

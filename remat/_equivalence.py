@@ -522,7 +522,11 @@ def assert_checkpoint_equivalent(
             `jacrev(jacfwd(fn))` differentiates) and `"grad_of_forward_ad"`
             (`torch.autograd.grad` of one of `"forward_ad"`'s), and
             `"grad_of_grad"` (`grad` of a weighted sum of `"grad"`'s
-            gradient: reverse mode twice, as a Hessian-vector product). They
+            gradient: reverse mode twice, as a Hessian-vector product), and
+            `"double_backward"` (`torch.autograd.grad` with
+            `create_graph=True`, then the gradient of a weighted sum of that
+            gradient: plain autograd twice, as a gradient penalty; the first
+            gradient is compared as an output, the second by value). They
             differentiate with respect to the first argument. Tangents are
             compared by value, not layout. All but `vmap` take
             detached copies of the arguments; the `vmap` outputs are also

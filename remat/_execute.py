@@ -484,16 +484,21 @@ def _pure_vjp(
             recomputed = recompute(*inputs)
         cotangents = _cotangents(grads, differentiated, recomputed)
         pairs = [(v, g) for v, g in zip(recomputed, cotangents, strict=True) if v.requires_grad]
-        if not pairs:
-            return result
-        outputs, cotangents = zip(*pairs, strict=True)
-        computed = torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True, create_graph=True)
+        computed = (None,) * len(inputs)
+        if pairs:
+            outputs, cotangents = zip(*pairs, strict=True)
+            computed = torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True, create_graph=True)
         # (a gradient of an input only this level differentiated: nothing below differentiates it again)
         computed = tuple(
             g if g is None or kept[i].requires_grad else g.detach() for i, g in zip(positions, computed, strict=True)
         )
-    traced = dict(zip(pure.joint.grad_of, pure.joint.grads, strict=True))
-    for (_, primal), grad in zip(chosen, computed, strict=True):
+    # A backward traced for `.backward()` lays gradients out as its fused kernels do, not as the grad-mode
+    # formulas eager runs here do (autograd's over the pure forward are those).
+    joint = pure.joint
+    traced = dict(zip(joint.grad_of, joint.grads, strict=True)) if joint.backward_in_grad_mode else {}
+    for (i, primal), grad in zip(chosen, computed, strict=True):
+        if grad is None and primal in joint.grad_of:  # zeros where eager's formulas give them (a `copy_` over
+            grad = torch.zeros_like(kept[i]).detach()  # the input), which autograd over the program does not
         result[primal] = grad if grad is None or primal not in traced else _in_traced_layout(grad, traced[primal])
     return result
 

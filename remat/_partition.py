@@ -230,10 +230,9 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
 
 
 def _differentiated_again_by_autograd(joint: JointGraph) -> bool:
-    """Whether a backward that will be differentiated is autograd's over the pure forward: where the trace
-    calls an op whose gradient formula switches form in grad mode, or applies a custom autograd Function,
-    and the pure forward can apply every such Function again. See NOTE [a backward that will be
-    differentiated] and NOTE [custom Functions applied again]."""
+    """Whether a backward that will be differentiated is autograd's over the pure forward: wherever the
+    pure forward can apply every custom autograd Function of the trace again. See NOTE [a backward that
+    will be differentiated] and NOTE [custom Functions applied again]."""
     scoped = [node for call, node in zip(joint.trace, joint.call_nodes, strict=True) if call.scope is not None]
     applied = {found[0] for node in joint.graph.nodes if (found := application_of(node)) is not None}
     if scoped or applied:  # (a Function whose forward only takes a view calls no op of its own)
@@ -241,7 +240,7 @@ def _differentiated_again_by_autograd(joint: JointGraph) -> bool:
         usable = [a for a in applied if _applies_again(a, live)]
         covered = frozenset().union(*(a.region for a in usable))
         return len(usable) == len(applied) and all(node in covered or _is_custom_op(node) for node in scoped)
-    return any(node.target in _SWITCH_IN_GRAD_MODE for node in joint.call_nodes)
+    return True
 
 
 def _constants_to_autograd(joint: JointGraph, constants: set[fx.Node]) -> set[fx.Node]:
@@ -258,11 +257,12 @@ def _constants_to_autograd(joint: JointGraph, constants: set[fx.Node]) -> set[fx
 
 
 def _applies_again(application: CustomApplication, live: set[fx.Node]) -> bool:
-    """Whether the pure forward can apply `application` again: its nodes are still in the graph, and its
-    forward draws no random numbers (a second application would draw other ones)."""
+    """Whether the pure forward can apply `application` again: its inputs are still in the graph (an
+    output nothing reads may be gone), and its forward draws no random numbers (a second application
+    would draw other ones)."""
     inputs: list[fx.Node] = []
     fx.node.map_arg((application.args, application.kwargs), inputs.append)
-    if not all(node in live for node in (*inputs, *application.outputs)):
+    if not all(node in live for node in inputs):
         return False
     return not any(draws_random_numbers(node) for node in application.region if node in live)
 
@@ -271,9 +271,6 @@ def _is_custom_op(node: fx.Node) -> bool:
     """Whether `node` calls a `torch.library` custom op (one node, differentiated by its own rule)."""
     namespace = getattr(node.target, "namespace", None)
     return namespace not in (None, "aten", "prims")
-
-
-_SWITCH_IN_GRAD_MODE = _quirks.GRADIENTS_SWITCH_IN_GRAD_MODE.table
 
 
 def _inputs_to_differentiate_again(joint: JointGraph, split: _Split, kept: Sequence[Kept]) -> list[fx.Node]:
@@ -381,7 +378,9 @@ def _non_differentiable(
     tangents not needing to require grad), one of `fn`'s outputs autograd would give no
     tangent (a detach) gets none. Nor do kept values that autograd does not differentiate
     or that have no derivative at all (`constants`: a view of one rebuilt outside the
-    Function must not require grad), nor generator states.
+    Function must not require grad; copies of inputs without a gradient: a backward in grad
+    mode may pass them where autograd refuses a tensor that requires grad, running
+    statistics), nor generator states.
     """
     requiring_grad = set(joint.differentiable_outputs)
 
@@ -391,9 +390,17 @@ def _non_differentiable(
         is_new_value = joint.n_user_outputs <= i < joint.n_user_outputs + len(joint.dirty)
         return not is_new_value and joint.outputs[i] not in dual
 
+    with_gradient = {joint.primals[i] for i in joint.grad_of}
+
+    def copy_without_derivative(a: fx.Node) -> bool:  # of an input that requires grad at no level
+        return a.op == "placeholder" and a not in with_gradient  # (its tangent is the input's: `pure_inputs`)
+
     return (
         *(not _is_float(joint.outputs[i]) or (i not in requiring_grad and without_derivative(i)) for i in returned),
-        *(not _is_float(a) or not differentiable(a) or a in constants for a in activations),
+        *(
+            not _is_float(a) or not differentiable(a) or a in constants or copy_without_derivative(a)
+            for a in activations
+        ),
         *([True] * n_states),
     )
 

@@ -127,26 +127,25 @@ def backward_program(
 # knows this when it traces, and traces the backward in grad mode too (NOTE [a
 # backward traced as it will run]). Elsewhere (`create_graph=True` of plain
 # autograd) it traces backward with grad mode off, for first-order speed, and
-# its backward program holds the first form. Where such a backward runs with
-# grad mode on, two cases differ from eager:
-# - A formula that calls a fused backward op autograd has no derivative for
-#   (SiLU's, mish's, logit's, group norm's: "derivative for aten::silu_backward
-#   is not implemented"). remat runs a copy of the program in which each call of
-#   an op autograd cannot differentiate (found by calling it on the trace's fake
-#   tensors, not from a list) is torch's decomposition of it into ops it can:
-#   the same gradient to within round-off, and an exact derivative of it.
-# - A formula whose first form autograd differentiates wrongly
-#   (`_quirks.GRADIENTS_SWITCH_IN_GRAD_MODE`: cumprod's divides by its input,
-#   NaN at a zero; linalg.solve's, det's and slogdet's read LU factors). Where
-#   the trace calls one, and the gradients may be differentiated (something
-#   they come from requires grad at some level), the backward is autograd's
-#   over the pure forward (`Programs.pure_with_outputs`, recomputing the outputs
-#   too), so that every formula runs as eager runs it in grad mode. That needs
-#   the inputs the outputs are computed from (kept by reference: they cost
-#   nothing), and no custom autograd Function in the trace (the pure forward
-#   does not know their backward); elsewhere the first case's program runs, and
-#   the LU formulas refuse to be differentiated (NOTE [second derivatives of
-#   gradients that read LU factors]).
+# its backward program holds the first form, which differs from eager's where
+# it runs with grad mode on: it calls fused backward ops autograd has no
+# derivative for (SiLU's, mish's, logit's, group norm's), ops autograd
+# differentiates wrongly (`_quirks.GRADIENTS_SWITCH_IN_GRAD_MODE`: cumprod's
+# divides by its input, NaN at a zero; linalg.solve's, det's and slogdet's read
+# LU factors), and lays gradients out or rounds them otherwise (group norm's
+# fused kernel makes its gradient contiguous; the grad-mode formula keeps the
+# incoming layout). So where the gradients may be differentiated (grad mode is
+# on and something they come from requires grad at some level), the backward is
+# autograd's over the pure forward (`Programs.pure_with_outputs`, recomputing
+# the outputs too): every formula runs as eager runs it in grad mode. That needs
+# the inputs the outputs are computed from (kept by reference: they cost
+# nothing), every random call replayable from a kept state, and every custom
+# autograd Function applied again (NOTE [custom Functions applied again]).
+# Elsewhere remat runs a copy of the backward program in which each call of an
+# op autograd cannot differentiate (found by calling it on the trace's fake
+# tensors, not from a list) is torch's decomposition of it: the same gradient
+# to within round-off, and an exact derivative of it; the LU formulas refuse to
+# be differentiated (NOTE [second derivatives of gradients that read LU factors]).
 
 
 # NOTE [tangents that will be differentiated]
@@ -168,7 +167,7 @@ def backward_program(
 def decomposed(program: fx.GraphModule, ops: frozenset[Any]) -> fx.GraphModule:
     """`program` with each call of one of `ops` replaced by torch's decomposition of it."""
     graph = _copy_of(program)
-    replaced = _decompose(graph, lambda node: node.target in ops)
+    replaced = _decompose(graph, lambda node, op: op in ops)
     return LazyGraphModule(program, graph) if replaced else program
 
 
@@ -196,24 +195,25 @@ def _copy_of(program: fx.GraphModule) -> fx.Graph:
     return graph
 
 
-def _decompose(graph: fx.Graph, wanted: Callable[[fx.Node], bool]) -> bool:
-    """Replace each call `wanted` picks that torch has a decomposition of by that decomposition; whether any was."""
+def _decompose(graph: fx.Graph, wanted: Callable[[fx.Node, OpOverload], bool]) -> bool:
+    """Replace each call of an op (or of a function `_copy` runs one as) that `wanted` picks and torch has
+    a decomposition of by that decomposition; whether any was."""
     replaced = False
     for node in graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, OpOverload):
+        op = _RUN_AS.get(node.target, node.target) if node.op == "call_function" else None  # type: ignore[arg-type]
+        if not isinstance(op, OpOverload):
             continue
-        decomposition = decomposition_of(node.target)
-        if decomposition is not None and wanted(node):
+        decomposition = decomposition_of(op)
+        if decomposition is not None and wanted(node, op):
             node.target = decomposition
             replaced = True
     return replaced
 
 
-def _has_no_derivative(node: fx.Node) -> bool:
-    """Whether autograd has no derivative for the op `node` calls (`_decompose` calls it for op calls only)."""
-    assert isinstance(node.target, OpOverload)
+def _has_no_derivative(node: fx.Node, op: OpOverload) -> bool:
+    """Whether autograd has no derivative for `op`, which `node` calls."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    return has_no_derivative(node.target, args, kwargs)
+    return has_no_derivative(op, args, kwargs)
 
 
 def _detach_uses(graph: fx.Graph, node: fx.Node) -> None:
@@ -609,7 +609,45 @@ def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.
         copy.target = _index_filled
     elif node.target in RRELU:
         copy.target = run_rrelu_as_eager
+    elif node.target is aten._native_batch_norm_legit_functional.default:
+        copy.target = _batch_norm_updating_copies
     return copy
+
+
+# NOTE [batch norm under vmap]
+# Batch norm with running statistics in training updates them in place; the
+# trace holds its functional form, which returns new statistics. Under vmap,
+# torch has a batching rule for the in-place op (it folds the batch into the
+# channels, and the output keeps that layout) and none for the functional one,
+# whose fallback runs example by example and stacks a contiguous result. There
+# the functional op runs as its definition: the in-place op on copies of the
+# statistics, eager's batching rule, layout and errors included.
+def _batch_norm_updating_copies(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, ...]:
+    """`aten._native_batch_norm_legit_functional`, under vmap as the in-place op on copies of the running
+    statistics: see NOTE [batch norm under vmap]."""
+    arguments = (input, weight, bias, running_mean, running_var, training, momentum, eps)
+    if not vmap_levels(input):
+        return aten._native_batch_norm_legit_functional.default(*arguments)  # type: ignore[no-any-return]
+    mean, var = running_mean.clone(), running_var.clone()
+    out, saved_mean, saved_invstd = aten._native_batch_norm_legit.default(
+        input, weight, bias, mean, var, training, momentum, eps
+    )
+    return out, saved_mean, saved_invstd, mean, var
+
+
+# The functions `_copy` runs ops as, each with the op it stands for (whose decomposition replaces either).
+_RUN_AS: dict[Callable[..., Any], OpOverload] = {
+    _batch_norm_updating_copies: aten._native_batch_norm_legit_functional.default,
+}
 
 
 # NOTE [an index fill of a batched value]

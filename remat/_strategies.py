@@ -403,5 +403,5 @@ def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
     if AS_STRIDED_WRITES & ops:
         left_out |= _BATCHED | {"forward_ad", "grad_of_forward_ad"}
     if LOW_PRECISION_OPS & ops:
-        left_out |= {"grad_of_grad", "grad_of_jvp", "grad_of_jvp_of_vmap", "grad_of_forward_ad"}
+        left_out |= {"grad_of_grad", "double_backward", "grad_of_jvp", "grad_of_jvp_of_vmap", "grad_of_forward_ad"}
     return tuple(t for t in TRANSFORMS if t not in left_out)

@@ -221,10 +221,19 @@ def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = Fals
         if node.target is operator.getitem and (node.args[0] not in found or not differentiable(node)):
             continue
         plain_draw = _rng.is_random_factory(node) if through_draws else _rng.has_zero_derivative(node)
-        has_derivative = node.op == "call_function" and not plain_draw and differentiable(node)
+        has_derivative = node.op == "call_function" and not plain_draw and differentiable(node) and _has_float(node)
         if has_derivative and any(arg in found for arg in node.all_input_nodes):
             found.add(node)
     return found
+
+
+def _has_float(node: fx.Node) -> bool:
+    """Whether `node` has a floating or complex value, or several values: an integer or boolean tensor
+    (`isnan`, a count) has no derivative, nor has what autograd computes from it alone."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return True
+    return value.is_floating_point() or value.is_complex()
 
 
 def differentiable(node: fx.Node) -> bool:

@@ -22,7 +22,7 @@ from remat.testing import RandomFunction, Step, assert_checkpoint_equivalent
 
 aten = torch.ops.aten
 
-SECOND_ORDER = ["grad_of_grad", "grad_of_jvp", "grad_of_forward_ad"]
+SECOND_ORDER = ["grad_of_grad", "double_backward", "grad_of_jvp", "grad_of_forward_ad"]
 
 
 def _float64(*shape: int) -> torch.Tensor:
@@ -313,6 +313,117 @@ def test_under_torch_func_grad_the_backward_runs_eager_grad_mode_formulas_bit_fo
     assert leaf.grad.stride() == eager_leaf.grad.stride() == (4, 1)
     assert torch.equal(leaf.grad, eager_leaf.grad)
     assert checkpointed.cache_info().traces == 2
+
+
+@pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
+def test_create_graph_runs_eager_grad_mode_formulas_bit_for_bit(policy: Any) -> None:
+    # NOTE [a backward that will be differentiated]: `autograd.grad(create_graph=True)` cannot be known at
+    # trace time; its backward was the trace's, with decompositions of the fused ops, which gave group
+    # norm's gradient a contiguous layout (eager's grad-mode formula keeps the transposed one) and other
+    # round-off in the second derivative. Now autograd differentiates the pure forward, eager's formulas.
+    x = torch.randn(2, 4, dtype=torch.float64)
+    weights = torch.linspace(-1, 1, 8, dtype=torch.float64).reshape(4, 2)
+
+    def first_and_second(fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        leaf = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad((fn(leaf) * weights).sum(), leaf, create_graph=True)
+        (second,) = torch.autograd.grad((grad * grad.detach().cos()).sum(), leaf)
+        return grad, second
+
+    checkpointed = remat.checkpoint(_group_norm_of_a_transposed_gradient, policy=policy)
+    (expected, expected_second), (got, got_second) = (
+        first_and_second(_group_norm_of_a_transposed_gradient),
+        (first_and_second(checkpointed)),
+    )
+    assert got.stride() == expected.stride() == (1, 2)
+    assert torch.equal(got, expected)
+    assert torch.equal(got_second, expected_second)
+
+
+def test_create_graph_gives_zeros_where_eager_formulas_do() -> None:
+    # `matrix_power(x, 0)` copies an identity over a clone of x: eager's `copy_` formula gives x a gradient
+    # of zeros, where autograd over the pure forward (whose copy has no derivative) found none.
+    assert_checkpoint_equivalent(lambda x: torch.linalg.matrix_power(x, 0), _float64(2, 2), transforms=SECOND_ORDER)
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_values_computed_through_integers_have_no_derivative(policy: Any) -> None:
+    # nanquantile's interpolation weights come from a count of the values that are not NaN (`isnan`,
+    # `sum`): an integer has no derivative, and eager's gradient of it does not require grad. remat took the
+    # saved weights for values with a derivative, so its create_graph gradient required grad.
+    x = _float64(4, 5)
+    q = torch.tensor([0.3, 0.6], dtype=torch.float64)
+    assert_checkpoint_equivalent(lambda x: torch.nanquantile(x, q, dim=1), x, policy=policy, transforms=SECOND_ORDER)
+
+
+def test_batch_norm_with_running_statistics_under_grad_and_forward_mode() -> None:
+    # `_batch_norm_with_update` under `grad`: the kept copies of its running statistics, outputs of remat's
+    # Function, required grad at the transform's level, and the replay in backward raised torch's "not
+    # differentiable with respect to argument 'running_mean'". A copy of an input without a gradient has
+    # no derivative now.
+    def fn(x: torch.Tensor, w: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor) -> Any:
+        return aten._batch_norm_with_update(x, w, w.cos(), running_mean, running_var, 0.5, 1e-5)[0].sin()
+
+    for policy in (policies.save_nothing, policies.save_everything):
+        stats = torch.zeros(5, dtype=torch.float64), torch.ones(5, dtype=torch.float64)
+        assert_checkpoint_equivalent(
+            fn, _float64(3, 5, 2), _float64(5), *stats, policy=policy, transforms=["grad", "vjp", *SECOND_ORDER]
+        )
+
+
+@torch.library.custom_op("remat_tests::cubed_with_gradient", mutates_args=())
+def _cubed_with_gradient(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return x.pow(3), x.pow(2) * 3.0, x.new_zeros(0)
+
+
+@_cubed_with_gradient.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x), x.new_empty(0)
+
+
+def _save_gradient(ctx: Any, inputs: Any, output: Any) -> None:
+    ctx.gradient = output[1].detach()
+
+
+_cubed_with_gradient.register_autograd(
+    lambda ctx, grad, *_: grad * ctx.gradient,
+    setup_context=_save_gradient,
+)
+
+
+def test_a_custom_op_whose_backward_reads_a_gradient_from_its_forward_is_differentiated_as_eager() -> None:
+    # A custom op that computes its gradient in forward (as chunked `linear_cross_entropy` does) and an
+    # output nothing reads: remat could not apply it again (that output was gone from the graph) and
+    # differentiated its own backward, where eager's gradient has no derivative (it does not require grad).
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return _cubed_with_gradient(x)[0]
+
+    for policy in (policies.save_nothing, policies.save_everything):
+        assert_checkpoint_equivalent(fn, _float64(3, 2), policy=policy, transforms=["double_backward"])
+
+
+def test_as_strided_scatter_of_an_element_has_the_finite_difference_gradient_under_create_graph() -> None:
+    # Scattering a 0-d source over element 0 of x replaces it: the output does not depend on x[0]. Eager's
+    # formula gives x[0] the output's gradient there anyway; with `create_graph=True` remat's backward is
+    # autograd's over the program, which agrees with float64 finite differences (`.backward()` keeps eager's
+    # formula, traced). The OpInfo sweep skips this pair (`test_opinfo.EAGER_WRONG`).
+    def fn(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return torch.as_strided_scatter(x, source, (), (), storage_offset=0)
+
+    x, source = torch.tensor([0.3, -1.2], dtype=torch.float64), torch.tensor(0.7, dtype=torch.float64)
+    weights = torch.tensor([0.66, -0.4], dtype=torch.float64)
+
+    def gradient(f: Callable[..., torch.Tensor]) -> torch.Tensor:
+        leaf = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad((f(leaf, source) * weights).sum(), leaf, create_graph=True)
+        return grad
+
+    step = 1e-6
+    finite_differences = torch.stack(
+        [((fn(x + step * e, source) - fn(x - step * e, source)) * weights).sum() / (2 * step) for e in torch.eye(2)]
+    )
+    torch.testing.assert_close(gradient(remat.checkpoint(fn)), finite_differences)
+    assert not torch.allclose(gradient(fn), finite_differences)
 
 
 # --- tangents that will be differentiated -------------------------------------------------------------

@@ -1762,3 +1762,19 @@ def test_select_scatter_under_vmap_gives_the_per_example_gradient_where_torch_do
     assert not torch.allclose(
         source_gradient(scatter), exact
     )  # torch's batching rule; if it is fixed, drop EAGER_WRONG
+
+
+def test_a_value_computed_through_integers_gets_no_tangent_as_in_eager() -> None:
+    # A count of NaNs (`isnan`, `sum`) is an integer: what is computed from it alone has no derivative, and
+    # eager's forward mode attaches no tangent to it. remat followed the derivative through the integers
+    # and attached zeros.
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.isnan().sum(1) * torch.tensor(1.5, dtype=torch.float64), x.sin()
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for f in (fn, remat.checkpoint(fn)):
+        with fwAD.dual_level():
+            outputs = f(fwAD.make_dual(x, torch.ones_like(x)))
+            tangents = [fwAD.unpack_dual(o).tangent for o in outputs]
+        assert tangents[0] is None
+        assert tangents[1] is not None
