@@ -1778,3 +1778,20 @@ def test_a_value_computed_through_integers_gets_no_tangent_as_in_eager() -> None
             tangents = [fwAD.unpack_dual(o).tangent for o in outputs]
         assert tangents[0] is None
         assert tangents[1] is not None
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_batch_norm_with_running_statistics_under_vmap_in_eager_layout(policy: Any) -> None:
+    # NOTE [batch norm under vmap]: the functional form remat traces has no batching rule, and torch's
+    # fallback stacked a contiguous output, where eager's rule folds the batch into the channels and keeps
+    # that layout: strides (25, 50, 5, 1), not (125, 25, 5, 1).
+    def fn(x: torch.Tensor, w: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor) -> Any:
+        return F.batch_norm(x, running_mean, running_var, w, w.cos(), training=True, momentum=0.5)
+
+    x, w = torch.randn(5, 5, 5, dtype=torch.float64, requires_grad=True), torch.randn(5, dtype=torch.float64)
+    stats = torch.zeros(5, dtype=torch.float64), torch.ones(5, dtype=torch.float64)
+    transforms = ["vmap", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp_of_vmap"]
+    assert_checkpoint_equivalent(fn, x, w, *stats, policy=policy, transforms=transforms)
+    batched = torch.randn(2, 5, 5, 5, dtype=torch.float64)
+    out = vmap(remat.checkpoint(fn, policy=policy))(batched, w.expand(2, 5), *(s.expand(2, 5).clone() for s in stats))
+    assert out.stride() == (25, 50, 5, 1)
