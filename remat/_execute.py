@@ -16,7 +16,7 @@ from ._compiled import CompiledPrograms
 from ._contexts import autocast_disabled
 from ._fidelity import is_dense
 from ._partition import KeptActivation, KeptGeneratorState, KeptInput, KeptOutput, Programs
-from ._programs import differentiable_again
+from ._programs import STACKS_UNDER_VMAP, differentiable_again
 from ._torch import (
     CtxCustomSave,
     HigherOrderOperator,
@@ -121,7 +121,11 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
             raise NotImplementedError(executable.unbatchable)
         if executable.higher_order_ops:
             _check_transforms_support(executable.higher_order_ops)
-        results = _CheckpointFunction.apply(executable, *primals)
+        stacks = STACKS_UNDER_VMAP.set(functorch_interpreters()[-1].key() == TransformType.Vmap)
+        try:
+            results = _CheckpointFunction.apply(executable, *primals)
+        finally:
+            STACKS_UNDER_VMAP.reset(stacks)
     else:
         # `Function.apply` binds the arguments with `inspect.signature` on every
         # call, a third of the overhead of a small call; `forward` takes plain

@@ -19,6 +19,8 @@ __all__ = [
     "computed_without_grad",
     "note_application",
     "note_computed_without_grad",
+    "note_stacked_under_vmap",
+    "stacked_under_vmap",
     "StopGradient",
     "add_tag",
     "differentiable_outputs",
@@ -41,6 +43,7 @@ _STOPS, _SITE, _FILL, _TAGS, _DIFFERENTIABLE, _APPLICATION, _WITHOUT_GRAD = (
     "remat_application",
     "remat_computed_without_grad",
 )
+_STACKED = "remat_stacked_under_vmap"
 
 # Why `fn` computed a value where autograd does not see: through a `detach()`, under `no_grad`, or as
 # an in-place update under `no_grad` (see NOTE [differentiating the forward again]).
@@ -137,3 +140,13 @@ def computed_without_grad(node: fx.Node) -> bool:
 
 def note_computed_without_grad(node: fx.Node) -> None:
     node.meta[_WITHOUT_GRAD] = True
+
+
+def stacked_under_vmap(node: fx.Node) -> bool:
+    """Whether `node` marks the value of an op that vmap runs example by example, a stack under vmap:
+    NOTE [ops vmap runs example by example]."""
+    return bool(node.meta.get(_STACKED))
+
+
+def note_stacked_under_vmap(node: fx.Node) -> None:
+    node.meta[_STACKED] = True

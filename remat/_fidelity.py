@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import _quirks
-from ._facts import fill_of, note_computed_without_grad, note_fill
+from ._facts import fill_of, note_computed_without_grad, note_fill, note_stacked_under_vmap
 from ._measure import storage_key
 from ._rng import DrawnGenerators
 from ._torch import (
@@ -39,6 +40,7 @@ from ._torch import (
     HigherOrderOperator,
     TorchDispatchMode,
     UncheckedRealValuesFakeMode,
+    calls_traced,
     drawn_per_example_but_unbatched,
     elementwise_output_strides,
     empty_in_memory_layout,
@@ -337,6 +339,53 @@ class _InsideDropout(TorchFunctionMode):
             self.depth -= inside
 
 
+# NOTE [ops vmap runs example by example]
+# Under vmap, torch runs a composite op that has neither a batching rule nor a
+# decomposition registered for vmap (`stft`, `istft`, `fft.ihfft2`, `fft.ihfftn`,
+# `linalg.tensorsolve`: found by asking the dispatcher, not from a list) example
+# by example, and stacks the results into a contiguous tensor, whatever layout
+# one example's result has. remat's trace holds the ops such an op is made of,
+# which vmap batches one by one, each in its own rule's layout (`stft`'s
+# transposed). While tracing, the value such an op returns is marked by a
+# `view` of its own shape, noted as a stack (an `alias` would read as a
+# detach); under vmap the programs make it contiguous there, as the stack is.
+@functools.cache
+def _runs_per_example_under_vmap(name: str) -> bool:
+    """Whether vmap runs the aten op `name` example by example (its boxed fallback)."""
+    qualified = f"aten::{name}"
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    try:
+        return has_kernel(qualified, "CompositeImplicitAutograd") and not (
+            has_kernel(qualified, "FuncTorchBatched") or has_kernel(qualified, "FuncTorchBatchedDecomposition")
+        )
+    except RuntimeError:  # no such op
+        return False
+
+
+class _StackedUnderVmap(TorchFunctionMode):
+    """Marks, for `EagerFidelity`, the values of the ops vmap runs example by example: NOTE [ops vmap runs
+    example by example]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marked = 0  # values marked so far
+        self.marking = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        marked_before = self.marked
+        result = func(*args, **(kwargs or {}))
+        # The innermost call of the op is marked: a Python wrapper of the same name (`torch.stft` around
+        # `_VF.stft`) may take a view of its value after.
+        if self.marked > marked_before or not _runs_per_example_under_vmap(getattr(func, "__name__", "")):
+            return result
+        self.marked += 1
+        self.marking = True
+        try:
+            return tree_map_only(torch.Tensor, lambda t: aten.view.default(t, t.shape), result)
+        finally:
+            self.marking = False
+
+
 class _ViewsWrittenThroughExactly(TorchFunctionMode):
     """Traces the views functionalization cannot write back through exactly as views it can
     (NOTE [writes through views]), above autograd, so that its view replays take them too."""
@@ -524,9 +573,16 @@ def _unwrap(functional: FunctionalTensor) -> torch.Tensor:
 class EagerFidelity(TorchDispatchMode):
     """Sits above FunctionalTensorMode while the joint graph is traced, seeing eager's tensors."""
 
-    def __init__(self, dropouts: _InsideDropout, under_functorch: bool, fake_mode: EagerLayoutFakeMode):
+    def __init__(
+        self,
+        dropouts: _InsideDropout,
+        stacks: _StackedUnderVmap,
+        under_functorch: bool,
+        fake_mode: EagerLayoutFakeMode,
+    ):
         super().__init__()
         self.dropouts = dropouts
+        self.stacks = stacks
         self.under_functorch = under_functorch
         self.fake_mode = fake_mode
         self.dropout_layout_matters = False  # a dropout filled a non-contiguous mask
@@ -539,6 +595,11 @@ class EagerFidelity(TorchDispatchMode):
             return func(*args, **kwargs)
         if func is aten.expand.default and _expands_nothing(args[0], args[1]):
             return aten.alias.default(args[0])
+        if func is aten.view.default and self.stacks.marking:  # NOTE [ops vmap runs example by example]
+            result, added = calls_traced(lambda: trace_call(func, args, kwargs))
+            for node in added:
+                note_stacked_under_vmap(node)
+            return result
         written = _written_tensors(func, args, kwargs)
         for tensor in written:
             if _may_overlap(tensor.shape, tensor.stride()):
@@ -601,7 +662,8 @@ def eager_fidelity(under_functorch: bool, fake_mode: EagerLayoutFakeMode) -> Ite
     with (
         _ViewsWrittenThroughExactly(),
         _InsideDropout() as dropouts,
-        EagerFidelity(dropouts, under_functorch, fake_mode) as fidelity,
+        _StackedUnderVmap() as stacks,
+        EagerFidelity(dropouts, stacks, under_functorch, fake_mode) as fidelity,
     ):
         yield fidelity
 

@@ -6,6 +6,7 @@ called; `_partition` decides what goes in them, `_execute` runs them.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import operator
@@ -19,7 +20,7 @@ from . import _offload, _quirks, _rng
 from ._applications import Reapplication, application_of
 from ._capture import SCATTERS, history_of
 from ._errors import TraceError
-from ._facts import CustomApplication, computed_without_grad, fill_of, stop_gradient_of
+from ._facts import CustomApplication, computed_without_grad, fill_of, stacked_under_vmap, stop_gradient_of
 from ._fidelity import RRELU, fill_in_eager_layout, is_dense, run_rrelu_as_eager, runnable
 from ._joint import JointGraph, draws_random_numbers, is_free, stops_gradient
 from ._torch import (
@@ -611,7 +612,22 @@ def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.
         copy.target = run_rrelu_as_eager
     elif node.target is aten._native_batch_norm_legit_functional.default:
         copy.target = _batch_norm_updating_copies
+    elif stacked_under_vmap(node):
+        copy.target = _as_stacked_under_vmap
     return copy
+
+
+# Whether the innermost torch.func level where the checkpointed function was called is a vmap: only
+# there does vmap meet a composite op before an inner level (`grad`, `jvp`) has split it into its ops.
+STACKS_UNDER_VMAP: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_stacks_under_vmap", default=False)
+
+
+def _as_stacked_under_vmap(value: torch.Tensor, shape: Sequence[Any]) -> torch.Tensor:
+    """The value of an op vmap runs example by example: contiguous where vmap's stack of the examples'
+    values is (NOTE [ops vmap runs example by example] in `remat/_fidelity.py`); else a view."""
+    if STACKS_UNDER_VMAP.get() and vmap_levels(value):
+        return value.contiguous()
+    return aten.view.default(value, shape)
 
 
 # NOTE [batch norm under vmap]

@@ -1795,3 +1795,29 @@ def test_batch_norm_with_running_statistics_under_vmap_in_eager_layout(policy: A
     batched = torch.randn(2, 5, 5, 5, dtype=torch.float64)
     out = vmap(remat.checkpoint(fn, policy=policy))(batched, w.expand(2, 5), *(s.expand(2, 5).clone() for s in stats))
     assert out.stride() == (25, 50, 5, 1)
+
+
+_RUN_EXAMPLE_BY_EXAMPLE = {
+    "stft": lambda x: torch.stft(x, 6, window=torch.ones(6, dtype=x.dtype), return_complex=True).abs(),
+    "ihfft2": lambda x: torch.fft.ihfft2(x).real,
+    "ihfftn": lambda x: torch.fft.ihfftn(x, dim=(0, 1)).imag,
+}
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's, of its fallback
+@pytest.mark.parametrize("name", sorted(_RUN_EXAMPLE_BY_EXAMPLE))
+def test_ops_vmap_runs_example_by_example_in_eager_layout(name: str) -> None:
+    # NOTE [ops vmap runs example by example]: under vmap, eager runs `stft` and `fft.ihfft2` per example and
+    # stacks a contiguous result; remat's program batched their ops one by one (`stft`'s output transposed,
+    # strides (372, 124, 1, 4) for (372, 124, 31, 1)). Where a level inside the vmap splits the op first
+    # (`vmap` of `jvp`, `vmap` of `grad`), eager's layout is its ops' and so is remat's.
+    fn = _RUN_EXAMPLE_BY_EXAMPLE[name]
+    x = torch.randn(3, 30, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, transforms=["vmap", "jvp_of_vmap", "vmap_of_jvp", "grad"])
+    batch = torch.randn(2, 3, 30, dtype=torch.float64)
+    checkpointed = remat.checkpoint(fn)
+    assert vmap(checkpointed)(batch).stride() == vmap(fn)(batch).stride()
+    expected = vmap(grad(lambda x: fn(x).sin().sum()))(batch)
+    per_example = vmap(grad(lambda x: checkpointed(x).sin().sum()))(batch)
+    assert torch.equal(per_example, expected)
+    assert per_example.stride() == expected.stride()
