@@ -230,9 +230,11 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
 
 
 def _differentiated_again_by_autograd(joint: JointGraph) -> bool:
-    """Whether a backward that will be differentiated is autograd's over the pure forward: wherever the
-    pure forward can apply every custom autograd Function of the trace again. See NOTE [a backward that
-    will be differentiated] and NOTE [custom Functions applied again]."""
+    """Whether a backward that will be differentiated is autograd's over the pure forward: where the
+    backward was traced for `.backward()` (`create_graph=True` may differentiate it), or calls an op whose
+    formula autograd differentiates wrongly, or applies a custom autograd Function; and the pure forward
+    can apply every such Function again. See NOTE [a backward that will be differentiated] and NOTE
+    [custom Functions applied again]."""
     scoped = [node for call, node in zip(joint.trace, joint.call_nodes, strict=True) if call.scope is not None]
     applied = {found[0] for node in joint.graph.nodes if (found := application_of(node)) is not None}
     if scoped or applied:  # (a Function whose forward only takes a view calls no op of its own)
@@ -240,7 +242,12 @@ def _differentiated_again_by_autograd(joint: JointGraph) -> bool:
         usable = [a for a in applied if _applies_again(a, live)]
         covered = frozenset().union(*(a.region for a in usable))
         return len(usable) == len(applied) and all(node in covered or _is_custom_op(node) for node in scoped)
-    return True
+    # A backward traced in grad mode holds eager's grad-mode formulas (NOTE [a backward traced as it will
+    # run]); all but those that autograd differentiates wrongly.
+    return not joint.backward_in_grad_mode or any(node.target in _SWITCH_IN_GRAD_MODE for node in joint.call_nodes)
+
+
+_SWITCH_IN_GRAD_MODE = _quirks.GRADIENTS_SWITCH_IN_GRAD_MODE.table
 
 
 def _constants_to_autograd(joint: JointGraph, constants: set[fx.Node]) -> set[fx.Node]:

@@ -138,7 +138,9 @@ def backward_program(
 # incoming layout). So where the gradients may be differentiated (grad mode is
 # on and something they come from requires grad at some level), the backward is
 # autograd's over the pure forward (`Programs.pure_with_outputs`, recomputing
-# the outputs too): every formula runs as eager runs it in grad mode. That needs
+# the outputs too): every formula runs as eager runs it in grad mode. (A backward
+# traced in grad mode holds eager's formulas and runs as traced, but where it
+# calls one autograd differentiates wrongly, or applies a custom Function.) That needs
 # the inputs the outputs are computed from (kept by reference: they cost
 # nothing), every random call replayable from a kept state, and every custom
 # autograd Function applied again (NOTE [custom Functions applied again]).
