@@ -40,7 +40,6 @@ from ._torch import (
     HigherOrderOperator,
     TorchDispatchMode,
     UncheckedRealValuesFakeMode,
-    calls_traced,
     drawn_per_example_but_unbatched,
     elementwise_output_strides,
     empty_in_memory_layout,
@@ -48,6 +47,7 @@ from ._torch import (
     from_functional,
     inherit_higher_order_rules,
     memory_layout,
+    node_behind,
     op_schema,
     random_calls_traced,
     run_real_kernel_on_zeros,
@@ -120,11 +120,43 @@ def fill_in_eager_layout(fill: FillInEagerLayout, like: torch.Tensor, /, *args: 
         out = like.new_empty_strided(like.shape, fill.strides)
     if fill.op == _BERNOULLI_FILL and drawn_per_example_but_unbatched(out):
         # (a dropout of a tensor the vmap does not batch: eager draws the batch's masks out of place)
-        return aten.bernoulli.p(out, *args, **kwargs)  # type: ignore[no-any-return]
-    _op_named(fill.op)(out, *args, **kwargs)
-    # A non-dense layout (a strided view in eager) is only written back into its base:
-    # hand on a compact copy, the size the trace accounted for.
-    return out if fill.dense else out.contiguous()
+        out = aten.bernoulli.p(out, *args, **kwargs)
+    else:
+        _op_named(fill.op)(out, *args, **kwargs)
+        # A non-dense layout (a strided view in eager) is only written back into its base:
+        # hand on a compact copy, the size the trace accounted for.
+        out = out if fill.dense else out.contiguous()
+    if torch.is_grad_enabled() and like.requires_grad:  # differentiated: NOTE [a fill's derivative]
+        return _ZeroDerivative.apply(out, like)  # type: ignore[no-any-return]
+    return out
+
+
+# NOTE [a fill's derivative]
+# Autograd gives an in-place random fill a derivative of zero with respect to
+# the tensor filled (its draws do not depend on its values), so eager's gradients
+# stay connected, through zeros, to that tensor's history: a gradient taken with
+# `create_graph=True` requires grad, and its derivative is zeros, not None. The
+# fill on a fresh tensor, where it is differentiated, is connected so too.
+class _ZeroDerivative(torch.autograd.Function):
+    """`value`, with a derivative of zero with respect to `filled`: NOTE [a fill's derivative]."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(value: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return value.view_as(value)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        return None, torch.zeros_like(grad)
+
+    @staticmethod
+    def jvp(ctx: Any, value_tangent: Any, filled_tangent: Any) -> Any:
+        return value_tangent
 
 
 _BERNOULLI_FILL = "aten::bernoulli_.float"
@@ -346,44 +378,45 @@ class _InsideDropout(TorchFunctionMode):
 # by example, and stacks the results into a contiguous tensor, whatever layout
 # one example's result has. remat's trace holds the ops such an op is made of,
 # which vmap batches one by one, each in its own rule's layout (`stft`'s
-# transposed). While tracing, the value such an op returns is marked by a
-# `view` of its own shape, noted as a stack (an `alias` would read as a
-# detach); under vmap the programs make it contiguous there, as the stack is.
+# transposed). While tracing, the node of the value such an op returns is
+# noted (not an input it returns as it is: `conj` of a real tensor); where vmap
+# was the innermost level of the call, the programs make that value contiguous,
+# as the stack is.
 @functools.cache
 def _runs_per_example_under_vmap(name: str) -> bool:
     """Whether vmap runs the aten op `name` example by example (its boxed fallback)."""
     qualified = f"aten::{name}"
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     try:
-        return has_kernel(qualified, "CompositeImplicitAutograd") and not (
-            has_kernel(qualified, "FuncTorchBatched") or has_kernel(qualified, "FuncTorchBatchedDecomposition")
+        return has_kernel(qualified, "CompositeImplicitAutograd") and not any(
+            has_kernel(qualified, key)
+            for key in ("FuncTorchBatched", "FuncTorchBatchedDecomposition", "FuncTorchVmapMode")
         )
     except RuntimeError:  # no such op
         return False
 
 
 class _StackedUnderVmap(TorchFunctionMode):
-    """Marks, for `EagerFidelity`, the values of the ops vmap runs example by example: NOTE [ops vmap runs
-    example by example]."""
+    """Notes the nodes of the values of the ops vmap runs example by example: NOTE [ops vmap runs example
+    by example]."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.marked = 0  # values marked so far
-        self.marking = False
+        self.noted = 0  # values noted so far
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        marked_before = self.marked
+        noted_before = self.noted
         result = func(*args, **(kwargs or {}))
-        # The innermost call of the op is marked: a Python wrapper of the same name (`torch.stft` around
+        # The innermost call of the op is noted: a Python wrapper of the same name (`torch.stft` around
         # `_VF.stft`) may take a view of its value after.
-        if self.marked > marked_before or not _runs_per_example_under_vmap(getattr(func, "__name__", "")):
+        if self.noted > noted_before or not _runs_per_example_under_vmap(getattr(func, "__name__", "")):
             return result
-        self.marked += 1
-        self.marking = True
-        try:
-            return tree_map_only(torch.Tensor, lambda t: aten.view.default(t, t.shape), result)
-        finally:
-            self.marking = False
+        for value in tree_leaves(result):
+            node = node_behind(value) if isinstance(value, torch.Tensor) else None
+            if node is not None and node.op == "call_function":
+                note_stacked_under_vmap(node)
+                self.noted += 1
+        return result
 
 
 class _ViewsWrittenThroughExactly(TorchFunctionMode):
@@ -573,16 +606,9 @@ def _unwrap(functional: FunctionalTensor) -> torch.Tensor:
 class EagerFidelity(TorchDispatchMode):
     """Sits above FunctionalTensorMode while the joint graph is traced, seeing eager's tensors."""
 
-    def __init__(
-        self,
-        dropouts: _InsideDropout,
-        stacks: _StackedUnderVmap,
-        under_functorch: bool,
-        fake_mode: EagerLayoutFakeMode,
-    ):
+    def __init__(self, dropouts: _InsideDropout, under_functorch: bool, fake_mode: EagerLayoutFakeMode):
         super().__init__()
         self.dropouts = dropouts
-        self.stacks = stacks
         self.under_functorch = under_functorch
         self.fake_mode = fake_mode
         self.dropout_layout_matters = False  # a dropout filled a non-contiguous mask
@@ -595,11 +621,6 @@ class EagerFidelity(TorchDispatchMode):
             return func(*args, **kwargs)
         if func is aten.expand.default and _expands_nothing(args[0], args[1]):
             return aten.alias.default(args[0])
-        if func is aten.view.default and self.stacks.marking:  # NOTE [ops vmap runs example by example]
-            result, added = calls_traced(lambda: trace_call(func, args, kwargs))
-            for node in added:
-                note_stacked_under_vmap(node)
-            return result
         written = _written_tensors(func, args, kwargs)
         for tensor in written:
             if _may_overlap(tensor.shape, tensor.stride()):
@@ -662,8 +683,8 @@ def eager_fidelity(under_functorch: bool, fake_mode: EagerLayoutFakeMode) -> Ite
     with (
         _ViewsWrittenThroughExactly(),
         _InsideDropout() as dropouts,
-        _StackedUnderVmap() as stacks,
-        EagerFidelity(dropouts, stacks, under_functorch, fake_mode) as fidelity,
+        _StackedUnderVmap(),
+        EagerFidelity(dropouts, under_functorch, fake_mode) as fidelity,
     ):
         yield fidelity
 

@@ -614,8 +614,8 @@ def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.
         copy.target = run_rrelu_as_eager
     elif node.target is aten._native_batch_norm_legit_functional.default:
         copy.target = _batch_norm_updating_copies
-    elif stacked_under_vmap(node):
-        copy.target = _as_stacked_under_vmap
+    if stacked_under_vmap(node):
+        copy.target, copy.args = _as_stacked_under_vmap, (copy.target, *copy.args)  # type: ignore[arg-type]
     return copy
 
 
@@ -624,12 +624,13 @@ def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.
 STACKS_UNDER_VMAP: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_stacks_under_vmap", default=False)
 
 
-def _as_stacked_under_vmap(value: torch.Tensor, shape: Sequence[Any]) -> torch.Tensor:
-    """The value of an op vmap runs example by example: contiguous where vmap's stack of the examples'
-    values is (NOTE [ops vmap runs example by example] in `remat/_fidelity.py`); else a view."""
-    if STACKS_UNDER_VMAP.get() and vmap_levels(value):
+def _as_stacked_under_vmap(op: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`op(*args, **kwargs)`, the value of an op vmap runs example by example: contiguous where vmap's stack
+    of the examples' values is (NOTE [ops vmap runs example by example] in `remat/_fidelity.py`)."""
+    value = op(*args, **kwargs)
+    if isinstance(value, torch.Tensor) and STACKS_UNDER_VMAP.get() and vmap_levels(value):
         return value.contiguous()
-    return aten.view.default(value, shape)
+    return value
 
 
 # NOTE [batch norm under vmap]
@@ -708,6 +709,8 @@ _SCATTERS = SCATTERS - {aten.as_strided_scatter.default}  # (run as a write thro
 
 def _scattered_in_base_layout(op: Any, base: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
     """`op(base, *args, **kwargs)`, in the layout of `base`, as eager's write through a view leaves it."""
+    if base.is_complex() and torch.is_grad_enabled():  # See NOTE [complex writes through views].
+        return _written_through_view(op, base, *args, **kwargs)
     scatter = _select_scattered if op is aten.select_scatter.default else op
     if op in _NEGATIVE_BOUNDS_UNDER_VMAP:
         args, kwargs = _bounds_from_the_start(base, *args, **kwargs), {}
@@ -757,6 +760,28 @@ def _bounds_from_the_start(
 # selected row differs from the same of eager's in-place write, in torch alone.
 # A `slice_scatter` of the source with the selected dimension put back writes
 # the same elements, and is differentiated right at every order.
+# NOTE [complex writes through views]
+# Autograd has no formula for the scatters of complex tensors (`slice_scatter`
+# "does not support automatic differentiation for outputs with complex dtype"),
+# which a backward traced in grad mode holds where a gradient formula writes
+# into a slice of a complex buffer (the FFTs' of a real input: `fft.ihfft2`'s
+# under `torch.func.grad`). Where they will be recorded, they run as eager's
+# write: a `copy_` into the view of a clone of the base, which autograd records.
+_VIEWS = {
+    aten.slice_scatter.default: aten.slice.Tensor,
+    aten.select_scatter.default: aten.select.int,
+    aten.diagonal_scatter.default: aten.diagonal.default,
+}
+
+
+def _written_through_view(op: Any, base: torch.Tensor, source: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """`op(base, source, *args, **kwargs)`, a scatter, as a write into the view of a clone of `base`: see
+    NOTE [complex writes through views]."""
+    out = base.clone()
+    _VIEWS[op](out, *args, **kwargs).copy_(source)
+    return out
+
+
 def _select_scattered(base: torch.Tensor, source: torch.Tensor, dim: int, index: int) -> torch.Tensor:
     """`aten.select_scatter(base, source, dim, index)`, as a `slice_scatter`: see NOTE [a select scatter
     runs as a slice scatter]."""

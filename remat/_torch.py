@@ -154,7 +154,6 @@ __all__ = [
     "sync",
     "tangent_of",
     "temporarily_clear_interpreter_stack",
-    "calls_traced",
     "random_calls_traced",
     "trace_call",
     "tree_leaves",
@@ -254,8 +253,8 @@ def _default_standing_in_for(generator: torch.Generator) -> Iterator[None]:
         default.set_state(own)
 
 
-def calls_traced(run: Callable[[], Any]) -> tuple[Any, list[Any]]:
-    """`run()`'s result, and the nodes it added to the graph make_fx is tracing, in order."""
+def random_calls_traced(run: Callable[[], Any]) -> tuple[Any, list[Any]]:
+    """`run()`'s result, and the nodes of random calls it added to the graph make_fx is tracing."""
     graph = get_proxy_mode().tracer.graph  # type: ignore[union-attr]
     last = next(iter(reversed(graph.nodes)))
     result = run()
@@ -264,13 +263,8 @@ def calls_traced(run: Callable[[], Any]) -> tuple[Any, list[Any]]:
         if node is last:
             break
         added.append(node)
-    return result, added[::-1]
-
-
-def random_calls_traced(run: Callable[[], Any]) -> tuple[Any, list[Any]]:
-    """`run()`'s result, and the nodes of random calls it added to the graph make_fx is tracing."""
-    result, added = calls_traced(run)
-    return result, [n for n in added if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+    random = [n for n in reversed(added) if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+    return result, random
 
 
 # The boxed calling convention: a program takes one list of its inputs and empties it once it has

@@ -485,3 +485,12 @@ def test_a_once_differentiable_backward_is_not_differentiated_as_in_eager(policy
     # traced in grad mode, held its ops as plain ops and differentiated them (found by the 2.15 soak).
     x = _float64(1, 2)
     assert_checkpoint_equivalent(_ONCE_DIFFERENTIABLE_BESIDE_A_DRAW, x, policy=policy, transforms=["grad_of_grad"])
+
+
+def test_create_graph_through_a_random_fill_of_a_view_is_connected_as_eager() -> None:
+    # NOTE [a fill's derivative] (found by the 2.13 soak): autograd gives an in-place `bernoulli_` a zero
+    # derivative with respect to the tensor it fills, so eager's create_graph gradient requires grad and its
+    # derivative is zeros; remat's fill on a fresh tensor cut the tensor's history, and gave None.
+    fn = RandomFunction((1, 2), 1, (Step("bernoulli_reshaped_transposed_", 0, 0),), (1,), seed=0)
+    x = torch.tensor([[1.5410, -0.2934]], dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, transforms=["double_backward"])

@@ -1821,3 +1821,17 @@ def test_ops_vmap_runs_example_by_example_in_eager_layout(name: str) -> None:
     per_example = vmap(grad(lambda x: checkpointed(x).sin().sum()))(batch)
     assert torch.equal(per_example, expected)
     assert per_example.stride() == expected.stride()
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's, of its fallback
+def test_a_gradient_formula_writing_into_a_slice_of_a_complex_buffer_under_grad() -> None:
+    # NOTE [complex writes through views]: under `vmap` of `grad`, `fft.ihfft2`'s grad-mode backward copies
+    # into a slice of complex zeros; remat's functional `slice_scatter` has no complex derivative ("does not
+    # support automatic differentiation for outputs with complex dtype"), where eager's `copy_` has one.
+    def per_example_gradients(fn: Callable[..., torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
+        return vmap(grad(lambda x: fn(x).sin().sum()))(batch)
+
+    fn = lambda x: torch.fft.ihfft2(x).real  # noqa: E731
+    batch = torch.randn(2, 3, 30, dtype=torch.float64)
+    expected = per_example_gradients(fn, batch)
+    torch.testing.assert_close(per_example_gradients(remat.checkpoint(fn), batch), expected, rtol=1e-12, atol=1e-12)
