@@ -881,7 +881,8 @@ def _eager_strides(layout: _quirks.CpuLayout, output: torch.Tensor, args: Sequen
     if any(not isinstance(n, int) for t in tensors for n in (*t.shape, *t.stride())):
         return None
     if layout.position == _quirks.ELEMENTWISE:
-        operands = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]  # 0-d ones lead nothing
+        chosen = args if layout.operands is None else [args[i] for i in layout.operands]
+        operands = [a for a in chosen if isinstance(a, torch.Tensor) and a.dim() > 0]  # 0-d ones lead nothing
         if not operands or torch.broadcast_shapes(*(o.shape for o in operands)) != output.shape:
             return None
         return elementwise_output_strides(operands)

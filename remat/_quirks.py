@@ -108,10 +108,11 @@ LINALG_CHECKS_ARE_EFFECTFUL = Quirk(
 class CpuLayout(NamedTuple):
     """The layout a CPU kernel gives its outputs: contiguous in the suggested memory format of the
     argument at `position`, plainly contiguous (`CONTIGUOUS`), or TensorIterator's over its tensor
-    arguments (`ELEMENTWISE`)."""
+    arguments (`ELEMENTWISE`; over the arguments at `operands`, in that order, where given)."""
 
     position: int
     outputs: tuple[int, ...] = (0,)  # which of its outputs
+    operands: tuple[int, ...] | None = None
 
 
 CONTIGUOUS, ELEMENTWISE = -1, -2
@@ -161,6 +162,8 @@ _CPU_LAYOUTS: Mapping[Any, CpuLayout] = {
         )
     },
     aten.log_sigmoid_forward.default: CpuLayout(CONTIGUOUS, (0, 1)),
+    # In training, the noise times the gradient (found by the 2.13 soak: not in OpInfo's database).
+    aten.rrelu_with_noise_backward.default: CpuLayout(ELEMENTWISE, operands=(2, 0)),
     **{
         op: CpuLayout(ELEMENTWISE)
         for op in (

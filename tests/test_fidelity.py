@@ -822,3 +822,15 @@ def test_the_ops_vmap_runs_example_by_example_are_asked_of_the_dispatcher() -> N
 
     assert all(_runs_per_example_under_vmap(name) for name in ("stft", "fft_ihfft2", "fft_ihfftn"))
     assert not any(_runs_per_example_under_vmap(name) for name in ("matmul", "fft_rfft", "_fft_r2c", "not_an_op"))
+
+
+def test_rrelu_gradient_in_the_noise_layout_as_the_cpu_kernel_gives_it() -> None:
+    # Found by the 2.13 soak: in training, the CPU kernel of `rrelu_with_noise_backward` multiplies the noise
+    # by the gradient, so its output takes the noise's layout (contiguous after a transposed input), where
+    # the fake kernel gave the gradient's; a `view` the backward then took of it was refused while tracing.
+    from remat.testing import RandomFunction, Step
+
+    steps = ("branch_on_generator", "reshape", "rrelu_transposed_then_dropout", "advanced_index")
+    fn = RandomFunction((2, 2), 1, tuple(Step(op, i, i) for i, op in enumerate(steps)), (4,), seed=0)
+    x = torch.tensor([[1.5410, -0.2934], [-2.1788, 0.5684]], dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, seed=0)
