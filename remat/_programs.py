@@ -203,19 +203,21 @@ def _decompose(graph: fx.Graph, wanted: Callable[[fx.Node, OpOverload], bool]) -
     a decomposition of by that decomposition; whether any was."""
     replaced = False
     for node in graph.nodes:
-        op = _RUN_AS.get(node.target, node.target) if node.op == "call_function" else None  # type: ignore[arg-type]
-        if not isinstance(op, OpOverload):
+        run_as = node.op == "call_function" and node.target in _RUN_AS
+        op = node.args[0] if run_as else node.target
+        if node.op != "call_function" or not isinstance(op, OpOverload):
             continue
         decomposition = decomposition_of(op)
         if decomposition is not None and wanted(node, op):
-            node.target = decomposition
+            node.target, node.args = decomposition, node.args[1:] if run_as else node.args
             replaced = True
     return replaced
 
 
 def _has_no_derivative(node: fx.Node, op: OpOverload) -> bool:
     """Whether autograd has no derivative for `op`, which `node` calls."""
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    arguments = node.args[1:] if node.target in _RUN_AS else node.args
+    args, kwargs = fx.node.map_arg((arguments, node.kwargs), lambda n: n.meta.get("val"))
     return has_no_derivative(op, args, kwargs)
 
 
@@ -612,8 +614,8 @@ def _copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.
         copy.target = _index_filled
     elif node.target in RRELU:
         copy.target = run_rrelu_as_eager
-    elif node.target is aten._native_batch_norm_legit_functional.default:
-        copy.target = _batch_norm_updating_copies
+    elif node.target in _UPDATING_BATCH_NORM:
+        copy.target, copy.args = _batch_norm_updating_copies, (node.target, *copy.args)  # type: ignore[arg-type]
     if stacked_under_vmap(node):
         copy.target, copy.args = _as_stacked_under_vmap, (copy.target, *copy.args)  # type: ignore[arg-type]
     return copy
@@ -641,7 +643,11 @@ def _as_stacked_under_vmap(op: Callable[..., Any], /, *args: Any, **kwargs: Any)
 # whose fallback runs example by example and stacks a contiguous result. There
 # the functional op runs as its definition: the in-place op on copies of the
 # statistics, eager's batching rule, layout and errors included.
+_UPDATING_BATCH_NORM = _quirks.BATCH_NORM_FUNCTIONAL_UNBATCHED.table
+
+
 def _batch_norm_updating_copies(
+    op: Any,
     input: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
@@ -651,22 +657,17 @@ def _batch_norm_updating_copies(
     momentum: float,
     eps: float,
 ) -> tuple[torch.Tensor, ...]:
-    """`aten._native_batch_norm_legit_functional`, under vmap as the in-place op on copies of the running
-    statistics: see NOTE [batch norm under vmap]."""
-    arguments = (input, weight, bias, running_mean, running_var, training, momentum, eps)
+    """The functional batch norm `op`, under vmap as the in-place op on copies of the running statistics:
+    see NOTE [batch norm under vmap]."""
     if not vmap_levels(input):
-        return aten._native_batch_norm_legit_functional.default(*arguments)  # type: ignore[no-any-return]
+        return op(input, weight, bias, running_mean, running_var, training, momentum, eps)  # type: ignore[no-any-return]
     mean, var = running_mean.clone(), running_var.clone()
-    out, saved_mean, saved_invstd = aten._native_batch_norm_legit.default(
-        input, weight, bias, mean, var, training, momentum, eps
-    )
+    out, saved_mean, saved_invstd = _UPDATING_BATCH_NORM[op](input, weight, bias, mean, var, training, momentum, eps)
     return out, saved_mean, saved_invstd, mean, var
 
 
-# The functions `_copy` runs ops as, each with the op it stands for (whose decomposition replaces either).
-_RUN_AS: dict[Callable[..., Any], OpOverload] = {
-    _batch_norm_updating_copies: aten._native_batch_norm_legit_functional.default,
-}
+# The functions `_copy` runs ops as, taking the op they stand for first (its decomposition replaces either).
+_RUN_AS = frozenset({_batch_norm_updating_copies})
 
 
 # NOTE [an index fill of a batched value]

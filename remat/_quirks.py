@@ -32,6 +32,7 @@ __all__ = [
     "GRADIENTS_READ_LU_FACTORS",
     "GRADIENTS_SWITCH_IN_GRAD_MODE",
     "SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP",
+    "BATCH_NORM_FUNCTIONAL_UNBATCHED",
     "TANGENT_FORMULAS_READ_STATISTICS",
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING",
     "UNBACKED_SYMBOL_NAMES",
@@ -310,6 +311,18 @@ SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP = Quirk(
     table=frozenset({aten.slice_scatter.default}),
 )
 
+BATCH_NORM_FUNCTIONAL_UNBATCHED = Quirk(
+    ops=(aten._native_batch_norm_legit_functional.default,),
+    releases=None,
+    differs=(
+        "under vmap, the functional batch norm (what training with running statistics traces to) has no "
+        "batching rule, and the fallback stacks a contiguous output, where eager's in-place op has a rule "
+        "that folds the batch into the channels and keeps that layout"
+    ),
+    note="NOTE [batch norm under vmap] (remat/_programs.py)",
+    table={aten._native_batch_norm_legit_functional.default: aten._native_batch_norm_legit.default},
+)
+
 # --- torch.compile ------------------------------------------------------------------------------
 
 SAC_ASKS_AGAIN_WHILE_RECOMPUTING = Quirk(
@@ -346,6 +359,7 @@ QUIRKS: tuple[Quirk, ...] = (
     GRADIENTS_READ_LU_FACTORS,
     GRADIENTS_SWITCH_IN_GRAD_MODE,
     SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP,
+    BATCH_NORM_FUNCTIONAL_UNBATCHED,
     TANGENT_FORMULAS_READ_STATISTICS,
     SAC_ASKS_AGAIN_WHILE_RECOMPUTING,
     REGIONS_ALLOCATE_FOR_IN_PLACE_OPS,

@@ -9,6 +9,7 @@ import pathlib
 import re
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -142,6 +143,22 @@ def _slice_scatter_refuses_negative_bounds_under_vmap() -> bool:
     return False
 
 
+def _batch_norm_functional_unbatched() -> bool:
+    x, w = torch.randn(2, 5, 5, 5, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
+    stats = torch.zeros(2, 5, dtype=torch.float64), torch.ones(2, 5, dtype=torch.float64)
+
+    def strides(op: Any) -> tuple[int, ...]:
+        def one(x: torch.Tensor, w: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+            return op(x, w, w, mean.clone(), var.clone(), True, 0.1, 1e-5)[0]
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's, of its fallback
+            return tuple(torch.func.vmap(one)(x, w, *stats).stride())
+
+    functional, in_place = next(iter(_quirks.BATCH_NORM_FUNCTIONAL_UNBATCHED.table.items()))
+    return strides(functional) != strides(in_place)
+
+
 def _in_place_meta_kernels_fail_under_forward_ad() -> bool:
     failing = set()
     for op in _quirks.IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD.ops:
@@ -249,6 +266,7 @@ PROBES: dict[str, Callable[[], bool]] = {
     "GRADIENTS_READ_LU_FACTORS": _gradients_read_lu_factors,
     "GRADIENTS_SWITCH_IN_GRAD_MODE": _gradients_switch_in_grad_mode,
     "SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP": _slice_scatter_refuses_negative_bounds_under_vmap,
+    "BATCH_NORM_FUNCTIONAL_UNBATCHED": _batch_norm_functional_unbatched,
     "IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD": _in_place_meta_kernels_fail_under_forward_ad,
     "TANGENT_FORMULAS_READ_STATISTICS": _tangent_formulas_read_statistics,
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING": _sac_asks_again_while_recomputing,
