@@ -180,6 +180,19 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         prologue, epilogue = views_of_inputs(
             joint, returned, overwritten(joint), views_taken_before_a_read(joint, returned)
         )
+    pure_with_outputs = (
+        None
+        if not by_autograd
+        else PureForward(
+            joint,
+            False,
+            tuple(kept_pairs),
+            tuple(offloaded),
+            {**{p: p for p in holder}, **{c: c for c in _constants_to_autograd(joint, split.constants)}},
+            tuple([*split.returned_nodes, *activations]),
+            reapply=True,
+        )
+    )
     return Programs(
         forward=forward_program(
             joint, _dirty_as_inputs(joint, split.returned_nodes), activations, copied, random_states, offloaded
@@ -193,24 +206,16 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             {**{p: p for p in holder}, **{c: c for c in split.constants}},
             tuple([*split.returned_nodes, *activations] if forward_mode else activations),  # input copies too
         ),
-        pure_with_outputs=None
-        if not by_autograd
-        else PureForward(
-            joint,
-            False,
-            tuple(kept_pairs),
-            tuple(offloaded),
-            {**{p: p for p in holder}, **{c: c for c in _constants_to_autograd(joint, split.constants)}},
-            tuple([*split.returned_nodes, *activations]),
-            reapply=True,
-        ),
+        pure_with_outputs=pure_with_outputs,
         traced_for_forward_mode=forward_mode,
         pure_inputs=tuple((i, primal_index[node]) for node, i in holder.items()),
         prologue=prologue,
         epilogue=epilogue,
         returned=returned,
         n_activations=len(activations),
-        backward_not_differentiable=_backward_not_differentiable(joint, by_autograd),
+        backward_not_differentiable=_backward_not_differentiable(
+            joint, by_autograd, pure_with_outputs is not None and pure_with_outputs.reads_only_what_is_kept
+        ),
         non_differentiable=_non_differentiable(
             joint,
             returned,
@@ -338,14 +343,17 @@ def _split(joint: JointGraph, decisions: Sequence[Decision], forward_mode: bool)
     )
 
 
-def _backward_not_differentiable(joint: JointGraph, by_autograd: bool) -> str | None:
+def _backward_not_differentiable(joint: JointGraph, by_autograd: bool, recomputable: bool) -> str | None:
     """Why differentiating the backward program would not be exact, if it would not: a call with a
     derivative whose traced gradient formula reads what autograd does not differentiate, or a custom
-    autograd Function the pure forward cannot apply again (where it is not `by_autograd`)."""
-    if not by_autograd:
+    autograd Function whose backward it holds as plain ops: where the pure forward cannot apply it again
+    (it is not `by_autograd`), or cannot recompute the outputs (not `recomputable`) from a trace for
+    `.backward()` (one traced in grad mode knows which of its ops ran without grad)."""
+    if not by_autograd or (not recomputable and not joint.backward_in_grad_mode):
+        why = _NOT_APPLIED_AGAIN if not by_autograd else _NOT_RECOMPUTED
         for call in joint.trace:
             if call.scope is not None and not _is_custom_op(joint.call_nodes[call.index]):
-                return f"{call}: {_NOT_APPLIED_AGAIN.format(call.scope)}"
+                return f"{call}: {why.format(call.scope)}"
     found = [
         (call, node)
         for call, node in zip(joint.trace, joint.call_nodes, strict=True)
@@ -362,6 +370,13 @@ def _backward_not_differentiable(joint: JointGraph, by_autograd: bool) -> str | 
 
 
 _FORMULA_READS_FACTORS = _quirks.GRADIENTS_READ_LU_FACTORS.table
+_NOT_RECOMPUTED = (
+    "it runs inside the custom autograd Function {}, whose backward a second derivative would differentiate "
+    "as plain ops, where eager runs the Function's own: remat cannot recompute the function's outputs to "
+    "apply the Function again, for a random call there would draw afresh (the policy keeps neither its "
+    "value nor its generator state). Recompute that random call (a policy that does not save it keeps its "
+    "state), or take second derivatives outside remat.checkpoint"
+)
 _NOT_APPLIED_AGAIN = (
     "it runs inside the custom autograd Function {}, which remat cannot apply again (its forward draws random "
     "numbers, or its arguments are not tensors the trace can place): its first derivatives are exact, but a "

@@ -494,3 +494,19 @@ def test_create_graph_through_a_random_fill_of_a_view_is_connected_as_eager() ->
     fn = RandomFunction((1, 2), 1, (Step("bernoulli_reshaped_transposed_", 0, 0),), (1,), seed=0)
     x = torch.tensor([[1.5410, -0.2934]], dtype=torch.float64, requires_grad=True)
     assert_checkpoint_equivalent(fn, x, transforms=["double_backward"])
+
+
+def test_create_graph_through_a_once_differentiable_function_beside_an_unkept_draw_is_refused() -> None:
+    # Under `create_graph=True` of a trace for `.backward()`, the backward program holds a custom Function's
+    # backward as plain ops; where the outputs cannot be recomputed to apply the Function again (a random
+    # call whose value and state the policy keeps neither), differentiating those ops silently gave another
+    # second derivative than eager's (-0.32 for 0.22). remat refuses that, saying why; where the draw is
+    # recomputed (its state kept), the Function is applied again and the result is eager's.
+    x = _float64(1, 2)
+    assert_checkpoint_equivalent(_ONCE_DIFFERENTIABLE_BESIDE_A_DRAW, x, transforms=["double_backward"])
+    checkpointed = remat.checkpoint(_ONCE_DIFFERENTIABLE_BESIDE_A_DRAW, policy=policies.save_everything)
+    leaf = x.detach().clone().requires_grad_()
+    v2, v1 = checkpointed(leaf)
+    (grad,) = torch.autograd.grad((v1 * 0.5).sum() + v2.sum(), leaf, create_graph=True)
+    with pytest.raises(NotImplementedError, match=r"remat\.checkpoint: .*_SquareOnce.*draw afresh"):
+        torch.autograd.grad(grad.sum(), leaf)
