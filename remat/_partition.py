@@ -213,9 +213,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         epilogue=epilogue,
         returned=returned,
         n_activations=len(activations),
-        backward_not_differentiable=_backward_not_differentiable(
-            joint, by_autograd, pure_with_outputs is not None and pure_with_outputs.reads_only_what_is_kept
-        ),
+        backward_not_differentiable=_backward_not_differentiable(joint, pure_with_outputs),
         non_differentiable=_non_differentiable(
             joint,
             returned,
@@ -343,17 +341,21 @@ def _split(joint: JointGraph, decisions: Sequence[Decision], forward_mode: bool)
     )
 
 
-def _backward_not_differentiable(joint: JointGraph, by_autograd: bool, recomputable: bool) -> str | None:
+def _backward_not_differentiable(joint: JointGraph, pure_with_outputs: PureForward | None) -> str | None:
     """Why differentiating the backward program would not be exact, if it would not: a call with a
     derivative whose traced gradient formula reads what autograd does not differentiate, or a custom
-    autograd Function whose backward it holds as plain ops: where the pure forward cannot apply it again
-    (it is not `by_autograd`), or cannot recompute the outputs (not `recomputable`) from a trace for
-    `.backward()` (one traced in grad mode knows which of its ops ran without grad)."""
-    if not by_autograd or (not recomputable and not joint.backward_in_grad_mode):
-        why = _NOT_APPLIED_AGAIN if not by_autograd else _NOT_RECOMPUTED
-        for call in joint.trace:
-            if call.scope is not None and not _is_custom_op(joint.call_nodes[call.index]):
-                return f"{call}: {why.format(call.scope)}"
+    autograd Function whose backward it holds as plain ops, where the backward that will be differentiated
+    cannot be autograd's over the pure forward: that cannot apply the Function again (there is no
+    `pure_with_outputs`), or cannot recompute the outputs, from a trace for `.backward()` (one traced in
+    grad mode knows which of its ops ran without grad)."""
+    inside = next(
+        (c for c in joint.trace if c.scope is not None and not _is_custom_op(joint.call_nodes[c.index])), None
+    )
+    if inside is not None:
+        if pure_with_outputs is None:
+            return f"{inside}: {_NOT_APPLIED_AGAIN.format(inside.scope)}"
+        if not joint.backward_in_grad_mode and not pure_with_outputs.reads_only_what_is_kept:
+            return f"{inside}: {_NOT_RECOMPUTED.format(inside.scope)}"
     found = [
         (call, node)
         for call, node in zip(joint.trace, joint.call_nodes, strict=True)
