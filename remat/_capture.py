@@ -250,7 +250,10 @@ class _CaptureMode(TorchFunctionMode):
             site = CallSite(self._module_path(), *source_and_scope(1))
             for node, _ in zip(reversed(graph.nodes), range(new_nodes), strict=False):
                 note_site(node, site)
-                if stops_gradient:  # (`_keeping_histories` may have said None: a view passing a history on)
+                # (`_keeping_histories` may have said None: a view passing a history on.) A detach is its
+                # alias alone: the views functionalization replays to bring the tensor up to date first
+                # are the tensor's own, with their derivatives.
+                if stops_gradient and (stops_gradient != "detach" or node.target in _ALIASES):
                     note_stop_gradient(node, stops_gradient, unless_noted=True)
                 if stops_gradient == "detach" and node.target in _ALIASES:
                     self.detached.add(node.args[0])

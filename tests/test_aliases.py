@@ -442,3 +442,19 @@ def test_an_input_updated_through_a_detached_view_is_returned_as_itself(policy: 
     remat.testing.assert_checkpoint_equivalent(fn, x, y, policy=policy)
     outputs = remat.checkpoint(fn, policy=policy)(x, y)
     assert outputs[1] is y and y.is_leaf
+
+
+def test_a_view_of_an_updated_input_returned_beside_its_detach_stays_a_view() -> None:
+    # Found by the 2.13 soak: after an update of the input under no_grad, `v.detach()` first brought `v` up
+    # to date, replaying its views, and the replayed views were taken for the detach: `v`, returned beside
+    # its detach, came back as a new tensor, not the view of the input eager returns.
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            x.t()[1:].mul_(0.5)
+        v = x.unbind(0)[0].expand(x.shape)
+        return v.detach(), v
+
+    x = torch.tensor([[1.5410, -0.2934]], dtype=torch.float64, requires_grad=True)
+    remat.testing.assert_checkpoint_equivalent(fn, x)
+    leaf = x.detach().clone().requires_grad_()
+    assert remat.checkpoint(fn)(leaf)[1]._base is leaf
