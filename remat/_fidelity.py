@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -51,6 +50,7 @@ from ._torch import (
     op_schema,
     random_calls_traced,
     run_real_kernel_on_zeros,
+    runs_per_example_under_vmap,
     sync,
     trace_call,
     tree_leaves,
@@ -382,20 +382,6 @@ class _InsideDropout(TorchFunctionMode):
 # noted (not an input it returns as it is: `conj` of a real tensor); where vmap
 # was the innermost level of the call, the programs make that value contiguous,
 # as the stack is.
-@functools.cache
-def _runs_per_example_under_vmap(name: str) -> bool:
-    """Whether vmap runs the aten op `name` example by example (its boxed fallback)."""
-    qualified = f"aten::{name}"
-    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
-    try:
-        return has_kernel(qualified, "CompositeImplicitAutograd") and not any(
-            has_kernel(qualified, key)
-            for key in ("FuncTorchBatched", "FuncTorchBatchedDecomposition", "FuncTorchVmapMode")
-        )
-    except RuntimeError:  # no such op
-        return False
-
-
 class _StackedUnderVmap(TorchFunctionMode):
     """Notes the nodes of the values of the ops vmap runs example by example: NOTE [ops vmap runs example
     by example]."""
@@ -409,7 +395,7 @@ class _StackedUnderVmap(TorchFunctionMode):
         result = func(*args, **(kwargs or {}))
         # The innermost call of the op is noted: a Python wrapper of the same name (`torch.stft` around
         # `_VF.stft`) may take a view of its value after.
-        if self.noted > noted_before or not _runs_per_example_under_vmap(getattr(func, "__name__", "")):
+        if self.noted > noted_before or not runs_per_example_under_vmap(getattr(func, "__name__", "")):
             return result
         for value in tree_leaves(result):
             node = node_behind(value) if isinstance(value, torch.Tensor) else None

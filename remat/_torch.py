@@ -12,6 +12,7 @@ torch. Supported releases: `SUPPORTED` (see docs/torch-versions.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -141,6 +142,7 @@ __all__ = [
     "make_dual",
     "make_fx",
     "node_behind",
+    "runs_per_example_under_vmap",
     "LazyGraphModule",
     "lazy_graph_modules",
     "memory_layout",
@@ -505,6 +507,22 @@ def sync(functional: torch.Tensor) -> None:
 def has_data_mutation(functional: Any) -> bool:
     """Whether the data of a FunctionalTensor was updated in place since it was wrapped."""
     return bool(torch._functionalize_has_data_mutation(functional.elem))  # type: ignore[attr-defined]
+
+
+@functools.cache
+def runs_per_example_under_vmap(name: str) -> bool:
+    """Whether vmap runs the aten op `name` example by example (its boxed fallback): a composite op with
+    neither a batching rule nor a decomposition or randomness rule registered for vmap. See NOTE [ops vmap
+    runs example by example] in `remat/_fidelity.py`."""
+    qualified = f"aten::{name}"
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    try:
+        return has_kernel(qualified, "CompositeImplicitAutograd") and not any(
+            has_kernel(qualified, key)
+            for key in ("FuncTorchBatched", "FuncTorchBatchedDecomposition", "FuncTorchVmapMode")
+        )
+    except RuntimeError:  # no such op
+        return False
 
 
 def node_behind(functional: Any) -> Any:

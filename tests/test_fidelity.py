@@ -818,10 +818,10 @@ def test_regression_a_parameter_with_a_grad_dtype_of_its_own_gets_its_gradient_a
 def test_the_ops_vmap_runs_example_by_example_are_asked_of_the_dispatcher() -> None:
     # NOTE [ops vmap runs example by example]: composite ops with neither a batching rule nor a vmap
     # decomposition; `matmul` and `fft_rfft` have decompositions vmap uses, `_fft_r2c` a rule.
-    from remat._fidelity import _runs_per_example_under_vmap
+    from remat._torch import runs_per_example_under_vmap
 
-    assert all(_runs_per_example_under_vmap(name) for name in ("stft", "fft_ihfft2", "fft_ihfftn"))
-    assert not any(_runs_per_example_under_vmap(name) for name in ("matmul", "fft_rfft", "_fft_r2c", "not_an_op"))
+    assert all(runs_per_example_under_vmap(name) for name in ("stft", "fft_ihfft2", "fft_ihfftn"))
+    assert not any(runs_per_example_under_vmap(name) for name in ("matmul", "fft_rfft", "_fft_r2c", "not_an_op"))
 
 
 def test_rrelu_gradient_in_the_noise_layout_as_the_cpu_kernel_gives_it() -> None:
