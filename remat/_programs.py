@@ -315,6 +315,11 @@ class PureForward:
                 holders[node] = graph.call_function(_offload.reload_now, (holders[node], device_of(node)))
         env = {primal: holders[holder] for primal, holder in self.inputs.items()}
         emit = _emitter(graph, env, states, self.forward_mode, reapply=self.reapply)
+        # In the order `fn` computed them: autograd runs the gradient formulas of the calls recorded last
+        # first, and the order in which gradients reach a value decides the layout of their sum.
+        position = {node: i for i, node in enumerate(self.joint.graph.nodes)}
+        for target in sorted(self.targets, key=lambda node: position.get(node, -1)):
+            emit(target)
         graph.output(tuple(emit(target) for target in self.targets))
         return _module(self.joint, graph)
 

@@ -510,3 +510,13 @@ def test_create_graph_through_a_once_differentiable_function_beside_an_unkept_dr
     (grad,) = torch.autograd.grad((v1 * 0.5).sum() + v2.sum(), leaf, create_graph=True)
     with pytest.raises(NotImplementedError, match=r"remat\.checkpoint: .*_SquareOnce.*draw afresh"):
         torch.autograd.grad(grad.sum(), leaf)
+
+
+def test_create_graph_gradients_meet_in_eager_order() -> None:
+    # Found by the 2.13 soak: the input's gradient is the sum of a path through `abs` and one through a
+    # transposed batch norm; eager's engine runs the later call's formula first, and the first gradient to
+    # arrive gives the sum its layout (transposed). The recomputed forward was emitted output by output,
+    # the batch norm first, and its gradient came out contiguous. It is emitted in `fn`'s order now.
+    fn = RandomFunction((3, 2), 1, (Step("abs", 0, 0), Step("abs", 1, 1), Step("batch_norm_transposed", 0, 0)), (3, 2))
+    x = torch.tensor([[1.5410, -0.2934], [-2.1788, 0.5684], [-1.0845, -1.3986]], dtype=torch.float64)
+    assert_checkpoint_equivalent(fn, x.requires_grad_(), transforms=["double_backward"])
