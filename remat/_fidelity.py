@@ -68,6 +68,7 @@ __all__ = [
     "ReadsWhatItWrites",
     "eager_fidelity",
     "fill_in_eager_layout",
+    "with_a_fills_derivative",
     "is_dense",
     "kept_as_dead_code",
     "runnable",
@@ -126,9 +127,15 @@ def fill_in_eager_layout(fill: FillInEagerLayout, like: torch.Tensor, /, *args: 
         # A non-dense layout (a strided view in eager) is only written back into its base:
         # hand on a compact copy, the size the trace accounted for.
         out = out if fill.dense else out.contiguous()
-    if torch.is_grad_enabled() and like.requires_grad:  # differentiated: NOTE [a fill's derivative]
-        return _ZeroDerivative.apply(out, like)  # type: ignore[no-any-return]
-    return out
+    return with_a_fills_derivative(out, like)
+
+
+def with_a_fills_derivative(value: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+    """`value`, a random fill of `filled`, with autograd's zero derivative with respect to `filled` where it is
+    differentiated: NOTE [a fill's derivative]."""
+    if torch.is_grad_enabled() and filled.requires_grad:
+        return _ZeroDerivative.apply(value, filled)  # type: ignore[no-any-return]
+    return value
 
 
 # NOTE [a fill's derivative]
@@ -136,7 +143,8 @@ def fill_in_eager_layout(fill: FillInEagerLayout, like: torch.Tensor, /, *args: 
 # the tensor filled (its draws do not depend on its values), so eager's gradients
 # stay connected, through zeros, to that tensor's history: a gradient taken with
 # `create_graph=True` requires grad, and its derivative is zeros, not None. The
-# fill on a fresh tensor, where it is differentiated, is connected so too.
+# fill on a fresh tensor, where it is differentiated, is connected so too, and
+# so is a fill's kept value that a recomputed forward reads as it is.
 class _ZeroDerivative(torch.autograd.Function):
     """`value`, with a derivative of zero with respect to `filled`: NOTE [a fill's derivative]."""
 

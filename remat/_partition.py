@@ -25,7 +25,7 @@ from ._accounting import saved_calls
 from ._applications import application_of
 from ._calls import Decision
 from ._capture import history_of
-from ._facts import CustomApplication
+from ._facts import CustomApplication, fill_of
 from ._joint import JointGraph, draws_random_numbers, stops_gradient
 from ._programs import PureForward, backward_program, forward_program, views_of_inputs
 from ._rules import rules_of
@@ -256,14 +256,17 @@ _SWITCH_IN_GRAD_MODE = _quirks.GRADIENTS_SWITCH_IN_GRAD_MODE.table
 def _constants_to_autograd(joint: JointGraph, constants: set[fx.Node]) -> set[fx.Node]:
     """The kept values that autograd, as eager runs it, gives no derivative: those without one in the
     trace, but for the outputs of custom Functions and what is computed from them (traced under
-    `no_grad`, they have the Function's backward in eager). See NOTE [custom Functions applied again]."""
+    `no_grad`, they have the Function's backward in eager), and what is computed from a random fill of a
+    value with a derivative (autograd gives the fill a derivative of zero: NOTE [a fill's derivative]; the
+    fill itself is read as kept, connected so). See NOTE [custom Functions applied again]."""
     from_applications: set[fx.Node] = set()
     for node in joint.graph.nodes:
         if node in joint.forward_nodes and (
             application_of(node) is not None or any(a in from_applications for a in node.all_input_nodes)
         ):
             from_applications.add(node)
-    return constants - from_applications
+    through_fills = varying(joint, forward_mode=False, through_draws=True)
+    return {c for c in constants - from_applications if c not in through_fills or fill_of(c) is not None}
 
 
 def _applies_again(application: CustomApplication, live: set[fx.Node]) -> bool:

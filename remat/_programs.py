@@ -21,7 +21,7 @@ from ._applications import Reapplication, application_of
 from ._capture import SCATTERS, history_of
 from ._errors import TraceError
 from ._facts import CustomApplication, computed_without_grad, fill_of, stacked_under_vmap, stop_gradient_of
-from ._fidelity import RRELU, fill_in_eager_layout, is_dense, run_rrelu_as_eager, runnable
+from ._fidelity import RRELU, fill_in_eager_layout, is_dense, run_rrelu_as_eager, runnable, with_a_fills_derivative
 from ._joint import JointGraph, draws_random_numbers, is_free, stops_gradient
 from ._torch import (
     BoxedCodeGen,
@@ -315,6 +315,11 @@ class PureForward:
                 holders[node] = graph.call_function(_offload.reload_now, (holders[node], device_of(node)))
         env = {primal: holders[holder] for primal, holder in self.inputs.items()}
         emit = _emitter(graph, env, states, self.forward_mode, reapply=self.reapply)
+        if self.reapply:  # a fill's kept value, read as it is, keeps its derivative: NOTE [a fill's derivative]
+            for node in [n for n in self.inputs if n.op == "call_function" and fill_of(n) is not None]:
+                filled = node.args[0]
+                if isinstance(filled, fx.Node):
+                    env[node] = graph.call_function(with_a_fills_derivative, (env[node], emit(filled)))
         # In the order `fn` computed them: autograd runs the gradient formulas of the calls recorded last
         # first, and the order in which gradients reach a value decides the layout of their sum.
         position = {node: i for i, node in enumerate(self.joint.graph.nodes)}

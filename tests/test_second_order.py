@@ -520,3 +520,18 @@ def test_create_graph_gradients_meet_in_eager_order() -> None:
     fn = RandomFunction((3, 2), 1, (Step("abs", 0, 0), Step("abs", 1, 1), Step("batch_norm_transposed", 0, 0)), (3, 2))
     x = torch.tensor([[1.5410, -0.2934], [-2.1788, 0.5684], [-1.0845, -1.3986]], dtype=torch.float64)
     assert_checkpoint_equivalent(fn, x.requires_grad_(), transforms=["double_backward"])
+
+
+@pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
+def test_create_graph_through_a_kept_fill_and_what_is_computed_from_it(policy: Any) -> None:
+    # NOTE [a fill's derivative]: where the policy keeps a fill of `x.cos()` and a `cumprod` of it, the
+    # recomputed forward read both as constants, and the gradient lost the fill's zero derivative: None
+    # for eager's zeros. What is computed from the fill is recomputed now, from the kept fill connected.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = x.cos().t()
+        t.bernoulli_(0.5)
+        return t.t().cumprod(1) * x
+
+    assert_checkpoint_equivalent(
+        fn, _float64(3, 4), policy=policy, transforms=["grad", "grad_of_grad", "double_backward"]
+    )
