@@ -31,7 +31,10 @@ __all__ = ["ApplicationRecorder", "Reapplication", "application_of"]
 # that autograd will differentiate again (the pure forward, NOTE [a backward
 # that will be differentiated]) applies the Function again on its inputs, as
 # eager does, where an output of it is needed: its values are its forward's,
-# and its derivative is its backward. An application whose forward draws random
+# and its derivative is its backward. A random call the outputs are computed
+# from draws there again, so its generator state is kept whatever the policy
+# (`ValueGraph.drawn_for_returned`, in a trace for `.backward()`, which
+# `create_graph=True` may differentiate). An application whose forward draws random
 # numbers, or whose arguments tracing could not place, is not applied again:
 # there the backward that will be differentiated is remat's own (first
 # derivatives exact, second derivatives through the Function's outputs not).

@@ -378,9 +378,10 @@ _FORMULA_READS_FACTORS = _quirks.GRADIENTS_READ_LU_FACTORS.table
 _NOT_RECOMPUTED = (
     "it runs inside the custom autograd Function {}, whose backward a second derivative would differentiate "
     "as plain ops, where eager runs the Function's own: remat cannot recompute the function's outputs to "
-    "apply the Function again, for a random call there would draw afresh (the policy keeps neither its "
-    "value nor its generator state). Recompute that random call (a policy that does not save it keeps its "
-    "state), or take second derivatives outside remat.checkpoint"
+    "apply the Function again, for they are computed from an input that the function overwrites in place "
+    "(or that the caller may overwrite through an output that is a view of it), and first derivatives keep "
+    "no copy of it. Update that input outside remat.checkpoint, or take second derivatives outside "
+    "remat.checkpoint"
 )
 _NOT_APPLIED_AGAIN = (
     "it runs inside the custom autograd Function {}, which remat cannot apply again (its forward draws random "

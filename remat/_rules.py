@@ -108,6 +108,10 @@ def _clauses(graph: ValueGraph, forward_mode: bool) -> Iterator[Clause]:
         if nbytes:
             yield Clause(Atom(STATE, call), (Atom(REPLAYED, call),))
             yield Clause(Atom(STATE, call), (Atom(RECOMPUTED, call),))
+    # So does one the outputs are computed from, where a second derivative may recompute them to apply a
+    # custom autograd Function again (NOTE [custom Functions applied again]): a few bytes, kept always.
+    for call in graph.drawn_for_returned:
+        yield Clause(Atom(STATE, call))
 
 
 def _read(graph: ValueGraph, value: Value, by_value: bool, when: tuple[Atom, ...]) -> Iterator[Clause]:

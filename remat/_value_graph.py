@@ -270,6 +270,9 @@ class ValueGraph:
         nbytes: what keeping a value costs: the bytes of its new storage (none for a value in an
             input's memory), a copy for an overwritten input, nothing for another input.
         rng_state_nbytes: per call, the bytes of its generator state (0 if it draws nothing).
+        drawn_for_returned: the random calls the returned outputs are computed from, where a second
+            derivative may recompute those outputs to apply custom autograd Functions again: their
+            generator states are kept (NOTE [custom Functions applied again]).
         nodes: the node holding each value (a `getitem` for one output of a multi-output call).
     """
 
@@ -283,6 +286,7 @@ class ValueGraph:
     overwritten: frozenset[Value]
     nbytes: Mapping[Value, int]
     rng_state_nbytes: tuple[int, ...]
+    drawn_for_returned: tuple[int, ...]
     nodes: Mapping[Value, fx.Node]
 
     def dataflow(self) -> Dataflow:
@@ -380,8 +384,33 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
             _rng.state_nbytes(device_of(node)) if call.is_random else 0
             for call, node in zip(joint.trace, joint.call_nodes, strict=True)
         ),
+        drawn_for_returned=_drawn_for_returned(joint, returned_nodes, call_index),
         nodes=nodes,
     )
+
+
+def _drawn_for_returned(
+    joint: JointGraph, returned_nodes: Sequence[fx.Node], call_index: Mapping[fx.Node, int]
+) -> tuple[int, ...]:
+    """The random calls `returned_nodes` are computed from, in a trace for `.backward()` that applies a
+    custom autograd Function: `create_graph=True` may differentiate its backward, which is then autograd's
+    over a recomputation of the outputs that applies the Function again, and a random call there must draw
+    what it drew in forward (NOTE [custom Functions applied again]). Otherwise none: a trace in grad mode
+    runs its backward as traced."""
+    if joint.backward_in_grad_mode or all(call.scope is None for call in joint.trace):
+        return ()
+    drawn: set[int] = set()
+    stack, seen = list(returned_nodes), set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        call = call_index.get(node)
+        if call is not None and joint.trace[call].is_random:
+            drawn.add(call)
+        stack.extend(node.all_input_nodes)
+    return tuple(sorted(drawn))
 
 
 def _nbytes(value: Value, node: fx.Node, overwritten_inputs: frozenset[Value], inputs: set[Any]) -> int:

@@ -496,20 +496,51 @@ def test_create_graph_through_a_random_fill_of_a_view_is_connected_as_eager() ->
     assert_checkpoint_equivalent(fn, x, transforms=["double_backward"])
 
 
-def test_create_graph_through_a_once_differentiable_function_beside_an_unkept_draw_is_refused() -> None:
-    # Under `create_graph=True` of a trace for `.backward()`, the backward program holds a custom Function's
-    # backward as plain ops; where the outputs cannot be recomputed to apply the Function again (a random
-    # call whose value and state the policy keeps neither), differentiating those ops silently gave another
-    # second derivative than eager's (-0.32 for 0.22). remat refuses that, saying why; where the draw is
-    # recomputed (its state kept), the Function is applied again and the result is eager's.
+@pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
+def test_create_graph_through_a_once_differentiable_function_beside_an_unkept_draw(policy: Any) -> None:
+    # Under `create_graph=True` of a trace for `.backward()`, the backward that will be differentiated is
+    # autograd's over a recomputation of the outputs that applies the custom Function again. Where the
+    # policy keeps neither the value nor the state of a random call the outputs are computed from
+    # (`save_everything`: the draw is saved, and no gradient formula reads it), that recomputation could not
+    # be had: differentiating the traced backward gave -0.32 where eager gives 0.22, and then remat refused.
+    # The state of such a call is kept now (NOTE [custom Functions applied again]).
     x = _float64(1, 2)
-    assert_checkpoint_equivalent(_ONCE_DIFFERENTIABLE_BESIDE_A_DRAW, x, transforms=["double_backward"])
-    checkpointed = remat.checkpoint(_ONCE_DIFFERENTIABLE_BESIDE_A_DRAW, policy=policies.save_everything)
-    leaf = x.detach().clone().requires_grad_()
-    v2, v1 = checkpointed(leaf)
-    (grad,) = torch.autograd.grad((v1 * 0.5).sum() + v2.sum(), leaf, create_graph=True)
-    with pytest.raises(NotImplementedError, match=r"remat\.checkpoint: .*_SquareOnce.*draw afresh"):
-        torch.autograd.grad(grad.sum(), leaf)
+    assert_checkpoint_equivalent(_ONCE_DIFFERENTIABLE_BESIDE_A_DRAW, x, policy=policy, transforms=["double_backward"])
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return 2.0 * x
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return 2.0 * grad
+
+
+def test_create_graph_through_a_custom_function_beside_an_input_updated_in_place_is_refused() -> None:
+    # The outputs are computed from `scale`, which `fn` then overwrites in place: recomputing them to apply
+    # the Function again would need a copy of `scale` that first derivatives do not (the sum's formula does
+    # not read it). remat refuses that second derivative, saying why, where differentiating the traced
+    # backward would not run the Function's own backward as eager does.
+    def fn(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        out = _Twice.apply(x).sin() * x + scale
+        scale.mul_(2.0)
+        return out
+
+    x = _float64(2, 3).requires_grad_()
+    checkpointed = remat.checkpoint(fn)
+    eager_scale, scale = torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 3, dtype=torch.float64)
+    (eager,) = torch.autograd.grad(fn(x, eager_scale).sum(), x)
+    (grad,) = torch.autograd.grad(checkpointed(x, scale).sum(), x, create_graph=True)
+    torch.testing.assert_close(grad, eager, rtol=0, atol=0)
+    torch.testing.assert_close(scale, eager_scale, rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match=r"remat\.checkpoint: .*_Twice.*overwrites in place"):
+        torch.autograd.grad(grad.sum(), x)
 
 
 def test_create_graph_gradients_meet_in_eager_order() -> None:
