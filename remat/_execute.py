@@ -19,6 +19,7 @@ from ._partition import KeptActivation, KeptGeneratorState, KeptInput, KeptOutpu
 from ._programs import STACKS_UNDER_VMAP, differentiable_again
 from ._torch import (
     CtxCustomSave,
+    CtxWithSavedTensors,
     HigherOrderOperator,
     TransformType,
     apply_without_binding,
@@ -31,6 +32,7 @@ from ._torch import (
     make_dual,
     release_saved_tensors,
     tangent_of,
+    unbatched_at,
     unwrap_batched,
     unwrap_dead_wrappers,
     vmap_levels,
@@ -272,7 +274,8 @@ class _CheckpointFunction(torch.autograd.Function):
         if executable.dirty and functorch_active():
             raise NotImplementedError(_UPDATED_INPUT_UNDER_FUNC_JVP)
         kept, _ = _saved(ctx, programs)
-        output_tangents = list(_pure_jvp(programs, kept, chosen, ctx.needs_input_grad[1:]))
+        vmap_inside = isinstance(ctx, CtxWithSavedTensors)  # See NOTE [forward mode outside vmap].
+        output_tangents = list(_pure_jvp(programs, kept, chosen, ctx.needs_input_grad[1:], vmap_inside))
         # An input the forward updated in place keeps its tangent tensor, updated in place too (as
         # autograd asks of a Function that marks an input dirty).
         for j, primal in enumerate(executable.dirty):
@@ -320,6 +323,7 @@ def _pure_jvp(
     kept: Sequence[torch.Tensor],
     chosen: Sequence[tuple[int, torch.Tensor]],
     needs_grad: Sequence[bool],
+    vmap_inside: bool = False,
 ) -> Sequence[torch.Tensor | None]:
     """Tangents of the pure forward's outputs for tangents on some of its inputs, by the forward-mode
     formulas of its ops, as eager computes them: a level outside this one (the `jacrev` of a `jacfwd`,
@@ -335,6 +339,8 @@ def _pure_jvp(
     )
     run = programs.pure.tangents_to_differentiate if differentiated else programs.pure.forward
     if _func_jvp_active():  # torch.func.jvp nests: forward mode of our own
+        if vmap_inside:
+            return _jvp_outside_vmap(run, kept, chosen)
         return _jvp_in_forward_mode(run, kept, chosen)
     return _jvp_at_the_dual_level(programs, run, kept, chosen, needs_grad)
 
@@ -352,6 +358,68 @@ def _jvp_in_forward_mode(
             return tuple(run(*values))
 
     return torch.func.jvp(pure, tuple(kept[i] for i in positions), tuple(t for _, t in chosen))[1]  # type: ignore[no-any-return]
+
+
+# NOTE [forward mode outside vmap]
+# Under `jvp` of `vmap` (`jacfwd` of a `vmap`ped function, `grad` of that),
+# torch.func runs a Function's forward-mode rule inside a vmap of its own
+# (`generate_vmap_rule`): the rule's ops are batched after their tangents are
+# formed, where eager batches them first. The order shows where vmap runs an
+# op as other ops, which have forward-mode formulas where the op has none
+# (`native_dropout_backward`, under vmap `grad * mask * scale`): eager's `jvp`
+# of `vmap` works, remat's rule raised. There the rule steps out of the vmap
+# it is called in and runs the pure forward under `jvp` of a `vmap` of it, on
+# the batched tensors' storage, as eager does. (`vmap` of `jvp` calls the rule
+# outside any vmap of its own, and raises there as eager does.)
+def _jvp_outside_vmap(
+    run: Callable[..., Any], kept: Sequence[torch.Tensor], chosen: Sequence[tuple[int, torch.Tensor]]
+) -> Sequence[torch.Tensor]:
+    interpreter = functorch_interpreters()[-1]
+    level, size, randomness = interpreter.level(), interpreter.batch_size(), interpreter.randomness()
+    tangents = dict(chosen)
+    positions = [i for i, _ in chosen]
+    with interpreter.lower():
+        values, dims = [], []
+        for value in kept:
+            unbatched, dim = unbatched_at(value, level)
+            values.append(unbatched)
+            dims.append(dim)
+        primals, given = [], []
+        for i in positions:
+            tangent, tangent_dim = unbatched_at(tangents[i], level)
+            primal, primal_dim = values[i], dims[i]
+            if primal_dim is None and tangent_dim is None:
+                primals.append(primal)
+                given.append(tangent)
+                continue
+            # `jvp` takes a tangent shaped as its primal: both batched, at the primal's dimension
+            dim = 0 if primal_dim is None else primal_dim
+            primals.append(primal if primal_dim is not None else _stacked(primal, size))
+            given.append(
+                (tangent if tangent_dim is not None else _stacked(tangent, size)).movedim(tangent_dim or 0, dim)
+            )
+            dims[i] = dim
+        in_dims = tuple(dims)
+
+        def per_example(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            with autocast_disabled():
+                return tuple(run(*inputs))
+
+        batched = torch.func.vmap(per_example, in_dims=in_dims, randomness=randomness)
+
+        def pure(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            every = list(values)
+            for position, value in zip(positions, inputs, strict=True):
+                every[position] = value
+            return batched(*every)  # type: ignore[no-any-return]
+
+        out_tangents = torch.func.jvp(pure, tuple(primals), tuple(given))[1]
+    return [torch._C._functorch._add_batch_dim(t, 0, level) for t in out_tangents]
+
+
+def _stacked(tensor: torch.Tensor, size: int) -> torch.Tensor:
+    """`size` copies of `tensor` along a new first dimension (an expanded view)."""
+    return tensor.unsqueeze(0).expand(size, *tensor.shape)
 
 
 def _jvp_at_the_dual_level(

@@ -45,7 +45,7 @@ import torch._functorch.config
 import torch._ops
 import torch.utils.checkpoint
 from torch._C._functorch import TransformType
-from torch._functorch.autograd_function import CtxCustomSave
+from torch._functorch.autograd_function import CtxCustomSave, CtxWithSavedTensors
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_clear_interpreter_stack
 from torch._functorch.vmap import unwrap_batched
 from torch._prims_common import compute_elementwise_output_strides
@@ -88,6 +88,7 @@ __all__ = [
     "empty_in_memory_layout",
     "apply_without_binding",
     "CtxCustomSave",
+    "CtxWithSavedTensors",
     "DATA_NOT_ALLOCATED",
     "DataDependentOutputException",
     "DynamicOutputShapeException",
@@ -132,6 +133,7 @@ __all__ = [
     "FunctionApplications",
     "function_applications_noted",
     "drawn_per_example_but_unbatched",
+    "unbatched_at",
     "unwrap_dead_wrappers",
     "has_no_derivative",
     "decomposition_of",
@@ -732,6 +734,14 @@ def drawn_per_example_but_unbatched(tensor: torch.Tensor) -> bool:
         if interpreter.key() == TransformType.Vmap:
             return interpreter.randomness() == "different" and interpreter.level() not in vmap_levels(tensor)
     return False
+
+
+def unbatched_at(tensor: torch.Tensor, level: int) -> tuple[torch.Tensor, int | None]:
+    """`tensor` without its batching at the vmap `level`, and the dimension that batched it (None where
+    `level` does not batch it)."""
+    if torch._C._functorch.is_batchedtensor(tensor) and torch._C._functorch.maybe_get_level(tensor) == level:
+        return torch._C._functorch._unwrap_batched(tensor, level)  # type: ignore[no-any-return]
+    return tensor, None
 
 
 def vmap_levels(tensor: torch.Tensor) -> frozenset[int]:

@@ -1835,3 +1835,33 @@ def test_a_gradient_formula_writing_into_a_slice_of_a_complex_buffer_under_grad(
     batch = torch.randn(2, 3, 30, dtype=torch.float64)
     expected = per_example_gradients(fn, batch)
     torch.testing.assert_close(per_example_gradients(remat.checkpoint(fn), batch), expected, rtol=1e-12, atol=1e-12)
+
+
+def _dropout_gradient_of(grad: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # An op with no forward-mode formula that vmap runs as others that have one: NOTE [forward mode outside
+    # vmap] (from the OpInfo sweep under transforms).
+    return torch.ops.aten.native_dropout_backward(grad.sin(), mask, 2.0).cos()
+
+
+@pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
+def test_forward_mode_of_a_vmap_batches_first_as_eager(policy: Any) -> None:
+    # Under `jvp` of `vmap`, the Function's forward-mode rule ran inside a vmap of its own, its ops'
+    # tangents formed before vmap saw them: torch's "forward AD with native_dropout_backward ... not
+    # implemented" where eager's vmap runs the op as a product first. Under `vmap` of `jvp` eager raises
+    # that too, and so must remat.
+    grad_, tangent = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    mask = torch.rand(3, 4, generator=torch.Generator().manual_seed(0)) > 0.5
+    checkpointed = remat.checkpoint(_dropout_gradient_of, policy=policy)
+    assert_checkpoint_equivalent(
+        _dropout_gradient_of, grad_, mask, policy=policy, transforms=["jvp_of_vmap", "vmap_of_jvp"]
+    )
+    expected = jvp(lambda g: vmap(_dropout_gradient_of)(g, mask), (grad_,), (tangent,))
+    got = jvp(lambda g: vmap(checkpointed)(g, mask), (grad_,), (tangent,))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert got[1].stride() == expected[1].stride()
+    expected_jacobian = jacfwd(lambda g: vmap(_dropout_gradient_of)(g, mask))(grad_)
+    torch.testing.assert_close(jacfwd(lambda g: vmap(checkpointed)(g, mask))(grad_), expected_jacobian, rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="native_dropout_backward"):
+        vmap(lambda g, m: jvp(lambda h: _dropout_gradient_of(h, m), (g,), (g,)))(grad_, mask)
+    with pytest.raises(NotImplementedError, match="native_dropout_backward"):
+        vmap(lambda g, m: jvp(lambda h: checkpointed(h, m), (g,), (g,)))(grad_, mask)
