@@ -1370,9 +1370,10 @@ _LOG_SIGMOID_RESIZE = "An output with one or more elements was resized"
 
 @pytest.mark.filterwarnings(f"ignore:{_LOG_SIGMOID_RESIZE}")
 def test_regression_forward_mode_over_vmap_of_a_draw_followed_by_log_sigmoid() -> None:
-    # The jvp rule runs inside the batching, where torch.func.jvp of a draw followed by a log-sigmoid
-    # warns of a deprecated resize of an `out=` tensor: a warning of torch's, which eager's vmap(jvp(f))
-    # gives too. The values are eager's. (The rule once differentiated by vjps under vmap to avoid the
+    # torch.func.jvp of a draw followed by a log-sigmoid under vmap warns of a deprecated resize of an
+    # `out=` tensor: a warning of torch's, which eager's vmap(jvp(f)) gives. The jvp rule ran inside the
+    # batching under jvp(vmap(f)) too, and warned where eager does not (NOTE [forward mode outside vmap]).
+    # The values are eager's. (The rule once differentiated by vjps under vmap to avoid the
     # warning, which made the derivatives of its tangents wrong: NOTE [forward mode over forward mode].)
     def fn(x: torch.Tensor) -> torch.Tensor:
         return F.logsigmoid(torch.normal(x.sigmoid(), 0.5)) * x
