@@ -23,6 +23,7 @@ from ._torch import (
     HigherOrderOperator,
     TransformType,
     apply_without_binding,
+    batched_at,
     batched_level,
     forward_ad_level,
     forward_grad_enabled,
@@ -414,7 +415,7 @@ def _jvp_outside_vmap(
             return batched(*every)  # type: ignore[no-any-return]
 
         out_tangents = torch.func.jvp(pure, tuple(primals), tuple(given))[1]
-    return [torch._C._functorch._add_batch_dim(t, 0, level) for t in out_tangents]
+    return [batched_at(t, 0, level) for t in out_tangents]
 
 
 def _stacked(tensor: torch.Tensor, size: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ._accounting import saved_calls
 from ._applications import application_of
 from ._calls import Decision
 from ._capture import history_of
-from ._facts import CustomApplication, fill_of
+from ._facts import CustomApplication
 from ._joint import JointGraph, draws_random_numbers, stops_gradient
 from ._programs import PureForward, backward_program, forward_program, views_of_inputs
 from ._rules import rules_of
@@ -36,6 +36,7 @@ from ._value_graph import (
     overwritten,
     returned_outputs,
     varying,
+    varying_again,
     views_taken_before_a_read,
 )
 
@@ -254,19 +255,12 @@ _SWITCH_IN_GRAD_MODE = _quirks.GRADIENTS_SWITCH_IN_GRAD_MODE.table
 
 
 def _constants_to_autograd(joint: JointGraph, constants: set[fx.Node]) -> set[fx.Node]:
-    """The kept values that autograd, as eager runs it, gives no derivative: those without one in the
-    trace, but for the outputs of custom Functions and what is computed from them (traced under
-    `no_grad`, they have the Function's backward in eager), and what is computed from a random fill of a
-    value with a derivative (autograd gives the fill a derivative of zero: NOTE [a fill's derivative]; the
-    fill itself is read as kept, connected so). See NOTE [custom Functions applied again]."""
-    from_applications: set[fx.Node] = set()
-    for node in joint.graph.nodes:
-        if node in joint.forward_nodes and (
-            application_of(node) is not None or any(a in from_applications for a in node.all_input_nodes)
-        ):
-            from_applications.add(node)
-    through_fills = varying(joint, forward_mode=False, through_draws=True)
-    return {c for c in constants - from_applications if c not in through_fills or fill_of(c) is not None}
+    """The kept values that autograd, as eager runs it, gives no derivative (`varying_again`: not the
+    outputs of custom Functions and what has a derivative through them, traced under `no_grad` but with
+    the Function's backward in eager; nor what is computed from a random fill of a value with a
+    derivative, NOTE [a fill's derivative]). See NOTE [custom Functions applied again]."""
+    again = varying_again(joint)
+    return {c for c in constants if c not in again}
 
 
 def _applies_again(application: CustomApplication, live: set[fx.Node]) -> bool:
@@ -349,15 +343,16 @@ def _backward_not_differentiable(joint: JointGraph, pure_with_outputs: PureForwa
     derivative whose traced gradient formula reads what autograd does not differentiate, or a custom
     autograd Function whose backward it holds as plain ops, where the backward that will be differentiated
     cannot be autograd's over the pure forward: that cannot apply the Function again (there is no
-    `pure_with_outputs`), or cannot recompute the outputs, from a trace for `.backward()` (one traced in
-    grad mode knows which of its ops ran without grad)."""
+    `pure_with_outputs`), or cannot recompute the outputs. (A trace in grad mode knows which of the
+    backward's ops ran without grad, but the derivatives of kept values computed from the Function's
+    outputs would still go through its forward's ops, computed under `no_grad`: none.)"""
     inside = next(
         (c for c in joint.trace if c.scope is not None and not _is_custom_op(joint.call_nodes[c.index])), None
     )
     if inside is not None:
         if pure_with_outputs is None:
             return f"{inside}: {_NOT_APPLIED_AGAIN.format(inside.scope)}"
-        if not joint.backward_in_grad_mode and not pure_with_outputs.reads_only_what_is_kept:
+        if not pure_with_outputs.reads_only_what_is_kept:
             return f"{inside}: {_NOT_RECOMPUTED.format(inside.scope)}"
     found = [
         (call, node)
@@ -377,11 +372,9 @@ def _backward_not_differentiable(joint: JointGraph, pure_with_outputs: PureForwa
 _FORMULA_READS_FACTORS = _quirks.GRADIENTS_READ_LU_FACTORS.table
 _NOT_RECOMPUTED = (
     "it runs inside the custom autograd Function {}, whose backward a second derivative would differentiate "
-    "as plain ops, where eager runs the Function's own: remat cannot recompute the function's outputs to "
-    "apply the Function again, for they are computed from an input that the function overwrites in place "
-    "(or that the caller may overwrite through an output that is a view of it), and first derivatives keep "
-    "no copy of it. Update that input outside remat.checkpoint, or take second derivatives outside "
-    "remat.checkpoint"
+    "as plain ops, where eager runs the Function's own: the kept values do not suffice to recompute the "
+    "function's outputs and apply the Function again (the rules keep what that reads: please report this). "
+    "Take second derivatives outside remat.checkpoint meanwhile"
 )
 _NOT_APPLIED_AGAIN = (
     "it runs inside the custom autograd Function {}, which remat cannot apply again (its forward draws random "

@@ -88,13 +88,17 @@ def _clauses(graph: ValueGraph, forward_mode: bool) -> Iterator[Clause]:
         for value in values:
             yield from _read(graph, value, value not in graph.read_as_they_are[call], (Atom(REPLAYED, call),))
     # Differentiating again (NOTE [differentiating the forward again]): the pure forward recomputes each
-    # kept value with a derivative that the Function does not return, and, traced for forward mode, the
-    # returned outputs too (for their tangents).
-    varying = graph.varying_forward_mode if forward_mode else graph.varying
+    # kept value with a derivative that the Function does not return.
+    if forward_mode:
+        varying = graph.varying_forward_mode
+    else:  # what the recomputation that applies custom Functions again differentiates, if there is one
+        varying = graph.varying_again if graph.recomputes_returned else graph.varying
     for value in graph.nodes:
         if value[0] >= 0 and value in varying and value not in graph.returned:
             yield Clause(Atom(RECOMPUTED, value[0]), (Atom(KEPT, value),))
-    if forward_mode:
+    # The pure forward recomputes the returned outputs too: traced for forward mode (for their tangents), and
+    # where it applies custom Functions again (NOTE [custom Functions applied again]).
+    if forward_mode or graph.recomputes_returned:
         for value in graph.shown_by_returned:
             yield from _recomputation_reads(graph, value, True, (), varying)
     # A recomputation reads what its call reads, up to kept values without a derivative: constants to
@@ -108,10 +112,6 @@ def _clauses(graph: ValueGraph, forward_mode: bool) -> Iterator[Clause]:
         if nbytes:
             yield Clause(Atom(STATE, call), (Atom(REPLAYED, call),))
             yield Clause(Atom(STATE, call), (Atom(RECOMPUTED, call),))
-    # So does one the outputs are computed from, where a second derivative may recompute them to apply a
-    # custom autograd Function again (NOTE [custom Functions applied again]): a few bytes, kept always.
-    for call in graph.drawn_for_returned:
-        yield Clause(Atom(STATE, call))
 
 
 def _read(graph: ValueGraph, value: Value, by_value: bool, when: tuple[Atom, ...]) -> Iterator[Clause]:

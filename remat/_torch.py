@@ -133,6 +133,7 @@ __all__ = [
     "FunctionApplications",
     "function_applications_noted",
     "drawn_per_example_but_unbatched",
+    "batched_at",
     "unbatched_at",
     "unwrap_dead_wrappers",
     "has_no_derivative",
@@ -742,6 +743,11 @@ def unbatched_at(tensor: torch.Tensor, level: int) -> tuple[torch.Tensor, int | 
     if torch._C._functorch.is_batchedtensor(tensor) and torch._C._functorch.maybe_get_level(tensor) == level:
         return torch._C._functorch._unwrap_batched(tensor, level)  # type: ignore[no-any-return]
     return tensor, None
+
+
+def batched_at(tensor: torch.Tensor, dim: int, level: int) -> torch.Tensor:
+    """`tensor` batched at the vmap `level` along `dim` (the converse of `unbatched_at`)."""
+    return torch._C._functorch._add_batch_dim(tensor, dim, level)  # type: ignore[no-any-return]
 
 
 def vmap_levels(tensor: torch.Tensor) -> frozenset[int]:

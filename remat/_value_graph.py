@@ -23,7 +23,7 @@ from torch import fx
 from . import _quirks, _rng
 from ._calls import Dataflow, Trace, Value
 from ._capture import history_of
-from ._facts import differentiable_outputs
+from ._facts import application_of, differentiable_outputs, fill_of
 from ._joint import JointGraph, is_free, stops_gradient
 from ._measure import storage_key, storage_nbytes, tensor_nbytes, tensors_in
 from ._programs import device_of
@@ -194,7 +194,9 @@ def mutated_inputs(joint: JointGraph, returned: Sequence[int]) -> set[fx.Node]:
 # copy of the input, taken before anything overwrites it, is kept instead.
 
 
-def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = False) -> set[fx.Node]:
+def varying(
+    joint: JointGraph, forward_mode: bool, *, through_draws: bool = False, through_applications: bool = False
+) -> set[fx.Node]:
     """Forward nodes whose value has a derivative with respect to some differentiable input.
 
     Differentiable inputs are those requiring grad (any floating input under forward
@@ -203,11 +205,15 @@ def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = Fals
     old one's history), and at random draws, whose outputs have none; `through_draws`
     follows autograd instead, which gives a draw from a differentiable mean or
     probability a derivative of zero (only a draw of a new tensor, `rand_like`, has none).
+    With `through_applications`, the outputs of custom autograd Functions have one too (their
+    forward runs under `no_grad`, and eager differentiates them by their backward).
     """
     if forward_mode:
         found = {p for p in joint.primals if p.meta["val"].is_floating_point() or p.meta["val"].is_complex()}
     else:
         found = {joint.primals[i] for i in joint.grad_of}
+    if through_applications:
+        found |= {node for node in joint.forward_nodes if application_of(node) is not None}
     for node in joint.graph.nodes:
         if node not in joint.forward_nodes:
             continue
@@ -225,6 +231,14 @@ def varying(joint: JointGraph, forward_mode: bool, *, through_draws: bool = Fals
         if has_derivative and any(arg in found for arg in node.all_input_nodes):
             found.add(node)
     return found
+
+
+def varying_again(joint: JointGraph) -> set[fx.Node]:
+    """The forward nodes autograd gives a derivative where it differentiates a recomputation of the
+    forward again, as eager runs it: through custom Functions and random fills (but fills themselves,
+    read as kept and connected: NOTE [a fill's derivative])."""
+    found = varying(joint, forward_mode=False, through_draws=True, through_applications=True)
+    return {node for node in found if fill_of(node) is None}
 
 
 def _has_float(node: fx.Node) -> bool:
@@ -270,9 +284,13 @@ class ValueGraph:
         nbytes: what keeping a value costs: the bytes of its new storage (none for a value in an
             input's memory), a copy for an overwritten input, nothing for another input.
         rng_state_nbytes: per call, the bytes of its generator state (0 if it draws nothing).
-        drawn_for_returned: the random calls the returned outputs are computed from, where a second
-            derivative may recompute those outputs to apply custom autograd Functions again: their
-            generator states are kept (NOTE [custom Functions applied again]).
+        recomputes_returned: whether a backward that will be differentiated recomputes the returned
+            outputs, to apply the custom autograd Functions they are computed from again (NOTE [custom
+            Functions applied again]): what that reads is kept, generator states and copies of
+            overwritten inputs included.
+        varying_again: the values autograd differentiates where it differentiates that recomputation:
+            `varying`, and what has a derivative through custom Functions and random fills (a fill
+            itself is read as kept: NOTE [a fill's derivative]).
         nodes: the node holding each value (a `getitem` for one output of a multi-output call).
     """
 
@@ -286,7 +304,8 @@ class ValueGraph:
     overwritten: frozenset[Value]
     nbytes: Mapping[Value, int]
     rng_state_nbytes: tuple[int, ...]
-    drawn_for_returned: tuple[int, ...]
+    recomputes_returned: bool
+    varying_again: frozenset[Value]
     nodes: Mapping[Value, fx.Node]
 
     def dataflow(self) -> Dataflow:
@@ -367,6 +386,7 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
     overwritten_inputs = frozenset((input_index[p], 0) for p in mutated_inputs(joint, returned))
     with_derivative = varying(joint, forward_mode=False)
     with_tangent = varying(joint, forward_mode=True)
+    with_derivative_again = varying_again(joint)
     inputs = {storage_key(t) for p in joint.primals for t in tensors_in(p.meta["val"])}
     return ValueGraph(
         reads=tuple(reads),
@@ -384,33 +404,10 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
             _rng.state_nbytes(device_of(node)) if call.is_random else 0
             for call, node in zip(joint.trace, joint.call_nodes, strict=True)
         ),
-        drawn_for_returned=_drawn_for_returned(joint, returned_nodes, call_index),
+        recomputes_returned=any(call.scope is not None for call in joint.trace),
+        varying_again=frozenset(v for v, node in nodes.items() if node in with_derivative_again),
         nodes=nodes,
     )
-
-
-def _drawn_for_returned(
-    joint: JointGraph, returned_nodes: Sequence[fx.Node], call_index: Mapping[fx.Node, int]
-) -> tuple[int, ...]:
-    """The random calls `returned_nodes` are computed from, in a trace for `.backward()` that applies a
-    custom autograd Function: `create_graph=True` may differentiate its backward, which is then autograd's
-    over a recomputation of the outputs that applies the Function again, and a random call there must draw
-    what it drew in forward (NOTE [custom Functions applied again]). Otherwise none: a trace in grad mode
-    runs its backward as traced."""
-    if joint.backward_in_grad_mode or all(call.scope is None for call in joint.trace):
-        return ()
-    drawn: set[int] = set()
-    stack, seen = list(returned_nodes), set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        call = call_index.get(node)
-        if call is not None and joint.trace[call].is_random:
-            drawn.add(call)
-        stack.extend(node.all_input_nodes)
-    return tuple(sorted(drawn))
 
 
 def _nbytes(value: Value, node: fx.Node, overwritten_inputs: frozenset[Value], inputs: set[Any]) -> int:

@@ -209,6 +209,23 @@ class _Cos(torch.autograd.Function):
         return -grad * x.sin()
 
 
+class _Cube(torch.autograd.Function):
+    """New style (`setup_context`), as torch.func needs: a hand-written derivative."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * x * x
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * 3 * x * x
+
+
 class _StraightThroughRound(torch.autograd.Function):
     """A backward that is not the forward's derivative (a straight-through estimator): eager's second
     derivatives go through it, not through the ops the forward ran."""
@@ -522,25 +539,35 @@ class _Twice(torch.autograd.Function):
         return 2.0 * grad
 
 
-def test_create_graph_through_a_custom_function_beside_an_input_updated_in_place_is_refused() -> None:
-    # The outputs are computed from `scale`, which `fn` then overwrites in place: recomputing them to apply
-    # the Function again would need a copy of `scale` that first derivatives do not (the sum's formula does
-    # not read it). remat refuses that second derivative, saying why, where differentiating the traced
-    # backward would not run the Function's own backward as eager does.
-    def fn(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        out = _Twice.apply(x).sin() * x + scale
-        scale.mul_(2.0)
-        return out
+def _updates_its_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    out = _Twice.apply(x).sin() * x + scale
+    scale.mul_(2.0)
+    return out
 
-    x = _float64(2, 3).requires_grad_()
-    checkpointed = remat.checkpoint(fn)
+
+def test_second_derivatives_through_a_custom_function_beside_an_input_updated_in_place() -> None:
+    # The outputs are computed from `scale`, which `fn` then overwrites in place. Recomputing them to apply
+    # the Function again reads `scale` as it was, which first derivatives need not keep (the sum's formula
+    # does not read it): under torch.func's `grad` of `grad` the backward traced in grad mode ran instead
+    # and differentiated the Function's forward ops, computed under `no_grad` (-1.75 for eager's -0.01),
+    # and `create_graph` was refused. A copy of `scale` is kept where the trace applies a custom Function.
+    x = _float64(2, 3)
+
+    def grad_of_grad(function: Callable[..., torch.Tensor]) -> torch.Tensor:
+        inner = torch.func.grad(lambda y, s: function(y, s).sum())
+        return torch.func.grad(lambda y, s: inner(y, s).sum())(x, torch.ones(2, 3, dtype=torch.float64))
+
+    checkpointed = remat.checkpoint(_updates_its_scale)
+    torch.testing.assert_close(grad_of_grad(checkpointed), grad_of_grad(_updates_its_scale), rtol=0, atol=0)
     eager_scale, scale = torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 3, dtype=torch.float64)
-    (eager,) = torch.autograd.grad(fn(x, eager_scale).sum(), x)
-    (grad,) = torch.autograd.grad(checkpointed(x, scale).sum(), x, create_graph=True)
+    leaf = x.clone().requires_grad_()
+    (eager,) = torch.autograd.grad(_updates_its_scale(leaf, eager_scale).sum(), leaf, create_graph=True)
+    (grad,) = torch.autograd.grad(checkpointed(leaf, scale).sum(), leaf, create_graph=True)
     torch.testing.assert_close(grad, eager, rtol=0, atol=0)
     torch.testing.assert_close(scale, eager_scale, rtol=0, atol=0)
-    with pytest.raises(NotImplementedError, match=r"remat\.checkpoint: .*_Twice.*overwrites in place"):
-        torch.autograd.grad(grad.sum(), x)
+    torch.testing.assert_close(
+        torch.autograd.grad(grad.sum(), leaf)[0], torch.autograd.grad(eager.sum(), leaf)[0], rtol=0, atol=0
+    )
 
 
 def test_create_graph_gradients_meet_in_eager_order() -> None:
@@ -566,3 +593,39 @@ def test_create_graph_through_a_kept_fill_and_what_is_computed_from_it(policy: A
     assert_checkpoint_equivalent(
         fn, _float64(3, 4), policy=policy, transforms=["grad", "grad_of_grad", "double_backward"]
     )
+
+
+@pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
+def test_a_dropout_of_a_custom_functions_output_under_grad_of_grad(policy: Any) -> None:
+    # Found by the 2.13 soak (`custom_cube`, `cumprod_at_zeros`, `rrelu_transposed_then_dropout`): dropout's
+    # mask fills `empty_like` of the Function's output, and was taken for a value computed from that output
+    # (so with a derivative through the Function's backward, to recompute); its draw had no kept state, and
+    # the backward traced in grad mode ran instead, differentiating the kept `tanh` through the Function's
+    # forward ops, computed under `no_grad`: a second derivative of 0.51 came out -0.22. A fill of an
+    # output's shape has no derivative (NOTE [custom Functions applied again]).
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(_Cube.apply(x).tanh(), 0.3)
+
+    assert_checkpoint_equivalent(fn, _float64(3, 2), policy=policy, transforms=["grad_of_grad", "double_backward"])
+    soaked = RandomFunction(
+        (3, 2),
+        1,
+        (Step("custom_cube", 0, 0), Step("cumprod_at_zeros", 1, 1), Step("rrelu_transposed_then_dropout", 2, 2)),
+        (3, 0, 1),
+        seed=5475,
+    )
+    x = torch.tensor([[1.5410, -0.2934], [-2.1788, 0.5684], [-1.0845, -1.3986]], dtype=torch.float64)
+    assert_checkpoint_equivalent(soaked, x.requires_grad_(), policy=policy, transforms=["grad_of_grad"])
+
+
+@pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
+def test_a_random_call_on_a_custom_functions_output_under_grad_of_grad(policy: Any) -> None:
+    # `rrelu` in training draws its slopes and has a derivative: recomputing the outputs to apply the
+    # Function again draws it again, from its generator state, which a trace for torch.func's `grad` of
+    # `grad` kept only for a `.backward()` trace (where `create_graph` may come). Without it, the backward
+    # traced in grad mode ran, and the second derivative differed (1.37 for 1.23). The state is kept in
+    # every trace that applies a custom Function now.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.rrelu(_Cube.apply(x).tanh(), training=True)
+
+    assert_checkpoint_equivalent(fn, _float64(3, 2), policy=policy, transforms=["grad_of_grad", "double_backward"])
