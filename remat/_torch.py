@@ -819,11 +819,14 @@ def _apply_noting(cls: type, *args: Any, **kwargs: Any) -> Any:
 def function_applications_noted(listener: FunctionApplications) -> Iterator[None]:
     """Tell `listener` of each custom autograd Function applied on this thread while this runs (not
     those applied inside another's `forward`): `Function.apply` is wrapped meanwhile, for every thread,
-    and passes other threads' calls straight on. A class that defines its own `apply` is not seen."""
+    and passes other threads' calls straight on; and so is the `forward` of every Function class defined
+    so far, for an `apply` taken before this started (`my_op = MyFunction.apply`), which the first does
+    not see. A class that defines its own `apply` is seen through its `forward` only."""
     global _noting_threads
     with _noting_lock:
         if _noting_threads == 0:
             torch.autograd.Function.apply = classmethod(_apply_noting)  # type: ignore[assignment, method-assign]
+            _wrap_forwards()
         _noting_threads += 1
     outer, _noting.listener = _noting.listener, listener
     try:
@@ -833,10 +836,72 @@ def function_applications_noted(listener: FunctionApplications) -> Iterator[None
         with _noting_lock:
             _noting_threads -= 1
             if _noting_threads == 0:
+                _unwrap_forwards()
                 if _APPLY_IS_OWN:
                     torch.autograd.Function.apply = _ORIGINAL_APPLY  # type: ignore[method-assign]
                 else:
                     del torch.autograd.Function.apply
+
+
+_wrapped_forwards: dict[type, Any] = {}  # class -> its own `forward` attribute before wrapping (or _ABSENT)
+_ABSENT = object()
+
+
+def _wrap_forwards() -> None:
+    """Wrap the `forward` of every custom Function class so far, each as the class sees it."""
+    classes, pending = [], [torch.autograd.Function]
+    while pending:
+        for subclass in pending.pop().__subclasses__():
+            if subclass not in classes:
+                classes.append(subclass)
+                pending.append(subclass)
+    own_setup = inspect.getattr_static(torch.autograd.Function, "setup_context")
+    wrappers = {}
+    for cls in classes:
+        forward = inspect.getattr_static(cls, "forward", None)
+        if isinstance(forward, staticmethod):
+            forward = forward.__func__
+        if not inspect.isfunction(forward):  # (a classmethod, a C function: left as it is)
+            continue
+        with_ctx = inspect.getattr_static(cls, "setup_context", own_setup) is own_setup  # old style: forward(ctx, ...)
+        wrappers[cls] = staticmethod(_forward_noting(cls, forward, with_ctx))
+    for cls, wrapper in wrappers.items():
+        _wrapped_forwards[cls] = vars(cls).get("forward", _ABSENT)
+        type.__setattr__(cls, "forward", wrapper)
+
+
+def _unwrap_forwards() -> None:
+    for cls, own in _wrapped_forwards.items():
+        if own is _ABSENT:
+            type.__delattr__(cls, "forward")
+        else:
+            type.__setattr__(cls, "forward", own)
+    _wrapped_forwards.clear()
+
+
+def _forward_noting(cls: type, forward: Callable[..., Any], with_ctx: bool) -> Callable[..., Any]:
+    """`forward`, noting its application where `Function.apply` did not (an `apply` taken before noting
+    started): its arguments as `apply` got them, and its outputs, unless one is an argument itself (whose
+    output `apply` makes a new view, which this does not see)."""
+
+    @functools.wraps(forward)
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        listener = _noting.listener
+        if listener is None or _noting.depth:  # another thread's, or noted by `_apply_noting` already
+            return forward(*args, **kwargs)
+        listener.started()
+        _noting.depth += 1
+        try:
+            outputs = forward(*args, **kwargs)
+        finally:
+            _noting.depth -= 1
+        given = args[1:] if with_ctx else args
+        inputs = {id(a) for a in pytree.tree_leaves((given, kwargs)) if isinstance(a, torch.Tensor)}
+        returned = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+        listener.finished(cls, given, kwargs, () if any(id(t) in inputs for t in returned) else outputs)
+        return outputs
+
+    return noting
 
 
 def has_no_derivative(op: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
@@ -991,6 +1056,7 @@ def _function_forwards() -> dict[CodeType, str]:
 
 def _code_of(method: Any) -> CodeType | None:
     function = getattr(method, "__func__", method)  # a staticmethod
+    function = getattr(function, "__wrapped__", function)  # while noted: see `function_applications_noted`
     return getattr(function, "__code__", None)
 
 

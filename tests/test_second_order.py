@@ -629,3 +629,39 @@ def test_a_random_call_on_a_custom_functions_output_under_grad_of_grad(policy: A
         return F.rrelu(_Cube.apply(x).tanh(), training=True)
 
     assert_checkpoint_equivalent(fn, _float64(3, 2), policy=policy, transforms=["grad_of_grad", "double_backward"])
+
+
+class _FirstColumn(torch.autograd.Function):
+    """Returns a view of its input: no op of its own in the trace."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.narrow(-1, 0, 1)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.width = inputs[0].shape[-1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return F.pad(grad, (0, ctx.width - 1)) * 2.0  # not the view's derivative: eager's shows it
+
+
+# An `apply` taken once, as libraries define their ops (`my_op = MyFunction.apply`): tracing wraps
+# `Function.apply` to note each application, which such a reference bypasses.
+_first_column, _cube, _cos = _FirstColumn.apply, _Cube.apply, _Cos.apply
+
+
+@pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
+def test_second_derivatives_through_an_apply_taken_before_tracing(policy: Any) -> None:
+    # Such applications went unnoted: a Function returning a view of its input calls no op of its own, so
+    # nothing in the trace showed it, and second derivatives went through the view, not the Function's
+    # backward (eager's 1.53 came out -0.09); through `_Cube`, remat refused them. Tracing notes them through
+    # the Functions' `forward`s too now (NOTE [custom Functions applied again]).
+    x = _float64(3, 4)
+    transforms = ["grad", "grad_of_grad", "double_backward"]
+    assert_checkpoint_equivalent(lambda x: x.sin() * _first_column(x), x, policy=policy, transforms=transforms)
+    assert_checkpoint_equivalent(lambda x: F.dropout(_cube(x).tanh(), 0.3), x, policy=policy, transforms=transforms)
+    assert_checkpoint_equivalent(lambda x: x * _cos(x.tanh()), x, policy=policy, transforms=["double_backward"])
+    assert torch.autograd.Function.forward is not _FirstColumn.forward  # the wrapping is undone
+    assert vars(_FirstColumn)["forward"].__func__.__name__ == "forward"
