@@ -26,9 +26,10 @@ __all__ = ["ApplicationRecorder", "Reapplication", "application_of"]
 # eager differentiates that output again through the Function's own backward,
 # run in grad mode; the traced ops say only that the output has no derivative
 # (it was computed under `no_grad`). So tracing notes each application of a
-# Function (`Function.apply`, wrapped while `fn` runs, and each Function class's
-# `forward`, for an `apply` taken before: `my_op = MyFunction.apply`): the class, its arguments
-# as graph nodes, its outputs' nodes and the nodes its forward made. A program
+# Function (`Function.apply`, wrapped while `fn` runs, and each Function
+# class's `forward`, for an `apply` taken before: `my_op = MyFunction.apply`):
+# the class, its arguments as graph nodes, its outputs' nodes and the nodes its
+# forward made. A program
 # that autograd will differentiate again (the pure forward, NOTE [a backward
 # that will be differentiated]) applies the Function again on its inputs, as
 # eager does, where an output of it is needed: its values are its forward's,
