@@ -29,17 +29,16 @@ __all__ = ["ApplicationRecorder", "Reapplication", "application_of"]
 # Function (`Function.apply`, wrapped while `fn` runs, and each Function
 # class's `forward`, for an `apply` taken before: `my_op = MyFunction.apply`):
 # the class, its arguments as graph nodes, its outputs' nodes and the nodes its
-# forward made. A program
-# that autograd will differentiate again (the pure forward, NOTE [a backward
-# that will be differentiated]) applies the Function again on its inputs, as
-# eager does, where an output of it is needed: its values are its forward's,
-# and its derivative is its backward. A random call the outputs are computed
-# from draws there again, so its generator state is kept whatever the policy
-# (`ValueGraph.drawn_for_returned`, in a trace for `.backward()`, which
-# `create_graph=True` may differentiate). An application whose forward draws random
-# numbers, or whose arguments tracing could not place, is not applied again:
-# there the backward that will be differentiated is remat's own (first
-# derivatives exact, second derivatives through the Function's outputs not).
+# forward made. A program that autograd will differentiate again (the pure
+# forward, NOTE [a backward that will be differentiated]) applies the Function
+# again on its inputs, as eager does, where an output of it is needed: its
+# values are its forward's, and its derivative is its backward. That program
+# recomputes the function's outputs, so what it reads is kept whatever the
+# policy (`ValueGraph.recomputes_returned` in the rules): the generator state of
+# a random call they are computed from, a copy of an input overwritten after.
+# An application whose forward draws random numbers, or whose arguments tracing
+# could not place, is not applied again: its first derivatives are exact, and a
+# second derivative through its outputs is refused, saying why.
 
 
 class ApplicationRecorder:
