@@ -378,6 +378,16 @@ class _SquareOnce(torch.autograd.Function):
         return 2.0 * x * grad
 
 
+# An `apply` taken once, as libraries define their ops: tracing cannot see it through `Function.apply`.
+_first_column_of = _FirstColumn.apply
+
+
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    """A well-conditioned symmetric positive definite matrix of `x`'s columns, `(cols, cols)`."""
+    cols = x.shape[1]
+    return torch.eye(cols, dtype=x.dtype, device=x.device) * cols + x.t() @ x / x.shape[0]
+
+
 def _autocast_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     # A bfloat16 autocast region on the operands' device: its matmul runs in bfloat16 (in float32 or lower
     # precision inputs: autocast leaves float64 as it is, so the region casts to float32 first).
@@ -524,6 +534,10 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     # custom autograd Functions: a hand-written derivative, and a view with gradients not materialized
     "custom_cube": (1, lambda x, y, c: _Cube.apply(x.tanh())),
     "custom_view_of_first_column": (1, lambda x, y, c: x * _FirstColumn.apply(x.sin())),
+    "custom_view_taken_before": (1, lambda x, y, c: x.cos() * _first_column_of(x.sin())),
+    # linear algebra whose gradient formulas read factorizations (LU): autograd's own where differentiated
+    "linalg_solve": (1, lambda x, y, c: torch.linalg.solve(_gram(x), x.t()).t()),
+    "slogdet": (1, lambda x, y, c: x * torch.linalg.slogdet(_gram(x))[1].tanh()),
     # custom autograd Function flags: an output marked not differentiable, a backward differentiable once
     "custom_sorted_with_ranks": (1, lambda x, y, c: _sorted_with_ranks(x)),
     "custom_square_once_differentiable": (1, lambda x, y, c: _SquareOnce.apply(x.sin())),

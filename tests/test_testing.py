@@ -176,6 +176,9 @@ NEW_OPS = [
     "custom_square_once_differentiable",
     "autocast_matmul",
     "instance_norm_running_stats",
+    "custom_view_taken_before",
+    "linalg_solve",
+    "slogdet",
 ]
 
 
