@@ -504,15 +504,19 @@ def test_second_derivatives_through_gradients_that_read_lu_factors_equal_eager(n
         lambda f: torch.autograd.grad(torch.autograd.grad(f(a), a, create_graph=True)[0].square().sum(), a),
     ):
         torch.testing.assert_close(second(checkpointed), second(fn), rtol=1e-10, atol=1e-10)
-    # First derivatives, by any route, are eager's (a gradient made with grad mode on too, used as it is).
-    # (By value: under `grad` eager's det formula, with grad mode on, lays its gradient out transposed.)
+    # First derivatives, by any route, are eager's (a gradient made with grad mode on too, used as it is),
+    # laid out as eager's: under `grad` eager's det formula, with grad mode on, lays its gradient out
+    # otherwise than `.backward()`'s.
     assert_checkpoint_equivalent(fn, a, policy=policy, transforms=["jvp", "vmap"])
     for first in (
         lambda f: grad(f)(a.detach()),
         lambda f: vjp(f, a.detach())[1](torch.tensor(1.5, dtype=torch.float64))[0],
         lambda f: torch.autograd.grad(f(a), a, create_graph=True)[0],
+        lambda f: torch.autograd.grad(f(a), a)[0],
     ):
-        torch.testing.assert_close(first(checkpointed), first(fn), rtol=1e-12, atol=1e-12)
+        ours, eager = first(checkpointed), first(fn)
+        torch.testing.assert_close(ours, eager, rtol=1e-12, atol=1e-12)
+        assert ours.stride() == eager.stride()
 
 
 def test_transforms_are_not_blind() -> None:
