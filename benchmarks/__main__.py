@@ -32,6 +32,7 @@ BENCHMARKS = {
     "faults": "benchmarks.faults",
     "profile": "benchmarks.profile",
     "backward": "benchmarks.backward",
+    "second-order": "benchmarks.second_order",
     "render": "benchmarks.render",
 }
 
