@@ -53,8 +53,7 @@ def _wrapped(blocks: list[torch.nn.Module], method: str) -> list[Block]:
 def _peaks(step: Callable[[], None]) -> tuple[int, int]:
     """(the peak bytes above the start, the bytes held at the marker) of `step`'s CPU allocations."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
-        with torch.profiler.record_function("step"):
-            step()
+        step()
     events = sorted(
         (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),  # type: ignore[union-attr]
         key=lambda e: e.start_ns(),
