@@ -802,16 +802,24 @@ _APPLY_IS_OWN = "apply" in vars(torch.autograd.Function)
 
 def _apply_noting(cls: type, *args: Any, **kwargs: Any) -> Any:
     apply = _ORIGINAL_APPLY.__get__(None, cls)
+    return _noted(cls, lambda: apply(*args, **kwargs), args, kwargs, lambda outputs: outputs)
+
+
+def _noted(
+    cls: type, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any], noted: Callable[[Any], Any]
+) -> Any:
+    """`run()`, an application of `cls` on `args` and `kwargs`, told to this thread's listener (with the
+    outputs `noted` picks of what it returns) unless another thread's or inside another application."""
     listener = _noting.listener
-    if listener is None or _noting.depth:  # another thread's, or a Function applied inside another's
-        return apply(*args, **kwargs)
+    if listener is None or _noting.depth:
+        return run()
     listener.started()
     _noting.depth += 1
     try:
-        outputs = apply(*args, **kwargs)
+        outputs = run()
     finally:
         _noting.depth -= 1
-    listener.finished(cls, args, kwargs, outputs)
+    listener.finished(cls, args, kwargs, noted(outputs))
     return outputs
 
 
@@ -886,20 +894,14 @@ def _forward_noting(cls: type, forward: Callable[..., Any], with_ctx: bool) -> C
 
     @functools.wraps(forward)
     def noting(*args: Any, **kwargs: Any) -> Any:
-        listener = _noting.listener
-        if listener is None or _noting.depth:  # another thread's, or noted by `_apply_noting` already
-            return forward(*args, **kwargs)
-        listener.started()
-        _noting.depth += 1
-        try:
-            outputs = forward(*args, **kwargs)
-        finally:
-            _noting.depth -= 1
         given = args[1:] if with_ctx else args
         inputs = {id(a) for a in pytree.tree_leaves((given, kwargs)) if isinstance(a, torch.Tensor)}
-        returned = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
-        listener.finished(cls, given, kwargs, () if any(id(t) in inputs for t in returned) else outputs)
-        return outputs
+
+        def noted(outputs: Any) -> Any:
+            returned = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+            return () if any(id(t) in inputs for t in returned) else outputs
+
+        return _noted(cls, lambda: forward(*args, **kwargs), given, kwargs, noted)
 
     return noting
 
