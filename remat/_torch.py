@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import CodeType, FrameType
 from typing import Any, Protocol
@@ -857,11 +858,12 @@ _ABSENT = object()
 
 def _wrap_forwards() -> None:
     """Wrap the `forward` of every custom Function class so far, each as the class sees it."""
-    classes, pending = [], [torch.autograd.Function]
+    classes: dict[type, None] = {}
+    pending: list[type] = [torch.autograd.Function]
     while pending:
         for subclass in pending.pop().__subclasses__():
             if subclass not in classes:
-                classes.append(subclass)
+                classes[subclass] = None
                 pending.append(subclass)
     own_setup = inspect.getattr_static(torch.autograd.Function, "setup_context")
     wrappers = {}
@@ -872,10 +874,19 @@ def _wrap_forwards() -> None:
         if not inspect.isfunction(forward):  # (a classmethod, a C function: left as it is)
             continue
         with_ctx = inspect.getattr_static(cls, "setup_context", own_setup) is own_setup  # old style: forward(ctx, ...)
-        wrappers[cls] = staticmethod(_forward_noting(cls, forward, with_ctx))
+        made = _forward_wrappers.get(cls)
+        if made is None or made[0] is not forward or made[1] != with_ctx:
+            made = _forward_wrappers[cls] = (forward, with_ctx, staticmethod(_forward_noting(cls, forward, with_ctx)))
+        wrappers[cls] = made[2]
     for cls, wrapper in wrappers.items():
         _wrapped_forwards[cls] = vars(cls).get("forward", _ABSENT)
         type.__setattr__(cls, "forward", wrapper)
+
+
+# class -> (the forward it wrapped, whether old style, the wrapper): made once per class and forward
+_forward_wrappers: weakref.WeakKeyDictionary[type, tuple[Any, bool, staticmethod[..., Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _unwrap_forwards() -> None:
