@@ -861,7 +861,8 @@ def _wrap_forwards() -> None:
     classes: dict[type, None] = {}
     pending: list[type] = [torch.autograd.Function]
     while pending:
-        for subclass in pending.pop().__subclasses__():
+        subclasses: list[type] = pending.pop().__subclasses__()
+        for subclass in subclasses:
             if subclass not in classes:
                 classes[subclass] = None
                 pending.append(subclass)
