@@ -29,13 +29,16 @@ from ._torch import (
     forward_grad_enabled,
     functorch_active,
     functorch_interpreters,
+    functorch_level,
     inplace_requires_grad_allowed,
+    is_functorch_wrapped,
     make_dual,
     release_saved_tensors,
     tangent_of,
     unbatched_at,
     unwrap_batched,
     unwrap_dead_wrappers,
+    unwrap_level,
     vmap_levels,
 )
 
@@ -502,7 +505,20 @@ def _differentiated_again(
         return False
     if not functorch_active():  # (a pullback whose level has ended: only what requires grad below counts)
         kept = unwrap_dead_wrappers(kept)
-    return any(t is not None and requires_grad_at_any_level(t) for t in (*kept, *grads))
+        return any(t is not None and requires_grad_at_any_level(t) for t in (*kept, *grads))
+    running = functorch_interpreters()[-1]
+    level = running.level() if running.key() == TransformType.Grad else None
+    return any(t is not None and _requires_grad_beyond(t, level) for t in (*kept, *grads))
+
+
+def _requires_grad_beyond(tensor: torch.Tensor, level: int | None) -> bool:
+    """Whether `tensor` requires grad at some level of torch.func transforms, or of autograd under them,
+    other than `level` (the `grad` whose backward runs now, which differentiates nothing again)."""
+    while is_functorch_wrapped(tensor):
+        if tensor.requires_grad and functorch_level(tensor) != level:
+            return True
+        tensor = unwrap_level(tensor)
+    return tensor.requires_grad
 
 
 def _pure_vjp(

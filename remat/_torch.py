@@ -135,6 +135,7 @@ __all__ = [
     "function_applications_noted",
     "drawn_per_example_but_unbatched",
     "batched_at",
+    "functorch_level",
     "unbatched_at",
     "unwrap_dead_wrappers",
     "has_no_derivative",
@@ -744,6 +745,11 @@ def unbatched_at(tensor: torch.Tensor, level: int) -> tuple[torch.Tensor, int | 
     if torch._C._functorch.is_batchedtensor(tensor) and torch._C._functorch.maybe_get_level(tensor) == level:
         return torch._C._functorch._unwrap_batched(tensor, level)  # type: ignore[no-any-return]
     return tensor, None
+
+
+def functorch_level(tensor: torch.Tensor) -> int:
+    """The torch.func level of the outermost wrapper of `tensor` (a wrapped one)."""
+    return int(torch._C._functorch.maybe_get_level(tensor))
 
 
 def batched_at(tensor: torch.Tensor, dim: int, level: int) -> torch.Tensor:

@@ -519,6 +519,21 @@ def test_second_derivatives_through_gradients_that_read_lu_factors_equal_eager(n
         assert ours.stride() == eager.stride()
 
 
+def test_a_single_grad_through_a_gradient_that_reads_lu_factors_runs_the_traced_backward() -> None:
+    # Found by the 2.15 soak (`bernoulli_transposed_attention_`, then `slogdet`): under one `torch.func.grad`
+    # the backward's input requires grad only at the level running it, so nothing differentiates it again;
+    # it took autograd's route over the pure forward all the same, laid its gradient out as the trace had
+    # it, (1, 2), where eager's is (2, 1). The traced backward runs there now, as for `.backward()`.
+    fn = remat.testing.RandomFunction(
+        (2, 2),
+        1,
+        (remat.testing.Step("bernoulli_transposed_attention_", 0, 0), remat.testing.Step("slogdet", 1, 1)),
+        (2,),
+    )
+    x = torch.tensor([[1.5410, -0.2934], [-2.1788, 0.5684]], dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, transforms=["grad", "grad_of_grad", "double_backward"])
+
+
 def test_transforms_are_not_blind() -> None:
     # The comparisons above would pass vacuously if the transforms gave zeros, or if the
     # scale did not reach the output: the model and the jacobian must be non-trivial.
