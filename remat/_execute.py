@@ -503,12 +503,14 @@ def _differentiated_again(
     pure = programs.pure_with_outputs
     if pure is None or not pure.reads_only_what_is_kept:
         return False
-    if not functorch_active():  # (a pullback whose level has ended: only what requires grad below counts)
+    interpreters = functorch_interpreters()
+    if len(interpreters) == 1 and interpreters[0].key() == TransformType.Grad:
+        # One `grad` alone (and no pullback of an ended level: its wrapper is not this one): the backward
+        # running is its own, and what requires grad there only is differentiated by nothing again.
+        return any(t is not None and _requires_grad_beyond(t, interpreters[0].level()) for t in (*kept, *grads))
+    if not interpreters:  # (a pullback whose level has ended: only what requires grad below counts)
         kept = unwrap_dead_wrappers(kept)
-        return any(t is not None and requires_grad_at_any_level(t) for t in (*kept, *grads))
-    running = functorch_interpreters()[-1]
-    level = running.level() if running.key() == TransformType.Grad else None
-    return any(t is not None and _requires_grad_beyond(t, level) for t in (*kept, *grads))
+    return any(t is not None and requires_grad_at_any_level(t) for t in (*kept, *grads))
 
 
 def _requires_grad_beyond(tensor: torch.Tensor, level: int | None) -> bool:
@@ -544,8 +546,9 @@ def _pure_vjp(
     if not chosen:
         return result
     positions = [i for i, _ in chosen]
-    if not functorch_active():  # a pullback whose level has ended: its tensors are plain ones now, as
-        kept = unwrap_dead_wrappers(kept)  # `Function.apply` takes them (NOTE [custom Functions applied again])
+    # A pullback whose level has ended: its tensors are unwrapped from that level, as `Function.apply` takes
+    # them (NOTE [custom Functions applied again]), and as `torch.func.vjp` below must.
+    kept = unwrap_dead_wrappers(kept)
     values = [
         value if isinstance(k.where, KeptInput) and requires_grad_at_any_level(value) else value.detach()
         for value, k in zip(kept, programs.kept, strict=False)  # (`kept` may have the anchor of `_saved` after)

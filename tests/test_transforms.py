@@ -534,6 +534,25 @@ def test_a_single_grad_through_a_gradient_that_reads_lu_factors_runs_the_traced_
     assert_checkpoint_equivalent(fn, x, transforms=["grad", "grad_of_grad", "double_backward"])
 
 
+@pytest.mark.parametrize("name", sorted(LU_FACTORED))
+def test_the_vjp_of_a_pullback_called_inside_it_through_gradients_that_read_lu_factors(name: str) -> None:
+    # A Hessian-vector product by two `vjp`s: the inner pullback runs after its level has ended, inside the
+    # outer `vjp`. Its backward takes autograd's route over the pure forward, whose `torch.func.vjp` got the
+    # kept input still wrapped at the ended level: torch's internal assert "level <= current_level".
+    fn = LU_FACTORED[name]
+    checkpointed = remat.checkpoint(fn)
+    a, v = _well_conditioned().detach(), models.randn(4, 4, seed=15, requires_grad=False)
+
+    def hessian_vector_product(f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        def gradient(x: torch.Tensor) -> torch.Tensor:
+            value, pullback = vjp(f, x)
+            return pullback(torch.ones_like(value))[0]
+
+        return vjp(gradient, a)[1](v)[0]
+
+    torch.testing.assert_close(hessian_vector_product(checkpointed), hessian_vector_product(fn), rtol=1e-10, atol=1e-10)
+
+
 def test_transforms_are_not_blind() -> None:
     # The comparisons above would pass vacuously if the transforms gave zeros, or if the
     # scale did not reach the output: the model and the jacobian must be non-trivial.
