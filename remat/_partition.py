@@ -32,6 +32,7 @@ from ._rules import rules_of
 from ._value_graph import (
     backward_nodes_of,
     differentiable,
+    is_custom_op,
     mutated_inputs,
     overwritten,
     returned_outputs,
@@ -245,7 +246,7 @@ def _differentiated_again_by_autograd(joint: JointGraph) -> bool:
         live = set(joint.graph.nodes)
         usable = [a for a in applied if _applies_again(a, live)]
         covered = frozenset().union(*(a.region for a in usable))
-        return len(usable) == len(applied) and all(node in covered or _is_custom_op(node) for node in scoped)
+        return len(usable) == len(applied) and all(node in covered or is_custom_op(node) for node in scoped)
     # A backward traced in grad mode holds eager's grad-mode formulas (NOTE [a backward traced as it will
     # run]); all but those that autograd differentiates wrongly.
     return not joint.backward_in_grad_mode or any(node.target in _SWITCH_IN_GRAD_MODE for node in joint.call_nodes)
@@ -272,12 +273,6 @@ def _applies_again(application: CustomApplication, live: set[fx.Node]) -> bool:
     if not all(node in live for node in inputs):
         return False
     return not any(draws_random_numbers(node) for node in application.region if node in live)
-
-
-def _is_custom_op(node: fx.Node) -> bool:
-    """Whether `node` calls a `torch.library` custom op (one node, differentiated by its own rule)."""
-    namespace = getattr(node.target, "namespace", None)
-    return namespace not in (None, "aten", "prims")
 
 
 def _inputs_to_differentiate_again(joint: JointGraph, split: _Split, kept: Sequence[Kept]) -> list[fx.Node]:
@@ -346,9 +341,7 @@ def _backward_not_differentiable(joint: JointGraph, pure_with_outputs: PureForwa
     `pure_with_outputs`), or cannot recompute the outputs. (A trace in grad mode knows which of the
     backward's ops ran without grad, but the derivatives of kept values computed from the Function's
     outputs would still go through its forward's ops, computed under `no_grad`: none.)"""
-    inside = next(
-        (c for c in joint.trace if c.scope is not None and not _is_custom_op(joint.call_nodes[c.index])), None
-    )
+    inside = next((c for c in joint.trace if c.scope is not None and not is_custom_op(joint.call_nodes[c.index])), None)
     if inside is not None:
         if pure_with_outputs is None:
             return f"{inside}: {_NOT_APPLIED_AGAIN.format(inside.scope)}"

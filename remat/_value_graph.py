@@ -32,6 +32,7 @@ __all__ = [
     "ValueGraph",
     "backward_nodes_of",
     "differentiable",
+    "is_custom_op",
     "mutated_inputs",
     "needed_by_backward",
     "overwritten",
@@ -41,6 +42,7 @@ __all__ = [
     "with_value_graph",
     "views_taken_before_a_read",
     "varying",
+    "varying_again",
     "view_base",
 ]
 
@@ -241,6 +243,12 @@ def varying_again(joint: JointGraph) -> set[fx.Node]:
     return {node for node in found if fill_of(node) is None}
 
 
+def is_custom_op(node: fx.Node) -> bool:
+    """Whether `node` calls a `torch.library` custom op (one node, differentiated by its own rule)."""
+    namespace = getattr(node.target, "namespace", None)
+    return namespace not in (None, "aten", "prims")
+
+
 def _has_float(node: fx.Node) -> bool:
     """Whether `node` has a floating or complex value, or several values: an integer or boolean tensor
     (`isnan`, a count) has no derivative, nor has what autograd computes from it alone."""
@@ -404,7 +412,10 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
             _rng.state_nbytes(device_of(node)) if call.is_random else 0
             for call, node in zip(joint.trace, joint.call_nodes, strict=True)
         ),
-        recomputes_returned=any(call.scope is not None for call in joint.trace),
+        recomputes_returned=any(
+            call.scope is not None and not is_custom_op(node)
+            for call, node in zip(joint.trace, joint.call_nodes, strict=True)
+        ),
         varying_again=frozenset(v for v, node in nodes.items() if node in with_derivative_again),
         nodes=nodes,
     )
