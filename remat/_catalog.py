@@ -383,9 +383,20 @@ _first_column_of = _FirstColumn.apply
 
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
-    """A well-conditioned symmetric positive definite matrix of `x`'s columns, `(cols, cols)`."""
+    """A well-conditioned symmetric positive definite matrix of `x`'s columns, `(cols, cols)`, in at least
+    float32 (torch's linear algebra refuses lower precision)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
     cols = x.shape[1]
     return torch.eye(cols, dtype=x.dtype, device=x.device) * cols + x.t() @ x / x.shape[0]
+
+
+def _linalg_solve(x: torch.Tensor) -> torch.Tensor:
+    gram = _gram(x)
+    return torch.linalg.solve(gram, x.t().to(gram.dtype)).t().to(x.dtype)
+
+
+def _slogdet(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.linalg.slogdet(_gram(x))[1].tanh().to(x.dtype)
 
 
 def _autocast_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -536,8 +547,8 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     "custom_view_of_first_column": (1, lambda x, y, c: x * _FirstColumn.apply(x.sin())),
     "custom_view_taken_before": (1, lambda x, y, c: x.cos() * _first_column_of(x.sin())),
     # linear algebra whose gradient formulas read factorizations (LU): autograd's own where differentiated
-    "linalg_solve": (1, lambda x, y, c: torch.linalg.solve(_gram(x), x.t()).t()),
-    "slogdet": (1, lambda x, y, c: x * torch.linalg.slogdet(_gram(x))[1].tanh()),
+    "linalg_solve": (1, lambda x, y, c: _linalg_solve(x)),
+    "slogdet": (1, lambda x, y, c: _slogdet(x)),
     # custom autograd Function flags: an output marked not differentiable, a backward differentiable once
     "custom_sorted_with_ranks": (1, lambda x, y, c: _sorted_with_ranks(x)),
     "custom_square_once_differentiable": (1, lambda x, y, c: _SquareOnce.apply(x.sin())),
