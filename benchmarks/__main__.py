@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv and argv[0] == "list":
         for name, module in BENCHMARKS.items():
             summary = (importlib.import_module(module).__doc__ or "").strip().splitlines()[0]
-            print(f"{name:<11} {summary}")
+            print(f"{name:<12} {summary}")
         return
     if argv and argv[0] in BENCHMARKS:
         importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
