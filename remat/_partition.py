@@ -37,7 +37,6 @@ from ._value_graph import (
     overwritten,
     returned_outputs,
     varying,
-    varying_again,
     views_taken_before_a_read,
 )
 
@@ -260,8 +259,8 @@ def _constants_to_autograd(joint: JointGraph, constants: set[fx.Node]) -> set[fx
     outputs of custom Functions and what has a derivative through them, traced under `no_grad` but with
     the Function's backward in eager; nor what is computed from a random fill of a value with a
     derivative, NOTE [a fill's derivative]). See NOTE [custom Functions applied again]."""
-    again = varying_again(joint)
-    return {c for c in constants if c not in again}
+    graph = joint.values
+    return constants - {graph.nodes[v] for v in graph.varying_again}
 
 
 def _applies_again(application: CustomApplication, live: set[fx.Node]) -> bool:

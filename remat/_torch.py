@@ -913,9 +913,9 @@ def _forward_noting(cls: type, forward: Callable[..., Any], with_ctx: bool) -> C
     @functools.wraps(forward)
     def noting(*args: Any, **kwargs: Any) -> Any:
         given = args[1:] if with_ctx else args
-        inputs = {id(a) for a in pytree.tree_leaves((given, kwargs)) if isinstance(a, torch.Tensor)}
 
-        def noted(outputs: Any) -> Any:
+        def noted(outputs: Any) -> Any:  # (only for an application noted: not on every call)
+            inputs = {id(a) for a in pytree.tree_leaves((given, kwargs)) if isinstance(a, torch.Tensor)}
             returned = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
             return () if any(id(t) in inputs for t in returned) else outputs
 
