@@ -328,14 +328,23 @@ def real_values_traced() -> Iterator[None]:
     real value, noted as a runtime assertion of the `ShapeEnv` (torch's "propagate real tensors", made
     for torch.export's draft mode). Fake inputs get copies of the real data: nothing real is updated.
     Torch logs each such value as a warning; here they are expected, and are not logged."""
-    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = shapes_log.level
-    shapes_log.setLevel(logging.ERROR)
+    with (
+        logged_only_from("torch.fx.experimental.symbolic_shapes", logging.ERROR),
+        torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def logged_only_from(logger_name: str, level: int) -> Iterator[None]:
+    """Records of torch's logger `logger_name` below `level` are dropped inside."""
+    logger = logging.getLogger(logger_name)
+    before = logger.level
+    logger.setLevel(level)
     try:
-        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True):
-            yield
+        yield
     finally:
-        shapes_log.setLevel(level)
+        logger.setLevel(before)
 
 
 # NOTE [squeezing a size that depends on data]

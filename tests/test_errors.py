@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import re
@@ -534,6 +535,22 @@ def test_an_op_refusing_its_inputs_is_still_the_runtime_error_eager_raises():
     with pytest.raises(RuntimeError, match=r"same reduction dim") as info:
         remat.checkpoint(lambda x: x @ x)(_randn(2, 3))  # a shape mismatch, as eager would report it
     assert isinstance(info.value, remat.TraceError)
+
+
+def test_an_op_refusing_its_inputs_is_raised_not_logged():
+    # torch logs the fake kernel's error with its traceback before raising it; eager only raises.
+    records: list[logging.LogRecord] = []
+    collect = logging.Handler()
+    collect.emit = records.append  # type: ignore[method-assign]
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log.addHandler(collect)
+    try:
+        with pytest.raises(remat.TraceError, match=r"same reduction dim"):
+            remat.checkpoint(lambda x: x @ x)(_randn(2, 3))
+    finally:
+        fake_log.removeHandler(collect)
+    assert not records
+    assert fake_log.level == logging.NOTSET  # put back
 
 
 def test_an_op_returning_a_python_value_of_tensors_is_a_trace_error():
