@@ -6,12 +6,13 @@ Imports only the torch door and the facts of graph nodes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import fx
 
+from . import _rng
 from ._facts import CustomApplication, application_of, note_application
 from ._torch import node_behind, tree_leaves
 
@@ -36,8 +37,11 @@ __all__ = ["ApplicationRecorder", "Reapplication", "application_of"]
 # recomputes the function's outputs, so what it reads is kept whatever the
 # policy (`ValueGraph.recomputes_returned` in the rules): the generator state of
 # a random call they are computed from, a copy of an input overwritten after.
-# An application whose forward draws random numbers, or whose arguments tracing
-# could not place, is not applied again: its first derivatives are exact, and a
+# A forward that draws random numbers is applied again from the generator states
+# kept before its first draw on each generator (`_programs.first_draws`; the
+# rules keep them wherever an output is recomputed), so it draws what it drew,
+# and the generators are put back after. An application whose arguments tracing
+# could not place is not applied again: its first derivatives are exact, and a
 # second derivative through its outputs is refused, saying why.
 
 
@@ -67,7 +71,7 @@ class ApplicationRecorder:
             args, kwargs = _with_nodes((args, kwargs), self._node_of)
         except _Unplaced:
             return
-        application = CustomApplication(cls, args, kwargs, tuple(placed), frozenset(region))
+        application = CustomApplication(cls, args, kwargs, tuple(placed), tuple(region))
         for index, output in enumerate(placed):
             note_application(output, application, index)
 
@@ -95,19 +99,28 @@ def _with_nodes(tree: Any, node_of: Callable[[Any], fx.Node | None]) -> Any:
 
 class Reapplication:
     """A program's call applying `application`'s Function again, on the values of its tensor arguments
-    (in the order of `inputs`), returning its tensor outputs as a tuple. See NOTE [custom Functions
-    applied again]."""
+    (in the order of `inputs`) and, for each of `draws` (its forward's first random call on each
+    generator), the generator state kept before it and the generator (None for a default one), returning
+    its tensor outputs as a tuple. See NOTE [custom Functions applied again]."""
 
-    def __init__(self, application: CustomApplication):
+    def __init__(self, application: CustomApplication, draws: Sequence[tuple[fx.Node, torch.device]]):
         self.application = application
         self.inputs: list[fx.Node] = []
         fx.node.map_arg((application.args, application.kwargs), self.inputs.append)
+        self.draws = tuple(draws)
         # What FX's code calls it by (a target must have a name).
         self.__name__ = f"apply_{application.function.__name__}"
         self.__module__ = __name__
 
-    def __call__(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        value_of = dict(zip(self.inputs, values, strict=True))
+    def __call__(self, *values: Any) -> tuple[torch.Tensor, ...]:
+        n = len(self.inputs)
+        value_of = dict(zip(self.inputs, values[:n], strict=True))
+        states, generators = values[n : n + len(self.draws)], values[n + len(self.draws) :]
         args, kwargs = fx.node.map_arg((self.application.args, self.application.kwargs), value_of.__getitem__)
-        outputs = self.application.function.apply(*args, **kwargs)  # type: ignore[attr-defined]
+        at = [
+            (state, device, generator)
+            for state, (_, device), generator in zip(states, self.draws, generators, strict=True)
+        ]
+        with _rng.generators_at(at):  # it draws the numbers it drew in forward
+            outputs = self.application.function.apply(*args, **kwargs)  # type: ignore[attr-defined]
         return tuple(t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor))

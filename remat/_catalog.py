@@ -317,6 +317,23 @@ class _Cube(torch.autograd.Function):
         return grad * 3 * x * x
 
 
+class _NoisyScale(torch.autograd.Function):
+    """A custom autograd Function whose forward draws random numbers (a stochastic layer written by hand)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * (1.0 + 0.5 * torch.rand_like(x))
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0], output)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        x, y = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad * y / x
+
+
 class _FirstColumn(torch.autograd.Function):
     """A custom autograd Function returning a view of its input, gradients not materialized."""
 
@@ -546,6 +563,7 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     "custom_cube": (1, lambda x, y, c: _Cube.apply(x.tanh())),
     "custom_view_of_first_column": (1, lambda x, y, c: x * _FirstColumn.apply(x.sin())),
     "custom_view_taken_before": (1, lambda x, y, c: x.cos() * _first_column_of(x.sin())),
+    "custom_noisy_scale": (1, lambda x, y, c: x * _NoisyScale.apply(x.cos() + 1.5)),
     # linear algebra whose gradient formulas read factorizations (LU): autograd's own where differentiated
     "linalg_solve": (1, lambda x, y, c: _linalg_solve(x)),
     "slogdet": (1, lambda x, y, c: _slogdet(x)),
@@ -574,7 +592,7 @@ RANDOM_OPS = frozenset(
         "normal_strided_", "exponential_rows_", "uniform_through_expand_", "normal_of_bernoulli",
         "rand_from_generator", "branch_on_generator", "normal_unfold_window_", "bernoulli_transposed_attention_",
         "bernoulli_reshaped_transposed_", "uniform_transposed_clone_", "normal_transposed_reduced_",
-        "normal_leading_expand_", "rrelu_transposed_then_dropout",
+        "normal_leading_expand_", "rrelu_transposed_then_dropout", "custom_noisy_scale",
     }
 )  # fmt: skip
 

@@ -120,7 +120,7 @@ class CustomApplication:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     outputs: tuple[fx.Node, ...]
-    region: frozenset[fx.Node]
+    region: tuple[fx.Node, ...]  # in the order traced
 
 
 def application_of(node: fx.Node) -> tuple[CustomApplication, int] | None:

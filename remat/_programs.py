@@ -43,6 +43,19 @@ def device_of(node: fx.Node) -> torch.device:
     return (value if isinstance(value, torch.Tensor) else value[0]).device
 
 
+def first_draws(application: CustomApplication, joint: JointGraph, live: Collection[fx.Node]) -> tuple[fx.Node, ...]:
+    """The random calls of `application`'s forward that applying it again starts from their kept
+    generator states: the first on each generator (the forward then draws the rest from it, as it did)."""
+    first: dict[tuple[torch.device, int], fx.Node] = {}
+    for node in application.region:
+        if node in live and draws_random_numbers(node):
+            generator = node.kwargs.get("generator")  # each read of a generator is a node of its own
+            if isinstance(generator, fx.Node):
+                generator = joint.constants[generator.target]  # type: ignore[index]
+            first.setdefault((device_of(node), id(generator)), node)
+    return tuple(first.values())
+
+
 def forward_program(
     joint: JointGraph,
     returned: Sequence[fx.Node],
@@ -294,12 +307,19 @@ class PureForward:
         """Whether the targets can be recomputed from the kept values: no input it reaches is missing,
         and no random call it reaches would draw afresh (its state or its output is kept)."""
         states = {node for node, is_state in self.kept if is_state}
+        live = set(self.joint.graph.nodes) if self.reapply else set()
         stack, seen = list(self.targets), set()
         while stack:
             node = stack.pop()
             if node in seen or node in self.inputs:
                 continue
             seen.add(node)
+            found = application_of(node) if self.reapply else None
+            if found is not None:  # applied again: NOTE [custom Functions applied again]
+                if not states.issuperset(first_draws(found[0], self.joint, live)):
+                    return False
+                fx.node.map_arg((found[0].args, found[0].kwargs), stack.append)
+                continue
             if node.op == "placeholder" or (draws_random_numbers(node) and node not in states):
                 return False
             stack.extend(node.all_input_nodes)
@@ -314,7 +334,7 @@ class PureForward:
             if node in self.inputs.values():
                 holders[node] = graph.call_function(_offload.reload_now, (holders[node], device_of(node)))
         env = {primal: holders[holder] for primal, holder in self.inputs.items()}
-        emit = _emitter(graph, env, states, self.forward_mode, reapply=self.reapply)
+        emit = _emitter(graph, env, states, self.forward_mode, reapply_in=self.joint if self.reapply else None)
         if self.reapply:  # a fill's kept value, read as it is, keeps its derivative: NOTE [a fill's derivative]
             for node in [n for n in self.inputs if n.op == "call_function" and fill_of(n) is not None]:
                 filled = node.args[0]
@@ -501,28 +521,39 @@ def _emitter(
     states: Mapping[fx.Node, fx.Node],
     forward_mode: bool,
     hosts: Mapping[fx.Node, fx.Node] | None = None,
-    reapply: bool = False,
+    reapply_in: JointGraph | None = None,
 ) -> Callable[[fx.Node], fx.Node]:
     """A function that copies a node of the joint graph into `graph` (and, first, the nodes
     it reads that are not there yet), replaying random calls from their kept states, so
     that autograd (forward-mode AD, with `forward_mode`) can differentiate the copy. See
     NOTE [differentiating the forward again]. A node with a placeholder in `hosts` is
-    reloaded from that host copy where it is first read."""
+    reloaded from that host copy where it is first read. With `reapply_in` (the joint graph
+    copied from), custom Functions are applied again: NOTE [custom Functions applied again]."""
     hosts = hosts or {}
+    live = set(reapply_in.graph.nodes) if reapply_in is not None else set()
     reapplications: dict[CustomApplication, Reapplication] = {}
 
     def reapplication(node: fx.Node) -> Reapplication | None:
         """How the program applies again the custom Function whose output `node` is, if it does."""
-        found = application_of(node) if reapply else None
-        if found is None:
+        found = application_of(node)
+        if found is None or reapply_in is None:
             return None
         application = found[0]
         if application not in reapplications:
-            reapplications[application] = Reapplication(application)
+            draws = first_draws(application, reapply_in, live)
+            reapplications[application] = Reapplication(application, [(d, device_of(d)) for d in draws])
         return reapplications[application]
 
     def apply_again(again: Reapplication) -> None:
-        applied = graph.call_function(again, tuple(env[n] for n in again.inputs))
+        generators = [draw.kwargs.get("generator") for draw, _ in again.draws]
+        applied = graph.call_function(
+            again,
+            (
+                *(env[n] for n in again.inputs),
+                *(states[draw] for draw, _ in again.draws),
+                *(emit(g) if isinstance(g, fx.Node) else g for g in generators),
+            ),
+        )
         for k, output in enumerate(again.application.outputs):
             if output not in env:
                 env[output] = graph.call_function(operator.getitem, (applied, k))

@@ -10,7 +10,7 @@ import functools
 import importlib
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ __all__ = [
     "GeneratorMadeInside",
     "GlobalSeeding",
     "check_generators_outlive_fn",
+    "generators_at",
     "seeding_refused",
     "has_zero_derivative",
     "is_random_factory",
@@ -98,15 +99,25 @@ def run_keeping_state(device: torch.device, op: Any, /, *args: Any, **kwargs: An
 
 def replay_with_rng_state(state: torch.Tensor, device: torch.device, op: Any, /, *args: Any, **kwargs: Any) -> Any:
     """Run `op(*args, **kwargs)` as it ran when its generator was in `state`, leaving the generator as found."""
-    resolved = _resolve(device, kwargs.get("generator"))
-    state = innermost(state)  # kept under a torch.func transform
+    with generators_at([(state, device, kwargs.get("generator"))]):
+        return op(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def generators_at(states: Sequence[tuple[torch.Tensor, torch.device, torch.Generator | None]]) -> Iterator[None]:
+    """Inside, each generator (the default one of `device`, or the one given) is in its `state`; after,
+    they are as found. One lock is held throughout: see NOTE [replaying random calls]."""
+    # (`innermost`: a state kept under a torch.func transform is wrapped)
+    resolved = [(_resolve(device, generator), innermost(state)) for state, device, generator in states]
     with _GENERATORS:
-        current = resolved.get_state()
-        resolved.set_state(state)
+        found = [generator.get_state() for generator, _ in resolved]
+        for generator, state in resolved:
+            generator.set_state(state)
         try:
-            return op(*args, **kwargs)
+            yield
         finally:
-            resolved.set_state(current)
+            for (generator, _), before in zip(reversed(resolved), reversed(found), strict=True):
+                generator.set_state(before)
 
 
 def snapshot(generators: Iterable[torch.Generator] = ()) -> Callable[[], None]:

@@ -101,6 +101,14 @@ def _clauses(graph: ValueGraph, forward_mode: bool) -> Iterator[Clause]:
     if forward_mode or graph.recomputes_returned:
         for value in graph.shown_by_returned:
             yield from _recomputation_reads(graph, value, True, (), varying)
+    # Recomputing an output of a custom Function applied again reads the Function's arguments, and the
+    # generator states its forward's draws start from (NOTE [custom Functions applied again]).
+    for applied in graph.reapplied:
+        for call in applied.outputs:
+            for value in applied.reads:
+                yield from _recomputation_reads(graph, value, True, (Atom(RECOMPUTED, call),), varying)
+            for draw in applied.draws:
+                yield Clause(Atom(STATE, draw), (Atom(RECOMPUTED, call),))
     # A recomputation reads what its call reads, up to kept values without a derivative: constants to
     # any derivative, which stand for themselves.
     for call, values in enumerate(graph.reads):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -26,7 +26,7 @@ from ._capture import history_of
 from ._facts import application_of, differentiable_outputs, fill_of
 from ._joint import JointGraph, is_free, stops_gradient
 from ._measure import storage_key, storage_nbytes, tensor_nbytes, tensors_in
-from ._programs import device_of
+from ._programs import device_of, first_draws
 
 __all__ = [
     "ValueGraph",
@@ -273,6 +273,16 @@ def differentiable(node: fx.Node) -> bool:
 # --- the value graph -------------------------------------------------------------------------------------
 
 
+class Reapplied(NamedTuple):
+    """A custom Function application that a recomputation applies again (NOTE [custom Functions applied
+    again]): where one of the calls `outputs` (that compute its outputs) is recomputed, it reads `reads`
+    (its tensor arguments) and the generator states of the random calls `draws` (`_programs.first_draws`)."""
+
+    outputs: tuple[int, ...]
+    reads: tuple[Value, ...]
+    draws: tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ValueGraph:
     """A joint graph's values and who reads them. Inputs are the values `(-1 - i, 0)`; the outputs of
@@ -299,6 +309,7 @@ class ValueGraph:
         varying_again: the values autograd differentiates where it differentiates that recomputation:
             `varying`, and what has a derivative through custom Functions and random fills (a fill
             itself is read as kept: NOTE [a fill's derivative]).
+        reapplied: the custom Function applications that recomputation applies again.
         nodes: the node holding each value (a `getitem` for one output of a multi-output call).
     """
 
@@ -314,6 +325,7 @@ class ValueGraph:
     rng_state_nbytes: tuple[int, ...]
     recomputes_returned: bool
     varying_again: frozenset[Value]
+    reapplied: tuple[Reapplied, ...]
     nodes: Mapping[Value, fx.Node]
 
     def dataflow(self) -> Dataflow:
@@ -395,6 +407,10 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
     with_derivative = varying(joint, forward_mode=False)
     with_tangent = varying(joint, forward_mode=True)
     with_derivative_again = varying_again(joint)
+    recomputes = any(  # (a call read by nothing: a random call left of a Function nothing reads)
+        call.scope is not None and not is_custom_op(node) and node.users
+        for call, node in zip(joint.trace, joint.call_nodes, strict=True)
+    )
     inputs = {storage_key(t) for p in joint.primals for t in tensors_in(p.meta["val"])}
     return ValueGraph(
         reads=tuple(reads),
@@ -412,13 +428,32 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
             _rng.state_nbytes(device_of(node)) if call.is_random else 0
             for call, node in zip(joint.trace, joint.call_nodes, strict=True)
         ),
-        recomputes_returned=any(
-            call.scope is not None and not is_custom_op(node)
-            for call, node in zip(joint.trace, joint.call_nodes, strict=True)
-        ),
+        recomputes_returned=recomputes,
         varying_again=frozenset(v for v, node in nodes.items() if node in with_derivative_again),
+        reapplied=_reapplied(joint, call_index, values_shown) if recomputes else (),
         nodes=nodes,
     )
+
+
+def _reapplied(
+    joint: JointGraph, call_index: Mapping[fx.Node, int], values_shown: Callable[[fx.Node], tuple[Value, ...]]
+) -> tuple[Reapplied, ...]:
+    applications = {found[0]: None for node in joint.graph.nodes if (found := application_of(node)) is not None}
+    live = set(joint.graph.nodes)
+    reapplied = []
+    for application in applications:
+        arguments: list[fx.Node] = []
+        fx.node.map_arg((application.args, application.kwargs), arguments.append)
+        region = {call_index[node] for node in application.region if node in call_index}
+        outputs = (v[0] for node in application.outputs if node in live for v in values_shown(node))
+        reapplied.append(
+            Reapplied(
+                outputs=tuple(dict.fromkeys(c for c in outputs if c in region)),  # (none for a view of an input)
+                reads=_distinct(v for node in arguments if node in live for v in values_shown(node)),
+                draws=tuple(call_index[node] for node in first_draws(application, joint, live)),
+            )
+        )
+    return tuple(reapplied)
 
 
 def _nbytes(value: Value, node: fx.Node, overwritten_inputs: frozenset[Value], inputs: set[Any]) -> int:

@@ -245,7 +245,7 @@ class _StraightThroughRound(torch.autograd.Function):
 
 
 class _NoisyScale(torch.autograd.Function):
-    """A forward that draws random numbers: remat cannot apply it again."""
+    """A forward that draws random numbers."""
 
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -280,20 +280,69 @@ def test_second_derivatives_through_a_custom_function_whose_output_another_formu
     _assert_second_order_equal(straight_through, _float64(3, 4), policy)
 
 
-def test_a_second_derivative_through_a_custom_function_that_draws_random_numbers_is_refused() -> None:
-    # remat cannot apply such a Function again (it would draw other numbers): the first derivative is
-    # exact, and a second derivative through it raises remat's own error rather than come out wrong.
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        return x * _NoisyScale.apply(x)
+class _NoisyGate(torch.autograd.Function):
+    """A forward that draws twice from the generator it is given (or the default one), once after an op."""
 
+    @staticmethod
+    def forward(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:  # type: ignore[override]
+        gate = torch.rand(x.shape, dtype=x.dtype, generator=generator) < 0.7
+        return x.exp() * gate + 0.01 * torch.randn(x.shape, dtype=x.dtype, generator=generator)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, Any], output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, y = ctx.saved_tensors
+        return grad * (y != 0) * x.exp(), None
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_second_derivatives_through_a_custom_function_that_draws_random_numbers(policy: Any) -> None:
+    # Applied again from the generator state kept before its forward's first draw, the Function draws
+    # the numbers it drew in forward; the generator is left where eager leaves it. (It was refused.)
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * _NoisyScale.apply(x.sin()).cos()
+
+    _assert_second_order_equal(fn, _float64(4), policy)
     x = _float64(4)
     torch.manual_seed(0)
-    (expected,) = torch.autograd.grad(fn(x).sum(), x)
+    _create_graph_then_backward(fn, x)
+    expected = torch.rand(3)
     torch.manual_seed(0)
-    (gradient,) = torch.autograd.grad(remat.checkpoint(fn)(x).sum(), x, create_graph=True)
-    torch.testing.assert_close(gradient, expected)
-    with pytest.raises(NotImplementedError, match=r"custom autograd Function _NoisyScale, which remat cannot apply"):
-        gradient.sum().backward()
+    _create_graph_then_backward(remat.checkpoint(fn, policy=policy), x)
+    torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_second_derivatives_beside_a_random_custom_function_whose_output_nothing_reads() -> None:
+    # Its random call stays in the trace (it moves the generator), read by nothing: it was refused as a
+    # call inside a Function remat could not apply again.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        _NoisyScale.apply(x)
+        return x * x.cos()
+
+    _assert_second_order_equal(fn, _float64(4), policies.save_nothing)
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_second_derivatives_through_a_custom_function_drawing_from_a_generator_of_its_own(policy: Any) -> None:
+    generator = torch.Generator().manual_seed(3)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = _NoisyGate.apply(x, generator)
+        return x * x * y + _NoisyGate.apply(y, None)  # two applications, two generators
+
+    def second_order(f: Callable[..., torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        generator.manual_seed(3)
+        gradient = _create_graph_then_backward(f, x)
+        return gradient, torch.rand(2, generator=generator)
+
+    x = _float64(6)
+    expected, after = second_order(fn, x)
+    got, got_after = second_order(remat.checkpoint(fn, policy=policy), x)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got_after, after)
 
 
 # --- a backward traced as it will run ------------------------------------------------------------------

@@ -189,6 +189,7 @@ NEW_OPS = [
     "custom_view_taken_before",
     "linalg_solve",
     "slogdet",
+    "custom_noisy_scale",
 ]
 
 
