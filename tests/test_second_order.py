@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import remat
 from remat import policies
+from remat._catalog import _NoisyScale  # a forward that draws random numbers
 from remat.testing import RandomFunction, Step, assert_checkpoint_equivalent
 
 aten = torch.ops.aten
@@ -242,23 +243,6 @@ class _StraightThroughRound(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
         return grad * x.tanh()
-
-
-class _NoisyScale(torch.autograd.Function):
-    """A forward that draws random numbers."""
-
-    @staticmethod
-    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x * (1 + 0.1 * torch.rand_like(x))
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
-        ctx.save_for_backward(inputs[0], output)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        x, y = ctx.saved_tensors
-        return grad * y / x
 
 
 @pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
