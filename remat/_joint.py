@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import logging
 import operator
 import threading
 import warnings
@@ -73,6 +72,7 @@ from ._torch import (
     OpOverload,
     ShapeEnv,
     carry_real_values,
+    fake_kernel_errors_unlogged,
     forget_pending_sizes,
     from_functional,
     function_applications_noted,
@@ -85,7 +85,6 @@ from ._torch import (
     is_functorch_wrapped,
     is_saved_value_modified,
     lazy_graph_modules,
-    logged_only_from,
     make_fx,
     op_schema,
     real_values_traced,
@@ -170,9 +169,7 @@ def joint_graph_of(
             outside_functorch(),
             seeding_refused(),  # NOTE [seeding inside a checkpointed function]
             unset_fake_temporarily(),  # a fake mode of the caller's: the trace has its own
-            # A fake kernel refusing its inputs is logged with its traceback before it is raised;
-            # remat raises it with the line of `fn` that called the op (`explain_tracing_errors`).
-            logged_only_from("torch._subclasses.fake_tensor", logging.CRITICAL),
+            fake_kernel_errors_unlogged(),
         ):
             try:
                 joint = _joint_graph_attempt(
