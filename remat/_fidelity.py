@@ -584,7 +584,8 @@ def _unwrap(functional: FunctionalTensor) -> torch.Tensor:
 # expanded (`x.expand(*x.shape)`, a plain alias), and plainly wrong when
 # something is (eager's `fill_` on a broadcast view writes each element once;
 # the sum writes it as many times as it is repeated). So an `expand` to the
-# same shape is traced as the alias it is, and an in-place op into a tensor
+# same shape is traced as the alias it is (one that only adds leading dimensions
+# of size one as the view it is), and an in-place op into a tensor
 # whose elements may share memory (a broadcast, an overlapping `unfold`) is
 # refused: which of the writes wins is not something a functional graph says.
 # Functionalization itself refuses a write through any `unfold` whose window is
@@ -615,6 +616,8 @@ class EagerFidelity(TorchDispatchMode):
             return func(*args, **kwargs)
         if func is aten.expand.default and _expands_nothing(args[0], args[1]):
             return aten.alias.default(args[0])
+        if func is aten.expand.default and _only_adds_dims_of_one(args[0], args[1]):
+            return aten.view.default(args[0], [1] * (len(args[1]) - args[0].dim()) + list(args[0].shape))
         written = _written_tensors(func, args, kwargs)
         for tensor in written:
             if _may_overlap(tensor.shape, tensor.stride()):
@@ -699,6 +702,15 @@ def _expands_nothing(tensor: torch.Tensor, sizes: Sequence[Any]) -> bool:
     if len(sizes) != tensor.dim():
         return False
     return all(isinstance(s, int) and s in (-1, n) for s, n in zip(sizes, tensor.shape, strict=True))
+
+
+def _only_adds_dims_of_one(tensor: torch.Tensor, sizes: Sequence[Any]) -> bool:
+    added = len(sizes) - tensor.dim()
+    return (
+        added > 0
+        and all(isinstance(s, int) and s == 1 for s in sizes[:added])
+        and _expands_nothing(tensor, sizes[added:])
+    )
 
 
 def _known(shape: Sequence[Any], strides: Sequence[Any]) -> list[tuple[int, int]] | None:
