@@ -143,6 +143,7 @@ class _Split:
     kept_values: dict[fx.Node, None]  # what the programs keep or read as it is, in order of first need
     replayed: frozenset[int]  # the calls backward replays
     activations: list[fx.Node]  # kept values the forward returns besides the outputs (copies of inputs included)
+    kept: set[fx.Node]  # the values of saved calls kept
     constants: set[fx.Node]  # kept values without a derivative: the pure forward reads them as they are
     recomputed: frozenset[int]  # the calls the pure forward recomputes
     random_states: list[fx.Node]  # random calls whose generator state is kept
@@ -189,7 +190,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             False,
             tuple(kept_pairs),
             tuple(offloaded),
-            {**{p: p for p in holder}, **{c: c for c in _constants_to_autograd(joint, split.constants)}},
+            {**{p: p for p in holder}, **{c: c for c in _constants_to_autograd(joint, split.kept)}},
             tuple([*split.returned_nodes, *activations]),
             reapply=True,
         )
@@ -262,13 +263,14 @@ def _differentiated_again_by_autograd(joint: JointGraph) -> bool:
 _SWITCH_IN_GRAD_MODE = _quirks.GRADIENTS_SWITCH_IN_GRAD_MODE.table
 
 
-def _constants_to_autograd(joint: JointGraph, constants: set[fx.Node]) -> set[fx.Node]:
+def _constants_to_autograd(joint: JointGraph, kept: set[fx.Node]) -> set[fx.Node]:
     """The kept values that autograd, as eager runs it, gives no derivative (`varying_again`: not the
     outputs of custom Functions and what has a derivative through them, traced under `no_grad` but with
     the Function's backward in eager; nor what is computed from a random fill of a value with a
-    derivative, NOTE [a fill's derivative]). See NOTE [custom Functions applied again]."""
+    derivative), and kept fills, read as kept and connected to what they filled (NOTE [a fill's
+    derivative]). See NOTE [custom Functions applied again]."""
     graph = joint.values
-    return constants - {graph.nodes[v] for v in graph.varying_again}
+    return kept - {graph.nodes[v] for v in graph.varying_again}
 
 
 def _applies_again(application: CustomApplication, live: set[fx.Node]) -> bool:
@@ -331,6 +333,7 @@ def _split(joint: JointGraph, decisions: Sequence[Decision], forward_mode: bool)
                 ]
             )
         ),
+        kept={node_of[v] for v in resolved.kept},
         constants={node_of[v] for v in resolved.kept if v not in varying_values},
         recomputed=resolved.recomputed,
         random_states=[joint.call_nodes[c] for c in resolved.states],

@@ -52,9 +52,12 @@ def _programs_figures(fn: Any, args: Any, saved: set[int], joint: Any = None) ->
     decisions = [remat.SAVE if i in saved else remat.RECOMPUTE for i in range(len(joint.trace))]
     programs = partition(joint, decisions)
     in_backward = {  # copies share `val` (the kept values' placeholders carry theirs too)
-        id(node.meta.get("val")) for node in programs.backward.graph.nodes if node.op != "placeholder"
+        id(node.meta["val"])
+        for node in programs.backward.graph.nodes
+        if node.op != "placeholder" and "val" in node.meta
     }
-    replayed = {i for i, node in enumerate(joint.call_nodes) if id(node.meta["val"]) in in_backward}
+
+    replayed = {i for i, node in enumerate(joint.call_nodes) if id(node.meta.get("val", node)) in in_backward}
     inputs = {storage_key(t) for p in joint.primals for t in tensors_in(p.meta["val"])}
     storages: dict[Any, int] = {}
     nbytes = 0

@@ -299,6 +299,22 @@ def test_second_derivatives_through_a_custom_function_that_draws_random_numbers(
     torch.testing.assert_close(torch.rand(3), expected)
 
 
+@pytest.mark.parametrize(
+    "policy", [policies.save_everything, policies.budget(fraction=1.0)], ids=["everything", "budget"]
+)
+def test_a_kept_fill_of_a_value_with_a_derivative_beside_a_custom_function(policy: Any) -> None:
+    # The 2.13 soak's find: the recomputation that applies the Function again recomputed the kept `normal_`
+    # fill (of a value with a derivative), whose generator state the rules do not keep: refused, "please
+    # report". A kept fill is read as kept there, connected to what it filled (NOTE [a fill's derivative]).
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x * _NoisyScale.apply(x.cos() + 1.5)
+        t = y.sin().t().contiguous().t()
+        t.normal_()
+        return y * t.sum(1, keepdim=True) + t.amax(0, keepdim=True)
+
+    _assert_second_order_equal(fn, _float64(2, 3), policy)
+
+
 def test_second_derivatives_beside_a_random_custom_function_whose_output_nothing_reads() -> None:
     # Its random call stays in the trace (it moves the generator), read by nothing: it was refused as a
     # call inside a Function remat could not apply again.
