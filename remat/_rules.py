@@ -93,8 +93,11 @@ def _clauses(graph: ValueGraph, forward_mode: bool) -> Iterator[Clause]:
         varying = graph.varying_forward_mode
     else:  # what the recomputation that applies custom Functions again differentiates, if there is one
         varying = graph.varying_again if graph.recomputes_returned else graph.varying
+    # (Where there is one, the pure forward for a second derivative through kept values alone still
+    # recomputes what has a first derivative: kept fills, which the other reads as kept, included.)
+    recomputed_if_kept = varying | graph.varying if graph.recomputes_returned and not forward_mode else varying
     for value in graph.nodes:
-        if value[0] >= 0 and value in varying and value not in graph.returned:
+        if value[0] >= 0 and value in recomputed_if_kept and value not in graph.returned:
             yield Clause(Atom(RECOMPUTED, value[0]), (Atom(KEPT, value),))
     # The pure forward recomputes the returned outputs too: traced for forward mode (for their tangents), and
     # where it applies custom Functions again (NOTE [custom Functions applied again]).

@@ -315,6 +315,29 @@ def test_a_kept_fill_of_a_value_with_a_derivative_beside_a_custom_function(polic
     _assert_second_order_equal(fn, _float64(2, 3), policy)
 
 
+@pytest.mark.parametrize(
+    "policy", [policies.save_everything, policies.budget(fraction=1.0)], ids=["everything", "budget"]
+)
+def test_a_kept_fill_recomputed_for_a_second_derivative_through_kept_values_replays_its_draw(policy: Any) -> None:
+    # The 2.13 soak's find: the second backward sends cotangents to the kept values, and the pure forward
+    # differentiated for them recomputed the kept `normal_` fill without its generator state (the rules kept
+    # none where a custom Function is applied): a fresh draw, the random stream left elsewhere than eager's.
+    fn = RandomFunction(
+        (1, 2),
+        2,
+        (
+            Step("abs", 0, 0),
+            Step("abs", 2, 2),
+            Step("custom_noisy_scale", 3, 3),
+            Step("normal_transposed_reduced_", 4, 4),
+        ),
+        (5, 0),
+    )
+    x = torch.tensor([[1.5410, -0.2934]], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([[-2.1788, 0.5684]], dtype=torch.float64)
+    assert_checkpoint_equivalent(fn, x, y, policy=policy, transforms=["grad_of_grad", "double_backward"])
+
+
 def test_second_derivatives_beside_a_random_custom_function_whose_output_nothing_reads() -> None:
     # Its random call stays in the trace (it moves the generator), read by nothing: it was refused as a
     # call inside a Function remat could not apply again.
