@@ -105,8 +105,7 @@ class Reapplication:
 
     def __init__(self, application: CustomApplication, draws: Sequence[tuple[fx.Node, torch.device]]):
         self.application = application
-        self.inputs: list[fx.Node] = []
-        fx.node.map_arg((application.args, application.kwargs), self.inputs.append)
+        self.inputs = application.argument_nodes()
         self.draws = tuple(draws)
         # What FX's code calls it by (a target must have a name).
         self.__name__ = f"apply_{application.function.__name__}"

@@ -122,6 +122,12 @@ class CustomApplication:
     outputs: tuple[fx.Node, ...]
     region: tuple[fx.Node, ...]  # in the order traced
 
+    def argument_nodes(self) -> list[fx.Node]:
+        """The graph nodes of its tensor arguments, in order."""
+        nodes: list[fx.Node] = []
+        fx.node.map_arg((self.args, self.kwargs), nodes.append)
+        return nodes
+
 
 def application_of(node: fx.Node) -> tuple[CustomApplication, int] | None:
     """The custom Function application whose output `node` is, and which of its tensor outputs, or None."""

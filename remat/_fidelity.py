@@ -705,6 +705,7 @@ def _expands_nothing(tensor: torch.Tensor, sizes: Sequence[Any]) -> bool:
 
 
 def _only_adds_dims_of_one(tensor: torch.Tensor, sizes: Sequence[Any]) -> bool:
+    """Whether `tensor.expand(sizes)` only puts dimensions of size one in front: a view, not a broadcast."""
     added = len(sizes) - tensor.dim()
     return (
         added > 0

@@ -23,7 +23,7 @@ from torch import fx
 from . import _quirks, _rng
 from ._accounting import saved_calls
 from ._applications import application_of
-from ._calls import Call, Decision
+from ._calls import Decision
 from ._capture import history_of
 from ._facts import CustomApplication
 from ._joint import JointGraph, stops_gradient
@@ -31,6 +31,7 @@ from ._programs import PureForward, backward_program, forward_program, views_of_
 from ._rules import rules_of
 from ._value_graph import (
     backward_nodes_of,
+    calls_inside_functions,
     differentiable,
     is_custom_op,
     mutated_inputs,
@@ -234,21 +235,13 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
     )
 
 
-def _calls_inside_functions(joint: JointGraph) -> list[tuple[Call, fx.Node]]:
-    """The calls made inside custom autograd Functions (and custom ops) whose values are read. (A random
-    call of a Function whose outputs nothing reads is left in the trace, read by nothing.)"""
-    return [
-        (c, node) for c, node in zip(joint.trace, joint.call_nodes, strict=True) if c.scope is not None and node.users
-    ]
-
-
 def _differentiated_again_by_autograd(joint: JointGraph) -> bool:
     """Whether a backward that will be differentiated is autograd's over the pure forward: where the
     backward was traced for `.backward()` (`create_graph=True` may differentiate it), or calls an op whose
     formula autograd differentiates wrongly, or applies a custom autograd Function; and the pure forward
     can apply every such Function again. See NOTE [a backward that will be differentiated] and NOTE
     [custom Functions applied again]."""
-    scoped = [node for _, node in _calls_inside_functions(joint)]
+    scoped = [node for _, node in calls_inside_functions(joint)]
     applied = {found[0] for node in joint.graph.nodes if (found := application_of(node)) is not None}
     if scoped or applied:  # (a Function whose forward only takes a view calls no op of its own)
         live = set(joint.graph.nodes)
@@ -276,9 +269,7 @@ def _constants_to_autograd(joint: JointGraph, kept: set[fx.Node]) -> set[fx.Node
 def _applies_again(application: CustomApplication, live: set[fx.Node]) -> bool:
     """Whether the pure forward can apply `application` again: its inputs are still in the graph (an
     output nothing reads may be gone)."""
-    inputs: list[fx.Node] = []
-    fx.node.map_arg((application.args, application.kwargs), inputs.append)
-    return all(node in live for node in inputs)
+    return all(node in live for node in application.argument_nodes())
 
 
 def _inputs_to_differentiate_again(joint: JointGraph, split: _Split, kept: Sequence[Kept]) -> list[fx.Node]:
@@ -348,7 +339,7 @@ def _backward_not_differentiable(joint: JointGraph, pure_with_outputs: PureForwa
     `pure_with_outputs`), or cannot recompute the outputs. (A trace in grad mode knows which of the
     backward's ops ran without grad, but the derivatives of kept values computed from the Function's
     outputs would still go through its forward's ops, computed under `no_grad`: none.)"""
-    inside = next((c for c, node in _calls_inside_functions(joint) if not is_custom_op(node)), None)
+    inside = next((c for c, node in calls_inside_functions(joint) if not is_custom_op(node)), None)
     if inside is not None:
         if pure_with_outputs is None:
             return f"{inside}: {_NOT_APPLIED_AGAIN.format(inside.scope)}"

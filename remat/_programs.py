@@ -318,7 +318,7 @@ class PureForward:
             if found is not None:  # applied again: NOTE [custom Functions applied again]
                 if not states.issuperset(first_draws(found[0], self.joint, live)):
                     return False
-                fx.node.map_arg((found[0].args, found[0].kwargs), stack.append)
+                stack.extend(found[0].argument_nodes())
                 continue
             if node.op == "placeholder" or (draws_random_numbers(node) and node not in states):
                 return False

@@ -87,15 +87,16 @@ def _clauses(graph: ValueGraph, forward_mode: bool) -> Iterator[Clause]:
     for call, values in enumerate(graph.reads):
         for value in values:
             yield from _read(graph, value, value not in graph.read_as_they_are[call], (Atom(REPLAYED, call),))
-    # Differentiating again (NOTE [differentiating the forward again]): the pure forward recomputes each
-    # kept value with a derivative that the Function does not return.
+    # Differentiating again (NOTE [differentiating the forward again]): the pure forwards recompute each
+    # kept value with a derivative that the Function does not return. For a second derivative through the
+    # kept values, what has a first derivative (`varying`); where custom Functions are applied again, also
+    # what that recomputation differentiates (`varying_again`, which reads kept fills as kept).
     if forward_mode:
         varying = graph.varying_forward_mode
-    else:  # what the recomputation that applies custom Functions again differentiates, if there is one
+        recomputed_if_kept = varying
+    else:
         varying = graph.varying_again if graph.recomputes_returned else graph.varying
-    # (Where there is one, the pure forward for a second derivative through kept values alone still
-    # recomputes what has a first derivative: kept fills, which the other reads as kept, included.)
-    recomputed_if_kept = varying | graph.varying if graph.recomputes_returned and not forward_mode else varying
+        recomputed_if_kept = varying | graph.varying
     for value in graph.nodes:
         if value[0] >= 0 and value in recomputed_if_kept and value not in graph.returned:
             yield Clause(Atom(RECOMPUTED, value[0]), (Atom(KEPT, value),))

@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from . import _quirks, _rng
-from ._calls import Dataflow, Trace, Value
+from ._calls import Call, Dataflow, Trace, Value
 from ._capture import history_of
 from ._facts import application_of, differentiable_outputs, fill_of
 from ._joint import JointGraph, is_free, stops_gradient
@@ -31,6 +31,7 @@ from ._programs import device_of, first_draws
 __all__ = [
     "ValueGraph",
     "backward_nodes_of",
+    "calls_inside_functions",
     "differentiable",
     "is_custom_op",
     "mutated_inputs",
@@ -243,6 +244,14 @@ def varying_again(joint: JointGraph) -> set[fx.Node]:
     return {node for node in found if fill_of(node) is None}
 
 
+def calls_inside_functions(joint: JointGraph) -> list[tuple[Call, fx.Node]]:
+    """The calls made inside custom autograd Functions (and custom ops) whose values are read. (A random
+    call of a Function whose outputs nothing reads is left in the trace, read by nothing.)"""
+    return [
+        (c, node) for c, node in zip(joint.trace, joint.call_nodes, strict=True) if c.scope is not None and node.users
+    ]
+
+
 def is_custom_op(node: fx.Node) -> bool:
     """Whether `node` calls a `torch.library` custom op (one node, differentiated by its own rule)."""
     namespace = getattr(node.target, "namespace", None)
@@ -407,10 +416,7 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
     with_derivative = varying(joint, forward_mode=False)
     with_tangent = varying(joint, forward_mode=True)
     with_derivative_again = varying_again(joint)
-    recomputes = any(  # (a call read by nothing: a random call left of a Function nothing reads)
-        call.scope is not None and not is_custom_op(node) and node.users
-        for call, node in zip(joint.trace, joint.call_nodes, strict=True)
-    )
+    recomputes = any(not is_custom_op(node) for _, node in calls_inside_functions(joint))
     inputs = {storage_key(t) for p in joint.primals for t in tensors_in(p.meta["val"])}
     return ValueGraph(
         reads=tuple(reads),
@@ -442,14 +448,12 @@ def _reapplied(
     live = set(joint.graph.nodes)
     reapplied = []
     for application in applications:
-        arguments: list[fx.Node] = []
-        fx.node.map_arg((application.args, application.kwargs), arguments.append)
         region = {call_index[node] for node in application.region if node in call_index}
         outputs = (v[0] for node in application.outputs if node in live for v in values_shown(node))
         reapplied.append(
             Reapplied(
                 outputs=tuple(dict.fromkeys(c for c in outputs if c in region)),  # (none for a view of an input)
-                reads=_distinct(v for node in arguments if node in live for v in values_shown(node)),
+                reads=_distinct(v for node in application.argument_nodes() if node in live for v in values_shown(node)),
                 draws=tuple(call_index[node] for node in first_draws(application, joint, live)),
             )
         )
