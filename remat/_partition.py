@@ -33,6 +33,7 @@ from ._value_graph import (
     backward_nodes_of,
     calls_inside_functions,
     differentiable,
+    functions_applied,
     is_custom_op,
     mutated_inputs,
     overwritten,
@@ -339,12 +340,14 @@ def _backward_not_differentiable(joint: JointGraph, pure_with_outputs: PureForwa
     `pure_with_outputs`), or cannot recompute the outputs. (A trace in grad mode knows which of the
     backward's ops ran without grad, but the derivatives of kept values computed from the Function's
     outputs would still go through its forward's ops, computed under `no_grad`: none.)"""
-    inside = next((c for c, node in calls_inside_functions(joint) if not is_custom_op(node)), None)
-    if inside is not None:
+    applied = functions_applied(joint)
+    if applied:
+        name, inside = applied[0]
+        where = f"{inside}: it runs inside" if inside is not None else "it applies"
         if pure_with_outputs is None:
-            return f"{inside}: {_NOT_APPLIED_AGAIN.format(inside.scope)}"
+            return f"{where} {_NOT_APPLIED_AGAIN.format(name)}"
         if not pure_with_outputs.reads_only_what_is_kept:
-            return f"{inside}: {_NOT_RECOMPUTED.format(inside.scope)}"
+            return f"{where} {_NOT_RECOMPUTED.format(name)}"
     found = [
         (call, node)
         for call, node in zip(joint.trace, joint.call_nodes, strict=True)
@@ -362,13 +365,13 @@ def _backward_not_differentiable(joint: JointGraph, pure_with_outputs: PureForwa
 
 _FORMULA_READS_FACTORS = _quirks.GRADIENTS_READ_LU_FACTORS.table
 _NOT_RECOMPUTED = (
-    "it runs inside the custom autograd Function {}, whose backward a second derivative would differentiate "
+    "the custom autograd Function {}, whose backward a second derivative would differentiate "
     "as plain ops, where eager runs the Function's own: the kept values do not suffice to recompute the "
     "function's outputs and apply the Function again (the rules keep what that reads: please report this). "
     "Take second derivatives outside remat.checkpoint meanwhile"
 )
 _NOT_APPLIED_AGAIN = (
-    "it runs inside the custom autograd Function {}, which remat cannot apply again (its tensor arguments "
+    "the custom autograd Function {}, which remat cannot apply again (its tensor arguments "
     "are not values the trace can place): its first derivatives are exact, but a second derivative through "
     "its outputs would not be. Take second derivatives outside remat.checkpoint"
 )

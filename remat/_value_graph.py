@@ -32,6 +32,7 @@ __all__ = [
     "ValueGraph",
     "backward_nodes_of",
     "calls_inside_functions",
+    "functions_applied",
     "differentiable",
     "is_custom_op",
     "mutated_inputs",
@@ -252,6 +253,21 @@ def calls_inside_functions(joint: JointGraph) -> list[tuple[Call, fx.Node]]:
     ]
 
 
+def functions_applied(joint: JointGraph) -> list[tuple[str, Call | None]]:
+    """The custom autograd Functions `fn` applies whose outputs are read, each as its name and the first
+    call made inside it (None for a Function whose forward only takes a view: it calls no op of its own).
+    The backward program holds their backwards as plain ops, which a second derivative must not
+    differentiate: the pure forward applies them again (NOTE [custom Functions applied again])."""
+    found: dict[str, Call | None] = {}
+    for call, node in calls_inside_functions(joint):
+        if not is_custom_op(node):
+            found.setdefault(str(call.scope), call)
+    for node in joint.graph.nodes:
+        if (application := application_of(node)) is not None:
+            found.setdefault(application[0].function.__name__, None)
+    return list(found.items())
+
+
 def is_custom_op(node: fx.Node) -> bool:
     """Whether `node` calls a `torch.library` custom op (one node, differentiated by its own rule)."""
     namespace = getattr(node.target, "namespace", None)
@@ -416,7 +432,7 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
     with_derivative = varying(joint, forward_mode=False)
     with_tangent = varying(joint, forward_mode=True)
     with_derivative_again = varying_again(joint)
-    recomputes = any(not is_custom_op(node) for _, node in calls_inside_functions(joint))
+    recomputes = bool(functions_applied(joint))
     inputs = {storage_key(t) for p in joint.primals for t in tensors_in(p.meta["val"])}
     return ValueGraph(
         reads=tuple(reads),

@@ -349,6 +349,20 @@ def test_second_derivatives_beside_a_random_custom_function_whose_output_nothing
 
 
 @pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_second_derivatives_through_a_custom_function_that_only_takes_a_view_beside_a_random_call(
+    policy: Any,
+) -> None:
+    # The Function calls no op of its own, so the rules did not count it as applied again: the random
+    # call's state was not kept, the pure forward could not run, and the backward program, which reads
+    # the Function's output as a constant, was differentiated: a second derivative off eager's (2.15 soak).
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        v = x * _first_column(x.sin())
+        return v + 0.1 * torch.rand_like(v)
+
+    _assert_second_order_equal(fn, _float64(3, 2), policy)
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
 def test_second_derivatives_through_a_custom_function_drawing_from_a_generator_of_its_own(policy: Any) -> None:
     generator = torch.Generator().manual_seed(3)
 
