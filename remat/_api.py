@@ -37,7 +37,7 @@ from ._value_graph import with_value_graph
 from .policies import save_nothing
 from .report import Report, ReportRow
 
-__all__ = ["DEFAULT_CACHE_SIZE", "Checkpointed", "DelegatesToCheckpointed", "report", "trace"]
+__all__ = ["DEFAULT_CACHE_SIZE", "BindsAsMethod", "Checkpointed", "DelegatesToCheckpointed", "report", "trace"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -135,17 +135,6 @@ class Checkpointed(Generic[P, T]):
                 logger.info("retrying %s: a value it read in Python changed (%s)", self, changed)
                 tried.append(entry)
         return cast(T, optree.tree_unflatten(entry.joint.output_spec, list(outputs)))
-
-    def __get__(self, instance: Any, owner: Any = None) -> Any:
-        # Decorating a method: bind it, with one cache per instance.
-        if instance is None:
-            return self
-        bound = self._bound.get(instance)
-        if bound is None:
-            method = self.__wrapped__.__get__(instance, owner)  # type: ignore[attr-defined]
-            bound = Checkpointed(method, self.policy, self._cache.maxsize, self.compile)
-            self._bound[instance] = bound
-        return bound
 
     def __repr__(self) -> str:
         name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__name__)
@@ -342,6 +331,26 @@ def _check_sizes_backward_can_tell(joint: JointGraph, programs: Programs, metas:
                 "a view after running the function, and its backward could not tell the view's size. Take the "
                 "view outside the checkpointed function."
             )
+
+
+class BindsAsMethod(Checkpointed[P, T]):
+    """A checkpointed Python function, which binds like one: decorating a method checkpoints each
+    instance's bound method, with a trace cache per instance.
+
+    Only functions get `__get__`: Dynamo before torch 2.12 takes any attribute whose value defines
+    `__get__` for a descriptor of the class, and cannot compile a module that keeps a checkpointed
+    module or bound method as an instance attribute (`CheckpointedModule`, `checkpoint_modules`)."""
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        # Decorating a method: bind it, with one cache per instance.
+        if instance is None:
+            return self
+        bound = self._bound.get(instance)
+        if bound is None:
+            method = self.__wrapped__.__get__(instance, owner)  # type: ignore[attr-defined]
+            bound = Checkpointed(method, self.policy, self._cache.maxsize, self.compile)
+            self._bound[instance] = bound
+        return bound
 
 
 class DelegatesToCheckpointed:

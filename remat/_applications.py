@@ -14,7 +14,7 @@ from torch import fx
 
 from . import _rng
 from ._facts import CustomApplication, application_of, note_application
-from ._torch import node_behind, tree_leaves
+from ._torch import is_custom_op_autograd, node_behind, tree_leaves
 
 __all__ = ["ApplicationRecorder", "Reapplication", "application_of"]
 
@@ -107,6 +107,7 @@ class Reapplication:
         self.application = application
         self.inputs = application.argument_nodes()
         self.draws = tuple(draws)
+        self.custom_op = _custom_op_applying(application)
         # What FX's code calls it by (a target must have a name).
         self.__name__ = f"apply_{application.function.__name__}"
         self.__module__ = __name__
@@ -121,5 +122,22 @@ class Reapplication:
             for state, (_, device), generator in zip(states, self.draws, generators, strict=True)
         ]
         with _rng.generators_at(at):  # it draws the numbers it drew in forward
-            outputs = self.application.function.apply(*args, **kwargs)  # type: ignore[attr-defined]
+            if self.custom_op is not None:
+                *positional, metadata = args
+                outputs = self.custom_op(*positional, **metadata.keyword_only_args)
+            else:
+                outputs = self.application.function.apply(*args, **kwargs)  # type: ignore[attr-defined]
         return tuple(t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor))
+
+
+def _custom_op_applying(application: CustomApplication) -> Any:
+    """The `torch.library` custom op whose autograd Function (made by `register_autograd`) `application`
+    applies, or None. Such a Function is applied again by calling the op, which applies it with the
+    dispatch keys of the moment: its last argument holds the keys of the trace, which torch 2.10 and 2.11
+    assert against when it is applied again."""
+    if not is_custom_op_autograd(application.function):
+        return None
+    ops = [
+        node.target for node in application.region if getattr(node.target, "namespace", "aten") not in ("aten", "prims")
+    ]
+    return ops[0] if len(ops) == 1 else None

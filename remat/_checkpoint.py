@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar, overload
 
 import torch
 
-from ._api import DEFAULT_CACHE_SIZE, Checkpointed
+from ._api import DEFAULT_CACHE_SIZE, BindsAsMethod, Checkpointed
 from ._module import CheckpointedModule
 
 __all__ = ["checkpoint"]
@@ -81,4 +82,6 @@ def checkpoint(
         )
     if isinstance(fn, torch.nn.Module):
         return CheckpointedModule(fn, policy, cache_size, compile)
+    if inspect.isfunction(fn):  # possibly a method, bound when read from an instance
+        return BindsAsMethod(fn, policy, cache_size, compile)
     return Checkpointed(fn, policy, cache_size, compile)

@@ -24,6 +24,7 @@ from ._errors import TraceError
 from ._joint import is_free_op
 from ._pytree import _is_static, flatten_args
 from ._torch import (
+    RELEASE,
     SAC_BYPASSES_HOOKS,
     disable_current_modes,
     guard_scalar,
@@ -177,8 +178,40 @@ def _selective_contexts(key: str, signature: tuple[Any, ...]) -> tuple[Any, Any]
             "checkpointed function in `torch.compiler.disable` (a graph break: the compiled model calls it "
             "eagerly, where remat traces and checks values as usual), or leave the model uncompiled."
         )
-    decisions = entry.executable.programs.decisions
-    return create_selective_checkpoint_contexts(_RecomputeTags(checkpointed, tuple(entry.joint.trace), decisions))
+    tags = _RecomputeTags(checkpointed, tuple(entry.joint.trace), entry.executable.programs.decisions)
+    forward, recompute = create_selective_checkpoint_contexts(tags)
+    if _quirks.SAC_ERRORS_LEAVE_MODES_PUSHED.applies(RELEASE):
+        tags.defers_errors = True
+        forward = _raising_on_leaving(forward, tags)
+    return forward, recompute
+
+
+# NOTE [a region's error raised where torch can unwind]
+# A policy function that raises inside a selective-checkpoint region leaves the
+# region's dispatch modes pushed on torch 2.10 to 2.12 until the error is
+# garbage collected (`_quirks.SAC_ERRORS_LEAVE_MODES_PUSHED`: its checkpoint
+# does not throw the error into the generator that holds them): every op run
+# meanwhile, in any later code, would reach remat's policy. There the policy
+# notes where the region parts ways with remat's trace and answers on, and the
+# error is raised as the region's forward context is left, after torch has
+# left its own.
+
+
+def _raising_on_leaving(context: Any, tags: _RecomputeTags) -> Any:
+    """The selective-checkpoint forward `context`, made to raise the error `tags` noted once torch has left
+    it. Its class is swapped for a subclass, not wrapped: torch checks that it is a dispatch mode, and
+    sets attributes on it (2.12: the region's graph id)."""
+    base = type(context)
+
+    class RaisesOnLeaving(base):  # type: ignore[valid-type, misc]
+        def __exit__(self, *exc_info: Any) -> Any:
+            suppressed = super().__exit__(*exc_info)
+            if exc_info[0] is None and tags.error is not None:
+                raise tags.error
+            return suppressed
+
+    context.__class__ = RaisesOnLeaving
+    return context
 
 
 class _RecomputeTags:
@@ -191,9 +224,11 @@ class _RecomputeTags:
         # Where the region's forward is, and where its recomputation is: some releases ask the policy
         # again for each op they recompute (`_quirks.SAC_ASKS_AGAIN_WHILE_RECOMPUTING`).
         self.positions = {False: 0, True: 0}
+        self.defers_errors = False  # NOTE [a region's error raised where torch can unwind]
+        self.error: TraceError | None = None  # where the region parted ways with the trace, if it defers errors
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op in SAC_IGNORED_OPS or is_free_op(op):
+        if self.error is not None or op in SAC_IGNORED_OPS or is_free_op(op):
             return CheckpointPolicy.PREFER_RECOMPUTE  # a view follows its base, as in a Trace
         recompute = bool(getattr(ctx, "is_recompute", False))
         position = self.positions[recompute]
@@ -203,7 +238,7 @@ class _RecomputeTags:
             if op in _NOT_IN_THE_TRACE:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             expected = self.calls[position].name if position < len(self.calls) else "the end of the trace"
-            raise TraceError(  # each way out named here is tested: see NOTE [regions that differ from the trace]
+            self.error = TraceError(  # each way out named here is tested: see NOTE [regions that differ from the trace]
                 f"{self.checkpointed!r} under torch.compile: call {position} of the compiled region is {op}, "
                 f"but remat's trace of the function has {expected} there, so remat cannot tell the compiler which "
                 "calls to save. The function runs other calls while torch.compile traces it than when remat "
@@ -214,6 +249,9 @@ class _RecomputeTags:
                 "`remat.checkpoint_modules`. Inside a compiled model `compile=True` changes nothing: the model's "
                 "compilation takes over."
             )
+            if not self.defers_errors:
+                raise self.error
+            return CheckpointPolicy.PREFER_RECOMPUTE
         decision = self.decisions[position]
         self.positions[recompute] = position + 1
         # OFFLOAD keeps the value on the device here: see NOTE [offload inside torch.compile].

@@ -664,7 +664,7 @@ class NodesWithoutGrad(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if torch.is_grad_enabled() or isinstance(func, HigherOrderOperator):
             return func(*args, **(kwargs or {}))
-        last = next(reversed(self.graph.nodes), None)
+        last = next(iter(reversed(self.graph.nodes)), None)  # (before 2.12 `reversed` gives no iterator)
         result = func(*args, **(kwargs or {}))
         for node in reversed(self.graph.nodes):
             if node is last:

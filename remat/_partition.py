@@ -32,6 +32,7 @@ from ._rules import rules_of
 from ._value_graph import (
     backward_nodes_of,
     calls_inside_functions,
+    calls_reading_lu_factors,
     differentiable,
     functions_applied,
     is_custom_op,
@@ -348,18 +349,10 @@ def _backward_not_differentiable(joint: JointGraph, pure_with_outputs: PureForwa
             return f"{where} {_NOT_APPLIED_AGAIN.format(name)}"
         if not pure_with_outputs.reads_only_what_is_kept:
             return f"{where} {_NOT_RECOMPUTED.format(name)}"
-    found = [
-        (call, node)
-        for call, node in zip(joint.trace, joint.call_nodes, strict=True)
-        if node.target in _FORMULA_READS_FACTORS
-    ]
-    if not found:  # (most traces: no walk of the graph for derivatives)
-        return None
-    has_derivative = varying(joint, forward_mode=False)
-    for call, node in found:
-        outputs = [node, *(user for user in node.users if user.target is operator.getitem)]
-        if any(output in has_derivative for output in outputs):
-            return f"{call}: {_FORMULA_READS_FACTORS[node.target]}"
+    reading = calls_reading_lu_factors(joint)
+    if reading:
+        call, node = reading[0]
+        return f"{call}: {_FORMULA_READS_FACTORS[node.target]}"
     return None
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "ELEMENTWISE",
     "FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK",
     "LINALG_CHECKS_ARE_EFFECTFUL",
+    "QUANTILE_COMPARES_TENSORS",
     "QUIRKS",
     "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS",
     "RRELU_FUNCTIONAL_DERIVATIVE",
@@ -35,6 +36,7 @@ __all__ = [
     "BATCH_NORM_FUNCTIONAL_UNBATCHED",
     "TANGENT_FORMULAS_READ_STATISTICS",
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING",
+    "SAC_ERRORS_LEAVE_MODES_PUSHED",
     "UNBACKED_SYMBOL_NAMES",
     "CpuLayout",
     "Quirk",
@@ -323,16 +325,37 @@ BATCH_NORM_FUNCTIONAL_UNBATCHED = Quirk(
     table={aten._native_batch_norm_legit_functional.default: aten._native_batch_norm_legit.default},
 )
 
+QUANTILE_COMPARES_TENSORS = Quirk(
+    ops=(aten.quantile.default, aten.nanquantile.default),
+    releases=("2.10", "2.11"),
+    differs=(
+        "`quantile` and `nanquantile` check their `q` with `torch.equal`, a bool of two tensors' values that "
+        "Python reads, which a trace of tensor ops cannot hold"
+    ),
+    note="docs/torch-versions.md: refused inside a checkpointed function there, saying why",
+)
+
 # --- torch.compile ------------------------------------------------------------------------------
 
 SAC_ASKS_AGAIN_WHILE_RECOMPUTING = Quirk(
     ops=(),
-    releases=("2.12",),
+    releases=("2.10", "2.11", "2.12"),
     differs=(
         "a selective-checkpoint region under torch.compile that Dynamo runs eagerly (a graph break inside) "
         "asks its policy again for each op it recomputes (`ctx.is_recompute`), from the first call on"
     ),
     note="`_dynamo._RecomputeTags` counts the forward's and the recomputation's positions apart",
+)
+
+SAC_ERRORS_LEAVE_MODES_PUSHED = Quirk(
+    ops=(),
+    releases=("2.10", "2.11", "2.12"),
+    differs=(
+        "an error raised inside a selective-checkpoint region (by its policy function, say) leaves the "
+        "region's dispatch modes pushed until the error is garbage collected: every op run meanwhile, in any "
+        "later code, reaches the policy"
+    ),
+    note="NOTE [a region's error raised where torch can unwind] (remat/_dynamo.py)",
 )
 
 REGIONS_ALLOCATE_FOR_IN_PLACE_OPS = Quirk(
@@ -361,6 +384,8 @@ QUIRKS: tuple[Quirk, ...] = (
     SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP,
     BATCH_NORM_FUNCTIONAL_UNBATCHED,
     TANGENT_FORMULAS_READ_STATISTICS,
+    QUANTILE_COMPARES_TENSORS,
     SAC_ASKS_AGAIN_WHILE_RECOMPUTING,
+    SAC_ERRORS_LEAVE_MODES_PUSHED,
     REGIONS_ALLOCATE_FOR_IN_PLACE_OPS,
 )

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ._calls import Call, Decision, TensorMeta, Trace
 from ._policy import Policy
-from ._torch import op_schema
+from ._torch import op_schema, selective_checkpoint_context
 
 __all__ = ["from_sac"]
 
@@ -54,7 +54,7 @@ class _FromSAC(Policy):
         return tuple(self._decide(call) for call in trace)
 
     def _decide(self, call: Call) -> Decision:
-        context = SelectiveCheckpointContext(is_recompute=False, op_output=_op_output(call))
+        context = selective_checkpoint_context(_op_output(call))
         # See NOTE [what a SAC policy function sees under remat]
         args = tuple(_as_meta(value) for value in call.inputs)
         kwargs = {name: _as_meta(value) for name, value in call.kwargs}

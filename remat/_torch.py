@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import operator
 import os
 import sys
 import threading
@@ -27,13 +28,20 @@ from typing import Any, Protocol
 import torch
 
 # The minor releases remat is tested on (the floor in pyproject.toml, the newest on the registry).
-SUPPORTED = ("2.12", "2.13", "2.14", "2.15")
+SUPPORTED = ("2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
+
+
+def minor_release(version: str) -> str:
+    """The minor release of a torch version: "2.11" for "2.11.0+cu130"."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+RELEASE = minor_release(torch.__version__)  # of the running torch; `_quirks.Quirk.applies` takes it
 
 
 def check_supported(version: str = torch.__version__) -> None:
     """Refuse to import on a torch release outside the tested range, saying which releases are."""
-    minor = ".".join(version.split("+")[0].split(".")[:2])
-    if minor not in SUPPORTED:
+    if minor_release(version) not in SUPPORTED:
         raise ImportError(
             f"remat supports torch {SUPPORTED[0]} to {SUPPORTED[-1]} (each minor release tested), but torch "
             f"{version} is installed. Install a supported release, e.g. `pip install torch=={SUPPORTED[-1]}.*`."
@@ -80,6 +88,7 @@ from . import _quirks
 __all__ = [
     "COLLECTIVE_NAMESPACES",
     "LEAF_UPDATED_IN_PLACE",
+    "RELEASE",
     "SAC_BYPASSES_HOOKS",
     "SUPPORTED",
     "UNTRACEABLE_COLLECTIVE",
@@ -104,7 +113,9 @@ __all__ = [
     "carry_real_values",
     "forget_pending_sizes",
     "insert_value_checks",
+    "is_custom_op_autograd",
     "real_values_traced",
+    "selective_checkpoint_context",
     "size_bound",
     "STRICT_FAKE_KERNELS",
     "FunctionalTensor",
@@ -319,6 +330,7 @@ def forget_pending_sizes(fake_mode: FakeTensorMode) -> None:
     if fake_mode.shape_env is not None:
         fake_mode.shape_env.pending_fresh_unbacked_symbols.clear()
         fake_mode.shape_env.deferred_runtime_asserts.clear()
+        _real_values(fake_mode.shape_env).clear()
 
 
 @contextlib.contextmanager
@@ -473,7 +485,8 @@ def insert_value_checks(graph_module: Any, shape_env: ShapeEnv) -> tuple[set[str
     about, and of the float ones with the user's line that made each: torch's pass leaves out
     assertions about floats (or, before 2.13, fails on them: with floats it is not run), and about
     symbols no node of the graph binds."""
-    ints: set[str] = set()
+    bool_reads = _unasserted_bool_reads(shape_env)
+    ints: set[str] = {str(s) for read in bool_reads for s in read.free_symbols}
     floats: dict[str, str | None] = {}
     for asserts in shape_env.deferred_runtime_asserts.values():
         for assertion in asserts:
@@ -484,7 +497,46 @@ def insert_value_checks(graph_module: Any, shape_env: ShapeEnv) -> tuple[set[str
                     ints.add(str(symbol))
     if not floats:
         insert_deferred_runtime_asserts(graph_module, shape_env, "remat")
+        _check_bool_reads(graph_module.graph, bool_reads)
     return ints, floats
+
+
+def _unasserted_bool_reads(shape_env: ShapeEnv) -> dict[Any, bool]:
+    """The bools Python read (`if t:`) that no runtime assertion of `shape_env` is about, with the value
+    each read: before 2.12 torch takes a true read for statically known and asserts nothing (the trace
+    would hold for any value, unchecked). A bool read is a `SymBool`, `Eq(u, 1)` over an int symbol, whose
+    real value torch keeps under that expression."""
+    asserted = {
+        s for asserts in shape_env.deferred_runtime_asserts.values() for a in asserts for s in a.expr.free_symbols
+    }
+    return {
+        read: bool(value)
+        for read, value in _real_values(shape_env).items()
+        if read.is_Relational and read.free_symbols and not read.free_symbols & asserted
+    }
+
+
+def _real_values(shape_env: ShapeEnv) -> dict[Any, Any]:
+    """The real values torch propagated for data-dependent symbols and bools (2.10 names them
+    `unbacked_var_to_val`)."""
+    if hasattr(shape_env, "real_tensor_prop_unbacked_vals"):
+        return shape_env.real_tensor_prop_unbacked_vals  # type: ignore[no-any-return]
+    return shape_env.unbacked_var_to_val  # type: ignore[attr-defined, no-any-return]
+
+
+def _check_bool_reads(graph: Any, reads: dict[Any, bool]) -> None:
+    """A check after each node that makes one of `reads`, that it reads the value it read when traced."""
+    for node in list(graph.nodes):
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymBool) and value.node.expr in reads:
+            expected = reads[value.node.expr]
+            with graph.inserting_after(node):
+                same = graph.call_function(operator.eq, (node, expected))
+            with graph.inserting_after(same):
+                graph.call_function(
+                    aten._assert_scalar.default,
+                    (same, f"Runtime assertion failed for expression {value.node.expr} == {expected} on node '{node}'"),
+                )
 
 
 def _user_line(stack: Any) -> str | None:
@@ -1025,6 +1077,21 @@ SAC_BYPASSES_HOOKS: dict[str, Any] = (
     if "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
     else {}
 )
+
+
+def is_custom_op_autograd(function: type) -> bool:
+    """Whether `function` is the autograd Function torch made for a custom op's `register_autograd`."""
+    return function.__module__ == "torch._library.autograd"
+
+
+def selective_checkpoint_context(op_output: Any) -> torch.utils.checkpoint.SelectiveCheckpointContext:
+    """The context a SAC policy function receives in forward, with the output of the call it decides on.
+
+    Before 2.12 the context has no `op_output` (its constructor takes only `is_recompute`): it is set after
+    construction, so that a policy function written for a newer release reads it on every release."""
+    context = torch.utils.checkpoint.SelectiveCheckpointContext(is_recompute=False)
+    context.op_output = op_output
+    return context
 
 
 # --- torch's error messages ------------------------------------------------------------------------------------

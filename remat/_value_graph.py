@@ -32,6 +32,7 @@ __all__ = [
     "ValueGraph",
     "backward_nodes_of",
     "calls_inside_functions",
+    "calls_reading_lu_factors",
     "functions_applied",
     "differentiable",
     "is_custom_op",
@@ -268,6 +269,27 @@ def functions_applied(joint: JointGraph) -> list[tuple[str, Call | None]]:
     return list(found.items())
 
 
+def calls_reading_lu_factors(
+    joint: JointGraph, has_derivative: set[fx.Node] | None = None
+) -> list[tuple[Call, fx.Node]]:
+    """The calls with a derivative whose gradient formula reads the LU factors their forward computed
+    (`_quirks.GRADIENTS_READ_LU_FACTORS`): autograd does not differentiate those, so a second derivative
+    through them is exact only from the pure forward."""
+    found = [(c, node) for c, node in zip(joint.trace, joint.call_nodes, strict=True) if node.target in _READS_LU]
+    if not found:  # (most traces: no walk of the graph for derivatives)
+        return []
+    if has_derivative is None:
+        has_derivative = varying(joint, forward_mode=False)
+    return [
+        (c, node)
+        for c, node in found
+        if any(out in has_derivative for out in (node, *(u for u in node.users if u.target is operator.getitem)))
+    ]
+
+
+_READS_LU = _quirks.GRADIENTS_READ_LU_FACTORS.table
+
+
 def is_custom_op(node: fx.Node) -> bool:
     """Whether `node` calls a `torch.library` custom op (one node, differentiated by its own rule)."""
     namespace = getattr(node.target, "namespace", None)
@@ -432,7 +454,8 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
     with_derivative = varying(joint, forward_mode=False)
     with_tangent = varying(joint, forward_mode=True)
     with_derivative_again = varying_again(joint)
-    recomputes = bool(functions_applied(joint))
+    # A second derivative through these is exact only from the pure forward: what it reads is kept.
+    recomputes = bool(functions_applied(joint)) or bool(calls_reading_lu_factors(joint, with_derivative))
     inputs = {storage_key(t) for p in joint.primals for t in tensors_in(p.meta["val"])}
     return ValueGraph(
         reads=tuple(reads),

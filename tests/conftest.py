@@ -101,10 +101,18 @@ SOAK_FAILURES = os.environ.get("REMAT_SOAK_FAILURES", "soak-failures.txt")
 # `-m "release and not slow"` is what CI runs on the newest torch besides the whole suite on 2.13 (the
 # whole suite twice ran past CI's 20 minutes): the files of where remat meets torch, whose behaviour
 # moves between releases. The door and its registry of quirks (each entry probed on the running torch),
-# tracing, fidelity to eager's ops and layouts, the semantics cases and gradients. `nox -s tests` runs
-# the whole suite on every supported release.
+# tracing, values Python reads, fidelity to eager's ops and layouts, the semantics cases and gradients.
+# `nox -s tests` runs the whole suite on every supported release.
 RELEASE_FILES = frozenset(
-    {"test_torch.py", "test_quirks.py", "test_trace.py", "test_fidelity.py", "test_semantics.py", "test_gradients.py"}
+    {
+        "test_torch.py",
+        "test_quirks.py",
+        "test_trace.py",
+        "test_values.py",
+        "test_fidelity.py",
+        "test_semantics.py",
+        "test_gradients.py",
+    }
 )
 # A file renamed or removed would leave the selection silently: name it instead.
 if missing := sorted(name for name in RELEASE_FILES if not (pathlib.Path(__file__).parent / name).is_file()):

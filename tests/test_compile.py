@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -35,19 +34,11 @@ pytestmark = [
 INDUCTOR = pytest.mark.xdist_group("inductor")
 
 
-# A compile that failed inside a selective-checkpoint region leaves, on torch 2.12, that region's dispatch
-# mode active until the failure's frames are collected: see docs/compile.md, Limits. (A collection costs
-# 0.2-0.4 s in a worker that has imported torch's compiler and transformers: only there.)
-COLLECT_AFTER_EACH_TEST = torch.__version__.startswith("2.12.")
-
-
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> Any:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-    if COLLECT_AFTER_EACH_TEST:
-        gc.collect()
 
 
 POLICIES = {

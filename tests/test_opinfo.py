@@ -30,7 +30,7 @@ from conftest import PROFILE
 
 import remat
 import remat.testing
-from remat import policies
+from remat import _quirks, _torch, policies
 
 pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest (`pip install -e '.[test]'`)")
 
@@ -53,6 +53,8 @@ READS_VALUES = {
     "scatter_reduce.prod",  # the decomposition checks its index values
     "tensor_split",  # the first sample gives its split indices as a tensor: pass a list instead
 }
+if _quirks.QUANTILE_COMPARES_TENSORS.applies(_torch.RELEASE):  # torch 2.10 and 2.11
+    READS_VALUES |= {"quantile", "nanquantile"}
 
 # Ops whose output *size* depends on values: symbolic sizes, or refused by a TraceError that says so
 # (an op without a rule for symbolic sizes); never different from eager.
@@ -275,7 +277,9 @@ def test_first_float64_sample_under_transforms(name: str, policy: Any) -> None:
     op = _FLOAT64_OPS[name]
     for sample in _first_samples(op, SAMPLES):
         fn, tensors = _as_function(op, sample)
-        if not tensors or not tensors[0].requires_grad:
+        # (Not an empty input either: on torch 2.10 and 2.11 eager's gradient of `det` at a 0x0 matrix is
+        # None, and there is no gradient to compare.)
+        if not tensors or not tensors[0].requires_grad or tensors[0].numel() == 0:
             continue
         for transform in _SWEPT_TRANSFORMS:
             if (name, transform) in EAGER_WRONG:

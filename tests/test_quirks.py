@@ -234,6 +234,38 @@ def _sac_asks_again_while_recomputing() -> bool:
     return any(asked)
 
 
+def _quantile_compares_tensors() -> bool:
+    ops: list[object] = []
+
+    class Recording(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        torch.quantile(torch.randn(3, 4), torch.tensor([0.2, 0.7]), dim=1)
+    return torch.ops.aten.equal.default in ops
+
+
+def _sac_errors_leave_modes_pushed() -> bool:
+    asked_after: list[object] = []
+    failing = True
+
+    def policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        if failing:
+            raise ValueError("the policy refuses")
+        asked_after.append(op)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    try:
+        checkpoint(torch.sin, torch.randn(3, requires_grad=True), use_reentrant=False, context_fn=context_fn)
+    except ValueError:
+        failing = False
+        torch.ones(2).cos()  # after the region, while the error is alive
+    return bool(asked_after)
+
+
 def _regions_allocate_for_in_place_ops() -> bool:
     ops: list[object] = []
 
@@ -270,6 +302,8 @@ PROBES: dict[str, Callable[[], bool]] = {
     "IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD": _in_place_meta_kernels_fail_under_forward_ad,
     "TANGENT_FORMULAS_READ_STATISTICS": _tangent_formulas_read_statistics,
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING": _sac_asks_again_while_recomputing,
+    "SAC_ERRORS_LEAVE_MODES_PUSHED": _sac_errors_leave_modes_pushed,
+    "QUANTILE_COMPARES_TENSORS": _quantile_compares_tensors,
     "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS": _regions_allocate_for_in_place_ops,
 }
 

@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import transform_table as table
 from benchmarks.transform_table import METHODS, REFERENCE, ROWS, TORCH_REMAT, Method, Row
+from remat import _torch
 
 
 def _cases() -> list[object]:
@@ -20,8 +21,9 @@ def _cases() -> list[object]:
             marks = []
             if method.name == TORCH_REMAT and importlib.util.find_spec("torch_remat") is None:
                 marks.append(pytest.mark.skip(reason="torch_remat is not installed (pip install torch-remat)"))
-            if method.name in row.fails:
-                marks.append(pytest.mark.xfail(raises=row.fails[method.name], strict=True))
+            fails = table.fails_on(row, _torch.RELEASE)
+            if method.name in fails:
+                marks.append(pytest.mark.xfail(raises=fails[method.name], strict=True))
             cases.append(pytest.param(row, method, marks=marks, id=f"{row.name} | {method.name}"))
     return cases
 
@@ -35,6 +37,7 @@ def test_a_transform_through_a_method_equals_it_on_the_unwrapped_function(row: R
 
 def test_only_peers_are_declared_to_fail() -> None:
     peers = {table.CHECKPOINT, table.SAC, TORCH_REMAT}
+    assert all(set(table.fails_on(row, release)) <= peers for row in ROWS for release in _torch.SUPPORTED)
     assert {name for row in ROWS for name in row.fails} == peers
     assert not any(method.name.startswith("remat") for method in METHODS if method.name in peers)
 

@@ -41,7 +41,7 @@ from torch.func import functional_call, grad, grad_and_value, hessian, jacfwd, j
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat import policies
+from remat import _quirks, _torch, policies
 from remat.testing import assert_checkpoint_equivalent
 
 aten = torch.ops.aten
@@ -1761,6 +1761,8 @@ _LERP_UNDER_FORWARD_MODE = {
 @pytest.mark.parametrize("name", sorted(_LERP_UNDER_FORWARD_MODE))
 @pytest.mark.parametrize("policy", [None, policies.save_everything], ids=["recompute", "save"])
 def test_lerp_with_a_tensor_weight_under_forward_mode_equals_eager(name: str, policy: Any) -> None:
+    if "quantile" in name and _quirks.QUANTILE_COMPARES_TENSORS.applies(_torch.RELEASE):
+        pytest.skip(f"torch {_torch.RELEASE}: {_quirks.QUANTILE_COMPARES_TENSORS.differs} (refused: test_trace)")
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     transforms = ["jvp", "forward_ad", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp", "grad_of_forward_ad"]
     assert_checkpoint_equivalent(_LERP_UNDER_FORWARD_MODE[name], x, policy=policy, transforms=transforms)

@@ -363,6 +363,29 @@ def test_a_trace_for_values_is_reused_while_they_hold_and_retraced_when_they_cha
     assert checkpointed.cache_info().traces == 2  # one per set of chosen rows
 
 
+# Each reads a bool in Python; the inputs below flip it from call to call.
+BOOL_READS = {
+    "if a sum is positive": lambda x: x.sin() if x.sum() > 0 else x.cos(),
+    "if any": lambda x: x.sin() if (x > 1).any() else x.cos(),
+    "if all": lambda x: x.sin() if (x > -2.5).all() else x.cos(),
+    "item of a bool": lambda x: x.sin() if (x[0] > 0).item() else x.cos(),
+    "two reads": lambda x: (x.sin() if x[0] > 0 else x.cos()) * (2.0 if x[1] > 0 else 3.0),
+}
+
+
+@pytest.mark.parametrize("fn", BOOL_READS.values(), ids=BOOL_READS.keys())
+def test_a_bool_read_is_checked_on_every_call(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    # Torch 2.10 and 2.11 took a true read for statically known and asserted nothing: the trace made for
+    # one value ran for the other, silently (a check of remat's own now: `_torch._check_bool_reads`).
+    checkpointed = remat.checkpoint(fn)
+    for values in ([1.0, 2.0, -3.0], [-1.0, -2.0, 3.0], [1.0, -2.0, 0.5], [-1.0, 2.0, -0.5], [1.0, 2.0, -3.0]):
+        x = torch.tensor(values, dtype=torch.float64, requires_grad=True)
+        out, expected = checkpointed(x), fn(x)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0])
+    assert checkpointed.cache_info().traces >= 2  # one per outcome of the reads
+
+
 def test_a_failed_check_leaves_the_random_stream_as_eager_does() -> None:
     checkpointed = remat.checkpoint(branches)
     x = randn(4, 3, seed=0)
