@@ -469,7 +469,7 @@ _NO_JVP_BEFORE_2_12 = {CHECKPOINT: RuntimeError, SAC: RuntimeError}
 
 def fails_on(row: Row, release: str) -> Mapping[str, type[BaseException]]:
     """What each peer raises in `row` on torch `release` ("2.11")."""
-    if release in ("2.10", "2.11") and row.name in _FORWARD_MODE_ROWS:
+    if release == "2.11" and row.name in _FORWARD_MODE_ROWS:
         return {**row.fails, **_NO_JVP_BEFORE_2_12}
     return row.fails
 

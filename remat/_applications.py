@@ -133,7 +133,7 @@ class Reapplication:
 def _custom_op_applying(application: CustomApplication) -> Any:
     """The `torch.library` custom op whose autograd Function (made by `register_autograd`) `application`
     applies, or None. Such a Function is applied again by calling the op, which applies it with the
-    dispatch keys of the moment: its last argument holds the keys of the trace, which torch 2.10 and 2.11
+    dispatch keys of the moment: its last argument holds the keys of the trace, which torch 2.11
     assert against when it is applied again."""
     if not is_custom_op_autograd(application.function):
         return None

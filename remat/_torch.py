@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 
 # The minor releases remat is tested on (the floor in pyproject.toml, the newest on the registry).
-SUPPORTED = ("2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
+SUPPORTED = ("2.11", "2.12", "2.13", "2.14", "2.15")
 
 
 def minor_release(version: str) -> str:
@@ -330,7 +330,7 @@ def forget_pending_sizes(fake_mode: FakeTensorMode) -> None:
     if fake_mode.shape_env is not None:
         fake_mode.shape_env.pending_fresh_unbacked_symbols.clear()
         fake_mode.shape_env.deferred_runtime_asserts.clear()
-        _real_values(fake_mode.shape_env).clear()
+        fake_mode.shape_env.real_tensor_prop_unbacked_vals.clear()
 
 
 @contextlib.contextmanager
@@ -511,17 +511,9 @@ def _unasserted_bool_reads(shape_env: ShapeEnv) -> dict[Any, bool]:
     }
     return {
         read: bool(value)
-        for read, value in _real_values(shape_env).items()
+        for read, value in shape_env.real_tensor_prop_unbacked_vals.items()
         if read.is_Relational and read.free_symbols and not read.free_symbols & asserted
     }
-
-
-def _real_values(shape_env: ShapeEnv) -> dict[Any, Any]:
-    """The real values torch propagated for data-dependent symbols and bools (2.10 names them
-    `unbacked_var_to_val`)."""
-    if hasattr(shape_env, "real_tensor_prop_unbacked_vals"):
-        return shape_env.real_tensor_prop_unbacked_vals  # type: ignore[no-any-return]
-    return shape_env.unbacked_var_to_val  # type: ignore[attr-defined, no-any-return]
 
 
 def _check_bool_reads(graph: Any, reads: dict[Any, bool]) -> None:

@@ -53,7 +53,7 @@ READS_VALUES = {
     "scatter_reduce.prod",  # the decomposition checks its index values
     "tensor_split",  # the first sample gives its split indices as a tensor: pass a list instead
 }
-if _quirks.QUANTILE_COMPARES_TENSORS.applies(_torch.RELEASE):  # torch 2.10 and 2.11
+if _quirks.QUANTILE_COMPARES_TENSORS.applies(_torch.RELEASE):  # torch 2.11
     READS_VALUES |= {"quantile", "nanquantile"}
 
 # Ops whose output *size* depends on values: symbolic sizes, or refused by a TraceError that says so
@@ -277,7 +277,7 @@ def test_first_float64_sample_under_transforms(name: str, policy: Any) -> None:
     op = _FLOAT64_OPS[name]
     for sample in _first_samples(op, SAMPLES):
         fn, tensors = _as_function(op, sample)
-        # (Not an empty input either: on torch 2.10 and 2.11 eager's gradient of `det` at a 0x0 matrix is
+        # (Not an empty input either: on torch 2.11 eager's gradient of `det` at a 0x0 matrix is
         # None, and there is no gradient to compare.)
         if not tensors or not tensors[0].requires_grad or tensors[0].numel() == 0:
             continue

@@ -42,13 +42,13 @@ def test_the_running_torch_is_supported() -> None:
     assert ".".join(torch.__version__.split(".")[:2]) in _torch.SUPPORTED
 
 
-@pytest.mark.parametrize("version", ["2.9.1", "2.16.0", "3.0.0+cpu", "1.13.1"])
+@pytest.mark.parametrize("version", ["2.10.0", "2.9.1", "2.16.0", "3.0.0+cpu", "1.13.1"])
 def test_an_unsupported_torch_is_refused_naming_the_range(version: str) -> None:
-    with pytest.raises(ImportError, match=rf"remat supports torch 2\.10 to 2\.15 .* but torch {re.escape(version)}"):
+    with pytest.raises(ImportError, match=rf"remat supports torch 2\.11 to 2\.15 .* but torch {re.escape(version)}"):
         _torch.check_supported(version)
 
 
-@pytest.mark.parametrize("version", ["2.10.0+cu128", "2.11.0", "2.12.1", "2.13.0+cpu", "2.14.1", "2.15.0+cu132"])
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.1", "2.15.0+cu132"])
 def test_supported_releases_pass(version: str) -> None:
     _torch.check_supported(version)
 

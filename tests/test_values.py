@@ -375,7 +375,7 @@ BOOL_READS = {
 
 @pytest.mark.parametrize("fn", BOOL_READS.values(), ids=BOOL_READS.keys())
 def test_a_bool_read_is_checked_on_every_call(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    # Torch 2.10 and 2.11 took a true read for statically known and asserted nothing: the trace made for
+    # Torch 2.11 took a true read for statically known and asserted nothing: the trace made for
     # one value ran for the other, silently (a check of remat's own now: `_torch._check_bool_reads`).
     checkpointed = remat.checkpoint(fn)
     for values in ([1.0, 2.0, -3.0], [-1.0, -2.0, 3.0], [1.0, -2.0, 0.5], [-1.0, 2.0, -0.5], [1.0, 2.0, -3.0]):
