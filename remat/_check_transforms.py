@@ -9,6 +9,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import _objects
 from ._pytree import NAMESPACE
@@ -225,6 +226,25 @@ def _jvp(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
     return jvp
 
 
+class _DetachesAsAtTheStart(TorchFunctionMode):
+    """Each `detach` gives the value it gave in the first evaluation (which records them), as forward mode
+    treats a detached value: a constant. Finite differences would otherwise see through it."""
+
+    def __init__(self, recorded: list[torch.Tensor]):
+        super().__init__()
+        self.recorded, self.replaying, self.next = recorded, bool(recorded), 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if func in _DETACHES and isinstance(result, torch.Tensor):
+            if not self.replaying:
+                self.recorded.append(result)
+            elif self.next < len(self.recorded) and self.recorded[self.next].shape == result.shape:
+                result, self.next = self.recorded[self.next], self.next + 1
+        return result
+
+
+_DETACHES = (torch.Tensor.detach, torch.detach)
 _STEP = 1e-6  # of central differences in float64: truncation and round-off both near 1e-10 relative
 
 
@@ -232,8 +252,10 @@ def _central_difference(fn: Callable[..., Any], primals: Sequence[Any], tangents
     """(outputs, d outputs along `tangents`) by central differences, every evaluation drawing the same
     random numbers (the default generators forked and seeded alike)."""
 
+    detached: list[torch.Tensor] = []
+
     def evaluate(step: float) -> Any:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _DetachesAsAtTheStart(detached):
             torch.manual_seed(0)
             moved = [
                 p + step * t if isinstance(p, torch.Tensor) and _is_float(p) else p
