@@ -100,7 +100,6 @@ class Checkpointed(Generic[P, T]):
         self._roots: ModuleRoots | None = None
         self._last_key: SignatureKey | None = None  # the signature last traced, to explain a retrace
         self._shared = shared  # traces of identical blocks: see NOTE [sharing traces between identical blocks]
-        self._bound: weakref.WeakKeyDictionary[Any, Checkpointed[Any, Any]] = weakref.WeakKeyDictionary()
         self._compile_key = register(self)
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
@@ -340,6 +339,10 @@ class BindsAsMethod(Checkpointed[P, T]):
     Only functions get `__get__`: Dynamo before torch 2.12 takes any attribute whose value defines
     `__get__` for a descriptor of the class, and cannot compile a module that keeps a checkpointed
     module or bound method as an instance attribute (`CheckpointedModule`, `checkpoint_modules`)."""
+
+    def __init__(self, fn: Callable[P, T], policy: Any, cache_size: int, compile: Any = False):
+        super().__init__(fn, policy, cache_size, compile)
+        self._bound: weakref.WeakKeyDictionary[Any, Checkpointed[Any, Any]] = weakref.WeakKeyDictionary()
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         # Decorating a method: bind it, with one cache per instance.

@@ -14,7 +14,7 @@ from torch import fx
 
 from . import _rng
 from ._facts import CustomApplication, application_of, note_application
-from ._torch import is_custom_op_autograd, node_behind, tree_leaves
+from ._torch import is_custom_op, is_custom_op_autograd, node_behind, tree_leaves
 
 __all__ = ["ApplicationRecorder", "Reapplication", "application_of"]
 
@@ -137,7 +137,5 @@ def _custom_op_applying(application: CustomApplication) -> Any:
     assert against when it is applied again."""
     if not is_custom_op_autograd(application.function):
         return None
-    ops = [
-        node.target for node in application.region if getattr(node.target, "namespace", "aten") not in ("aten", "prims")
-    ]
+    ops = [node.target for node in application.region if is_custom_op(node.target)]
     return ops[0] if len(ops) == 1 else None

@@ -178,12 +178,10 @@ def _selective_contexts(key: str, signature: tuple[Any, ...]) -> tuple[Any, Any]
             "checkpointed function in `torch.compiler.disable` (a graph break: the compiled model calls it "
             "eagerly, where remat traces and checks values as usual), or leave the model uncompiled."
         )
-    tags = _RecomputeTags(checkpointed, tuple(entry.joint.trace), entry.executable.programs.decisions)
+    defers_errors = _quirks.SAC_ERRORS_LEAVE_MODES_PUSHED.applies(RELEASE)
+    tags = _RecomputeTags(checkpointed, tuple(entry.joint.trace), entry.executable.programs.decisions, defers_errors)
     forward, recompute = create_selective_checkpoint_contexts(tags)
-    if _quirks.SAC_ERRORS_LEAVE_MODES_PUSHED.applies(RELEASE):
-        tags.defers_errors = True
-        forward = _raising_on_leaving(forward, tags)
-    return forward, recompute
+    return (_raising_on_leaving(forward, tags) if defers_errors else forward), recompute
 
 
 # NOTE [a region's error raised where torch can unwind]
@@ -217,14 +215,14 @@ def _raising_on_leaving(context: Any, tags: _RecomputeTags) -> Any:
 class _RecomputeTags:
     """The selective-checkpoint policy that answers with remat's decision for each call."""
 
-    def __init__(self, checkpointed: Any, calls: Sequence[Call], decisions: Sequence[Decision]):
+    def __init__(self, checkpointed: Any, calls: Sequence[Call], decisions: Sequence[Decision], defers_errors: bool):
         self.checkpointed = checkpointed
         self.calls = calls
         self.decisions = decisions
         # Where the region's forward is, and where its recomputation is: some releases ask the policy
         # again for each op they recompute (`_quirks.SAC_ASKS_AGAIN_WHILE_RECOMPUTING`).
         self.positions = {False: 0, True: 0}
-        self.defers_errors = False  # NOTE [a region's error raised where torch can unwind]
+        self.defers_errors = defers_errors  # NOTE [a region's error raised where torch can unwind]
         self.error: TraceError | None = None  # where the region parted ways with the trace, if it defers errors
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -29,13 +29,13 @@ from ._facts import CustomApplication
 from ._joint import JointGraph, stops_gradient
 from ._programs import PureForward, backward_program, forward_program, views_of_inputs
 from ._rules import rules_of
+from ._torch import is_custom_op
 from ._value_graph import (
     backward_nodes_of,
     calls_inside_functions,
     calls_reading_lu_factors,
     differentiable,
     functions_applied,
-    is_custom_op,
     mutated_inputs,
     overwritten,
     returned_outputs,
@@ -249,7 +249,7 @@ def _differentiated_again_by_autograd(joint: JointGraph) -> bool:
         live = set(joint.graph.nodes)
         usable = [a for a in applied if _applies_again(a, live)]
         covered = frozenset().union(*(a.region for a in usable))
-        return len(usable) == len(applied) and all(node in covered or is_custom_op(node) for node in scoped)
+        return len(usable) == len(applied) and all(node in covered or is_custom_op(node.target) for node in scoped)
     # A backward traced in grad mode holds eager's grad-mode formulas (NOTE [a backward traced as it will
     # run]); all but those that autograd differentiates wrongly.
     return not joint.backward_in_grad_mode or any(node.target in _SWITCH_IN_GRAD_MODE for node in joint.call_nodes)

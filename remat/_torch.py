@@ -113,6 +113,7 @@ __all__ = [
     "carry_real_values",
     "forget_pending_sizes",
     "insert_value_checks",
+    "is_custom_op",
     "is_custom_op_autograd",
     "real_values_traced",
     "selective_checkpoint_context",
@@ -186,7 +187,7 @@ __all__ = [
 
 aten = torch.ops.aten
 
-_RELEASE = tuple(map(int, torch.__version__.split("+")[0].split(".")[:2]))
+_RELEASE = tuple(map(int, RELEASE.split(".")))
 
 # --- ops -------------------------------------------------------------------------------------------
 
@@ -202,6 +203,12 @@ def op_schema(op: Any) -> Any:
 
 def overload_name(op: Any) -> str:
     return op._overloadname  # type: ignore[no-any-return]
+
+
+def is_custom_op(op: Any) -> bool:
+    """Whether `op` is a `torch.library` custom op (one call, differentiated by its own rule): an op of a
+    namespace other than aten's and prims'."""
+    return getattr(op, "namespace", None) not in (None, "aten", "prims")
 
 
 # The namespaces of torch's functional collectives and their waits.

@@ -27,6 +27,7 @@ from ._facts import application_of, differentiable_outputs, fill_of
 from ._joint import JointGraph, is_free, stops_gradient
 from ._measure import storage_key, storage_nbytes, tensor_nbytes, tensors_in
 from ._programs import device_of, first_draws
+from ._torch import is_custom_op
 
 __all__ = [
     "ValueGraph",
@@ -35,7 +36,6 @@ __all__ = [
     "calls_reading_lu_factors",
     "functions_applied",
     "differentiable",
-    "is_custom_op",
     "mutated_inputs",
     "needed_by_backward",
     "overwritten",
@@ -261,7 +261,7 @@ def functions_applied(joint: JointGraph) -> list[tuple[str, Call | None]]:
     differentiate: the pure forward applies them again (NOTE [custom Functions applied again])."""
     found: dict[str, Call | None] = {}
     for call, node in calls_inside_functions(joint):
-        if not is_custom_op(node):
+        if not is_custom_op(node.target):
             found.setdefault(str(call.scope), call)
     for node in joint.graph.nodes:
         if (application := application_of(node)) is not None:
@@ -288,12 +288,6 @@ def calls_reading_lu_factors(
 
 
 _READS_LU = _quirks.GRADIENTS_READ_LU_FACTORS.table
-
-
-def is_custom_op(node: fx.Node) -> bool:
-    """Whether `node` calls a `torch.library` custom op (one node, differentiated by its own rule)."""
-    namespace = getattr(node.target, "namespace", None)
-    return namespace not in (None, "aten", "prims")
 
 
 def _has_float(node: fx.Node) -> bool:
