@@ -303,26 +303,34 @@ class PureForward:
         return decomposed(self.module, _quirks.TANGENT_FORMULAS_READ_STATISTICS.table)
 
     @functools.cached_property
+    def computed(self) -> tuple[fx.Node, ...]:
+        """The nodes the program computes, in the order `fn` computed them: autograd runs the gradient
+        formulas of the calls recorded last first, and the order in which gradients reach a value decides
+        the layout of their sum. (A custom Function applied again is computed from its arguments.)"""
+        reached, stack = set(), list(self.targets)
+        while stack:
+            node = stack.pop()
+            if node in reached or node in self.inputs:
+                continue
+            reached.add(node)
+            found = application_of(node) if self.reapply else None
+            stack.extend(found[0].argument_nodes() if found is not None else node.all_input_nodes)
+        position = {node: i for i, node in enumerate(self.joint.graph.nodes)}
+        return tuple(sorted(reached, key=position.__getitem__))
+
+    @functools.cached_property
     def reads_only_what_is_kept(self) -> bool:
         """Whether the targets can be recomputed from the kept values: no input it reaches is missing,
         and no random call it reaches would draw afresh (its state or its output is kept)."""
         states = {node for node, is_state in self.kept if is_state}
         live = set(self.joint.graph.nodes) if self.reapply else set()
-        stack, seen = list(self.targets), set()
-        while stack:
-            node = stack.pop()
-            if node in seen or node in self.inputs:
-                continue
-            seen.add(node)
+        for node in self.computed:
             found = application_of(node) if self.reapply else None
             if found is not None:  # applied again: NOTE [custom Functions applied again]
                 if not states.issuperset(first_draws(found[0], self.joint, live)):
                     return False
-                stack.extend(found[0].argument_nodes())
-                continue
-            if node.op == "placeholder" or (draws_random_numbers(node) and node not in states):
+            elif node.op == "placeholder" or (draws_random_numbers(node) and node not in states):
                 return False
-            stack.extend(node.all_input_nodes)
         return True
 
     @functools.cached_property
@@ -340,11 +348,8 @@ class PureForward:
                 filled = node.args[0]
                 if isinstance(filled, fx.Node):
                     env[node] = graph.call_function(with_a_fills_derivative, (env[node], emit(filled)))
-        # In the order `fn` computed them: autograd runs the gradient formulas of the calls recorded last
-        # first, and the order in which gradients reach a value decides the layout of their sum.
-        position = {node: i for i, node in enumerate(self.joint.graph.nodes)}
-        for target in sorted(self.targets, key=lambda node: position.get(node, -1)):
-            emit(target)
+        for node in self.computed:
+            emit(node)
         graph.output(tuple(emit(target) for target in self.targets))
         return _module(self.joint, graph)
 

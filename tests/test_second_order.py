@@ -767,3 +767,24 @@ def test_second_derivatives_through_an_apply_taken_before_tracing(policy: Any) -
     assert_checkpoint_equivalent(lambda x: x * _cos(x.tanh()), x, policy=policy, transforms=["double_backward"])
     assert torch.autograd.Function.forward is not _FirstColumn.forward  # the wrapping is undone
     assert vars(_FirstColumn)["forward"].__func__.__name__ == "forward"
+
+
+@pytest.mark.parametrize("saved", [1, 2])
+def test_create_graph_gradients_meet_in_eager_order_past_a_kept_value(saved: int) -> None:
+    # Found by the 2.15 soak: a kept value (`0.5 * x + 1.0`) is recomputed by the pure forward too, and
+    # copying what each output reads, output by output, put its calls before the `roll` that `fn` called
+    # first: the two paths' gradients reached `x` in the other order, and their sum took the other layout.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        channels_first = torch.stack([torch.roll(x, 1, 0), 0.5 * x + 1.0]).transpose(1, 2)
+        out = F.batch_norm(channels_first, None, None, training=True)
+        return out.view(-1)[: x.numel()].view(x.shape[1], x.shape[0]).t()
+
+    x = torch.tensor([[1.5410, -0.2934], [-2.1788, 0.5684]], dtype=torch.float64)
+    assert_checkpoint_equivalent(
+        fn, x.requires_grad_(), policy=policies.save_calls(saved), transforms=["double_backward"]
+    )
+    (grad,) = torch.autograd.grad(
+        remat.checkpoint(fn, policy=policies.save_calls(saved))(x).sum(), x, create_graph=True
+    )
+    (expected,) = torch.autograd.grad(fn(x).sum(), x, create_graph=True)
+    assert grad.stride() == expected.stride() == (1, 2)
