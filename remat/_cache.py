@@ -68,7 +68,7 @@ class AmbientKey(NamedTuple):
     """State outside the arguments that changes a trace."""
 
     autocast: tuple[tuple[bool, torch.dtype | None], ...]  # (enabled, dtype if enabled) on CPU, then CUDA
-    autocast_cache: bool
+    autocast_cache: bool  # (True where autocast is off: the cache only holds autocast's casts)
     training: tuple[bool, ...]  # the `training` flags of the modules found in the function
 
 
@@ -86,13 +86,14 @@ _AUTOCAST_OFF: tuple[tuple[bool, torch.dtype | None], ...] = tuple((False, None)
 
 def ambient_key(modules: Sequence[torch.nn.Module]) -> AmbientKey:
     """State outside the arguments that changes a trace: autocast and `training` flags."""
-    autocast = _AUTOCAST_OFF  # the common case, asked in one call (this runs on every call)
+    autocast, cache = _AUTOCAST_OFF, True  # the common case, asked in one call (this runs on every call)
     if any_autocast_enabled():
         autocast = tuple(
             (True, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else (False, None)
             for device in AUTOCAST_DEVICES
         )
-    return AmbientKey(autocast, torch.is_autocast_cache_enabled(), tuple(module.training for module in modules))
+        cache = torch.is_autocast_cache_enabled()
+    return AmbientKey(autocast, cache, tuple(module.training for module in modules))
 
 
 class LRUCache(Generic[V]):

@@ -202,6 +202,10 @@ def find_module_roots(fn: Callable[..., Any]) -> ModuleRoots:
     return ModuleRoots(paths, state_slots(modules), tuple(modules), "" if is_method else None)
 
 
+class DataPointerRead(Exception):
+    """`fn` read a tensor's memory address (`data_ptr()`), which a trace of tensor ops cannot hold."""
+
+
 class _CaptureMode(TorchFunctionMode):
     def __init__(
         self,
@@ -224,6 +228,8 @@ class _CaptureMode(TorchFunctionMode):
         self.autocast_seen = False  # whether autocast was on as any torch function ran
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.data_ptr:  # (a fake tensor has no address: it warns, or raises, and goes on)
+            raise DataPointerRead
         args, kwargs = with_closures_lifted(func, args, kwargs or {})
         if self.substitutes is None:
             # Discovery: record real tensors and run on fake copies of them, so

@@ -186,7 +186,7 @@ def _selective_contexts(key: str, signature: tuple[Any, ...]) -> tuple[Any, Any]
 
 # NOTE [a region's error raised where torch can unwind]
 # A policy function that raises inside a selective-checkpoint region leaves the
-# region's dispatch modes pushed on torch 2.11 and 2.12 until the error is
+# region's dispatch modes pushed on torch 2.10 to 2.12 until the error is
 # garbage collected (`_quirks.SAC_ERRORS_LEAVE_MODES_PUSHED`: its checkpoint
 # does not throw the error into the generator that holds them): every op run
 # meanwhile, in any later code, would reach remat's policy. There the policy

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
+from ._capture import DataPointerRead
 from ._fidelity import FakeKernelRefused, OverlappingWrite, ReadsWhatItWrites
 from ._rng import GeneratorMadeInside, GlobalSeeding
 from ._specialize import FloatRead, UncheckedValue
@@ -19,6 +20,7 @@ from ._torch import (
     DynamicOutputShapeException,
     FakeRankMismatch,
     GuardOnDataDependentSymNode,
+    UnsupportedOperatorException,
     is_user_code,
 )
 
@@ -38,6 +40,15 @@ class TraceError(RuntimeError):
     ...     print(str(error).split(":")[0])
     remat.checkpoint could not trace `<lambda>`
     """
+
+
+def _in_place_collective(fn: Callable[..., Any], error: BaseException) -> TraceError:
+    return TraceError(
+        f"remat.checkpoint could not trace `{_name(fn)}`: it calls an in-place collective{_at(error)} "
+        "(`torch.distributed.all_reduce` and friends), which cannot be traced. Use the functional "
+        "collectives of `torch.distributed._functional_collectives` (`all_reduce(tensor, 'sum', group)` "
+        "returns the result), which remat traces and always saves, so that backward never replays one."
+    )
 
 
 def user_line(tb: TracebackType | None) -> str | None:
@@ -92,15 +103,22 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "depends on the values of its inputs (such as `nonzero`, `masked_select` or boolean-mask "
             "indexing). Use a fixed-shape alternative such as `torch.where`."
         ) from error
+    except DataPointerRead as error:
+        raise TraceError(
+            f"remat.checkpoint could not trace `{_name(fn)}`: it reads a tensor's memory address{_at(error)} "
+            "(`data_ptr()`), which a trace of tensor ops cannot hold, and which tensors made while tracing do not "
+            "have. Decide what it decides outside the checkpointed function. (Hugging Face's `grouped_mm` "
+            "experts do so on the CPU under torch 2.10 and older, to check the alignment of their operands: "
+            'there, set `config._experts_implementation = "eager"`.)'
+        ) from error
     except AssertionError as error:
         if not all(text in str(error) for text in UNTRACEABLE_COLLECTIVE):
             raise
-        raise TraceError(
-            f"remat.checkpoint could not trace `{_name(fn)}`: it calls an in-place collective{_at(error)} "
-            "(`torch.distributed.all_reduce` and friends), which cannot be traced. Use the functional "
-            "collectives of `torch.distributed._functional_collectives` (`all_reduce(tensor, 'sum', group)` "
-            "returns the result), which remat traces and always saves, so that backward never replays one."
-        ) from error
+        raise _in_place_collective(fn, error) from error
+    except UnsupportedOperatorException as error:
+        if error.func.namespace != "c10d":  # (torch 2.10 has no fake kernel for in-place collectives)
+            raise
+        raise _in_place_collective(fn, error) from error
     except OverlappingWrite as error:
         raise TraceError(
             f"remat.checkpoint could not trace `{_name(fn)}`: it updates in place{_at(error)} a tensor whose "

@@ -87,6 +87,7 @@ from ._torch import (
     lazy_graph_modules,
     make_fx,
     op_schema,
+    outside_compilers_tracing,
     real_values_traced,
     sync,
     unset_fake_temporarily,
@@ -573,7 +574,7 @@ def _make_joint_graph(
         # A base's gradient comes from the backward of the views taken of it (a sum, for an `expand`),
         # contiguous, whatever the base's layout: the backward is traced for the layout it will get.
         fake_tangents = [_tangent_like(fake_mode, outputs[i], contiguous=i >= first_base) for i in joint.differentiable]
-    with lazy_graph_modules():  # never called: only its graph is read
+    with lazy_graph_modules(), outside_compilers_tracing():  # never called: only its graph is read
         gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(fake_primals, fake_tangents)
     guarded_ints: set[str] = set()
     if with_values:  # See NOTE [values Python reads].

@@ -66,8 +66,10 @@ def explain_retrace(old: SignatureKey, new: SignatureKey, flat: FlatArgs) -> lis
             if before != after:
                 changes.append(f"{names[position]}.{field} changed: {_short(before)} -> {_short(after)}")
     if old.ambient != new.ambient:
-        if old.ambient.autocast != new.ambient.autocast or old.ambient.autocast_cache != new.ambient.autocast_cache:
+        if old.ambient.autocast != new.ambient.autocast:
             changes.append(f"the autocast state changed: {old.ambient.autocast} -> {new.ambient.autocast}")
+        if old.ambient.autocast_cache != new.ambient.autocast_cache:
+            changes.append(f"autocast's cache was {'enabled' if new.ambient.autocast_cache else 'disabled'}")
         if old.ambient.training != new.ambient.training:
             changes.append("a module's `training` flag changed (train() / eval())")
     if old.forward_mode != new.forward_mode:

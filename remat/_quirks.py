@@ -327,7 +327,7 @@ BATCH_NORM_FUNCTIONAL_UNBATCHED = Quirk(
 
 QUANTILE_COMPARES_TENSORS = Quirk(
     ops=(aten.quantile.default, aten.nanquantile.default),
-    releases=("2.11",),
+    releases=("2.10", "2.11"),
     differs=(
         "`quantile` and `nanquantile` check their `q` with `torch.equal`, a bool of two tensors' values that "
         "Python reads, which a trace of tensor ops cannot hold"
@@ -339,7 +339,7 @@ QUANTILE_COMPARES_TENSORS = Quirk(
 
 SAC_ASKS_AGAIN_WHILE_RECOMPUTING = Quirk(
     ops=(),
-    releases=("2.11", "2.12"),
+    releases=("2.10", "2.11", "2.12"),
     differs=(
         "a selective-checkpoint region under torch.compile that Dynamo runs eagerly (a graph break inside) "
         "asks its policy again for each op it recomputes (`ctx.is_recompute`), from the first call on"
@@ -349,7 +349,7 @@ SAC_ASKS_AGAIN_WHILE_RECOMPUTING = Quirk(
 
 SAC_ERRORS_LEAVE_MODES_PUSHED = Quirk(
     ops=(),
-    releases=("2.11", "2.12"),
+    releases=("2.10", "2.11", "2.12"),
     differs=(
         "an error raised inside a selective-checkpoint region (by its policy function, say) leaves the "
         "region's dispatch modes pushed until the error is garbage collected: every op run meanwhile, in any "

@@ -111,7 +111,7 @@ def from_sac(policy_fn: Callable[..., Any]) -> Policy:
     of the traced shape and dtype, so `args[1].shape` works but values do not.
 
     Decisions: `MUST_SAVE`, `PREFER_SAVE` and `True` save the call;
-    `MUST_CPU_OFFLOAD` and `PREFER_CPU_OFFLOAD` offload it (`remat.OFFLOAD`:
+    `MUST_CPU_OFFLOAD` and `PREFER_CPU_OFFLOAD` (torch 2.11 on) offload it (`remat.OFFLOAD`:
     kept in host memory, which eager SAC does not implement);
     `MUST_RECOMPUTE`, `PREFER_RECOMPUTE` and `False` recompute it. `PREFER_*`
     leaves the choice to a compiler in torch; remat has no compiler to leave it

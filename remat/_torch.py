@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 
 # The minor releases remat is tested on (the floor in pyproject.toml, the newest on the registry).
-SUPPORTED = ("2.11", "2.12", "2.13", "2.14", "2.15")
+SUPPORTED = ("2.10", "2.11", "2.12", "2.13", "2.14", "2.15")
 
 
 def minor_release(version: str) -> str:
@@ -63,6 +63,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    UnsupportedOperatorException,
     run_fallback_kernel,
     unset_fake_temporarily,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "DATA_NOT_ALLOCATED",
     "DataDependentOutputException",
     "DynamicOutputShapeException",
+    "UnsupportedOperatorException",
     "FakeTensor",
     "FakeTensorMode",
     "guard_scalar",
@@ -162,6 +164,7 @@ __all__ = [
     "runs_per_example_under_vmap",
     "LazyGraphModule",
     "lazy_graph_modules",
+    "outside_compilers_tracing",
     "memory_layout",
     "op_schema",
     "overload_name",
@@ -225,6 +228,14 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d
 def lazy_graph_modules() -> contextlib.AbstractContextManager[None]:
     """Inside this context make_fx builds `LazyGraphModule`s."""
     return _use_lazy_graph_module(True)
+
+
+# Inside a compile, torch's tracing context names the compiler's fake mode. make_fx there takes that mode
+# (since torch 2.11), or checks that the inputs' mode is it and fails (2.10): remat's trace, in its own
+# mode, is made outside the context.
+def outside_compilers_tracing() -> contextlib.AbstractContextManager[Any]:
+    """A context in which make_fx traces in the fake mode of its inputs, even inside a compile."""
+    return torch._guards.tracing(None)
 
 
 # Since torch 2.13 make_fx records a `torch.Generator` argument as a `get_attr` constant of the
@@ -337,7 +348,14 @@ def forget_pending_sizes(fake_mode: FakeTensorMode) -> None:
     if fake_mode.shape_env is not None:
         fake_mode.shape_env.pending_fresh_unbacked_symbols.clear()
         fake_mode.shape_env.deferred_runtime_asserts.clear()
-        fake_mode.shape_env.real_tensor_prop_unbacked_vals.clear()
+        _real_values(fake_mode.shape_env).clear()
+
+
+def _real_values(shape_env: ShapeEnv) -> dict[Any, Any]:
+    """The real value of each data-dependent size (and bool read) a trace with real values made."""
+    if _RELEASE < (2, 11):
+        return shape_env.unbacked_var_to_val  # type: ignore[attr-defined,no-any-return]
+    return shape_env.real_tensor_prop_unbacked_vals
 
 
 @contextlib.contextmanager
@@ -518,7 +536,7 @@ def _unasserted_bool_reads(shape_env: ShapeEnv) -> dict[Any, bool]:
     }
     return {
         read: bool(value)
-        for read, value in shape_env.real_tensor_prop_unbacked_vals.items()
+        for read, value in _real_values(shape_env).items()
         if read.is_Relational and read.free_symbols and not read.free_symbols & asserted
     }
 

@@ -81,6 +81,27 @@ def test_a_retrace_says_what_else_changed(remat_records: pytest.LogCaptureFixtur
     ]
 
 
+def test_autocasts_cache_retraces_only_under_autocast(remat_records: pytest.LogCaptureFixture) -> None:
+    # The cache holds only autocast's casts: with autocast off its flag changes no trace (AOTAutograd on
+    # torch 2.10 turns it off for one of its two traces of a compiled region).
+    f = remat.checkpoint(lambda x: x.sin())
+    x = torch.randn(3, dtype=DTYPE, requires_grad=True)
+    before = torch.is_autocast_cache_enabled()
+    try:
+        f(x)
+        torch.set_autocast_cache_enabled(False)
+        f(x)
+        assert f.cache_info().traces == 1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            f(x)
+            torch.set_autocast_cache_enabled(True)
+            f(x)
+    finally:
+        torch.set_autocast_cache_enabled(before)
+    assert f.cache_info().traces == 3
+    assert _messages(remat_records, logging.INFO)[-1] == f"retracing {f!r}: autocast's cache was enabled"
+
+
 def test_a_retrace_for_a_changed_closed_over_tensor_says_so(remat_records: pytest.LogCaptureFixture) -> None:
     w = torch.randn(3, dtype=DTYPE, requires_grad=True)
     f = remat.checkpoint(lambda x: x * w)

@@ -214,14 +214,10 @@ def test_every_checkpoint_policy_value_is_mapped() -> None:
         value.name: from_sac(lambda ctx, op, *args, value=value, **kwargs: value).plan(trace)[0]
         for value in CheckpointPolicy
     }
-    assert mapped == {
-        "MUST_SAVE": S,
-        "PREFER_SAVE": S,
-        "MUST_RECOMPUTE": R,
-        "PREFER_RECOMPUTE": R,
-        "MUST_CPU_OFFLOAD": remat.OFFLOAD,
-        "PREFER_CPU_OFFLOAD": remat.OFFLOAD,
-    }
+    offload = {"MUST_CPU_OFFLOAD": remat.OFFLOAD, "PREFER_CPU_OFFLOAD": remat.OFFLOAD}
+    if not hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD"):  # torch 2.10: no offload values
+        offload = {}
+    assert mapped == {"MUST_SAVE": S, "PREFER_SAVE": S, "MUST_RECOMPUTE": R, "PREFER_RECOMPUTE": R, **offload}
 
 
 @pytest.mark.parametrize("value", ["save", None, 1, 0, remat.SAVE])
@@ -234,7 +230,7 @@ def test_bad_return_value_raises_type_error_naming_it(value: Any) -> None:
     message = str(info.value)
     assert f"returned {value!r} (of type {type(value).__qualname__})" in message
     assert "aten.mm.default" in message
-    assert "(MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE, PREFER_RECOMPUTE, MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD)" in message
+    assert f"({', '.join(policy.name for policy in CheckpointPolicy)})" in message  # (offload from torch 2.11)
 
 
 def test_bad_return_value_raises_through_checkpoint() -> None:

@@ -42,13 +42,13 @@ def test_the_running_torch_is_supported() -> None:
     assert ".".join(torch.__version__.split(".")[:2]) in _torch.SUPPORTED
 
 
-@pytest.mark.parametrize("version", ["2.10.0", "2.9.1", "2.16.0", "3.0.0+cpu", "1.13.1"])
+@pytest.mark.parametrize("version", ["2.9.1", "2.16.0", "3.0.0+cpu", "1.13.1"])
 def test_an_unsupported_torch_is_refused_naming_the_range(version: str) -> None:
-    with pytest.raises(ImportError, match=rf"remat supports torch 2\.11 to 2\.15 .* but torch {re.escape(version)}"):
+    with pytest.raises(ImportError, match=rf"remat supports torch 2\.10 to 2\.15 .* but torch {re.escape(version)}"):
         _torch.check_supported(version)
 
 
-@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.1", "2.15.0+cu132"])
+@pytest.mark.parametrize("version", ["2.10.0+cu128", "2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.1", "2.15.0+cu132"])
 def test_supported_releases_pass(version: str) -> None:
     _torch.check_supported(version)
 
@@ -111,3 +111,4 @@ def test_nox_and_ci_run_the_supported_releases() -> None:
     ci = (PACKAGE.parent / ".ci" / "run").read_text()
     assert re.search(r"^NEWEST=([\d.]+)", ci, re.MULTILINE).group(1) == releases[-1]  # type: ignore[union-attr]
     assert re.search(r"^OLDEST=([\d.]+)", ci, re.MULTILINE).group(1) == releases[0]  # type: ignore[union-attr]
+    assert re.search(r"^GPU=([\d.]+)", ci, re.MULTILINE).group(1) in releases  # type: ignore[union-attr]

@@ -467,3 +467,17 @@ def test_after_quantile_fails_to_trace_under_forward_mode_the_next_trace_works()
         assert "lerp_" in str(error)
     assert not _python_key_excluded()
     remat.testing.assert_checkpoint_equivalent(lambda x: torch.quantile(x, q, dim=1), x.requires_grad_())
+
+
+@pytest.mark.parametrize("where", ["input", "closed_over", "intermediate"])
+def test_a_function_that_reads_a_data_pointer_is_a_trace_error(where: str) -> None:
+    # Hugging Face's grouped_mm experts check their operands' alignment this way on torch 2.10 (test_moe).
+    w = torch.randn(4, dtype=DTYPE)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        read = {"input": x, "closed_over": w, "intermediate": x * 2}[where]
+        return x.sin() if read.data_ptr() % 16 == 0 else x.cos()
+
+    with pytest.raises(remat.TraceError, match=r"memory address at .*test_trace\.py.*data_ptr"):
+        remat.checkpoint(fn)(torch.randn(4, dtype=DTYPE, requires_grad=True))
+    assert not _python_key_excluded()
