@@ -449,8 +449,8 @@ ROWS = (
 )
 
 # Before torch 2.12, torch.utils.checkpoint (and SAC, built on it) has no forward-mode or vmap rule either:
-# under forward mode it raises "You must implement the jvp function for custom autograd.Function" or "You
-# tried to vmap over _NoopSaveInputs". The page shows the newest release's cells; these are the expected
+# under forward mode it raises "You must implement the jvp function for custom autograd.Function" (a
+# `NotImplementedError` on 2.10) or "You tried to vmap over _NoopSaveInputs". The page shows the newest release's cells; these are the expected
 # failures of the rows run under forward mode on the older ones.
 _FORWARD_MODE_ROWS = frozenset(
     {
@@ -469,7 +469,7 @@ _NO_JVP_BEFORE_2_12 = {CHECKPOINT: RuntimeError, SAC: RuntimeError}
 
 def fails_on(row: Row, release: str) -> Mapping[str, type[BaseException]]:
     """What each peer raises in `row` on torch `release` ("2.11")."""
-    if release == "2.11" and row.name in _FORWARD_MODE_ROWS:
+    if release in ("2.10", "2.11") and row.name in _FORWARD_MODE_ROWS:
         return {**row.fails, **_NO_JVP_BEFORE_2_12}
     return row.fails
 
