@@ -23,6 +23,7 @@ from .workloads import SUITES
 # name -> the module whose `main(argv)` runs it, in the order docs/benchmarks.md shows them
 BENCHMARKS = {
     "fit": "benchmarks.fit",
+    "gpu-step": "benchmarks.gpu_step",
     "planner": "benchmarks.planner",
     "compiled": "benchmarks.compiled",
     "offload": "benchmarks.offload",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -349,6 +351,52 @@ def test_fit_benchmark_keeps_every_plan_within_its_target_and_renders_the_compar
     assert "vs fastest peer" in markdown
     if importlib.util.find_spec("matplotlib") is not None:
         assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_gpu_script_runs_its_stages_at_a_toy_size_on_the_cpu(tmp_path: Path) -> None:
+    # `benchmarks/gpu.sh` runs as-is where a GPU is lent; its dry run keeps it from rotting in between.
+    pytest.importorskip("highspy")
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        ["bash", "benchmarks/gpu.sh", "--dry-run", str(tmp_path)],
+        cwd=root,
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert [line.split()[1] for line in run.stdout.splitlines() if line.startswith("== ")][:3] == [
+        "tests",
+        "fit",
+        "step",
+    ]
+    collected = (tmp_path / "cuda-tests.txt").read_text()
+    assert int(re.search(r"(\d+)/\d+ tests collected", collected).group(1)) > 100  # type: ignore[union-attr]
+    assert json.loads((tmp_path / "fit-cpu.json").read_text())["cases"][0]["rows"]
+    step = json.loads((tmp_path / "gpu-step-cpu.json").read_text())
+    methods = [row["method"] for row in step["rows"]]
+    peers = ["eager", "checkpoint", "sac", *(["torch_remat"] if "torch_remat" in methods else [])]
+    assert methods == [*peers, "torch.compile, budget 0.5", "remat dots_saveable", "remat.fit", "remat.fit"]
+    fitted = [row for row in step["rows"] if row["method"] == "remat.fit"]
+    assert fitted[0]["target_bytes"] < fitted[1]["target_bytes"]
+    assert all(row["peak_bytes"] <= row["target_bytes"] for row in fitted)
+    assert all(row["max_grad_difference"] == 0 for row in step["rows"] if row["method"] != "torch.compile, budget 0.5")
+    assert "| remat dots_saveable |" in (tmp_path / "gpu-step-cpu.md").read_text()
+
+
+def test_the_gpu_script_fails_on_an_unknown_stage(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        ["bash", "benchmarks/gpu.sh", "--dry-run", str(tmp_path), "nonesuch"],
+        cwd=root,
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 1
+    assert "unknown stage: nonesuch" in run.stdout
 
 
 # --- the entry point ---------------------------------------------------------------------------------
