@@ -24,6 +24,7 @@ from ._apply import NOTHING, CheckpointedForward, InstalledForward, Which, check
 from ._cache import LRUCache, tensor_key
 from ._calls import Decision, Trace, format_bytes
 from ._decide import decide, decide_nested
+from ._measure import storage_nbytes
 from ._peak import peak_of
 from .report import Peak
 
@@ -785,7 +786,7 @@ def _probe(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> tu
             value.backward()
 
         recorder = _step.run_step(step, fakes)
-        gradients = sum(p.grad.untyped_storage().nbytes() for p in parameters if p.grad is not None)
+        gradients = sum(storage_nbytes(p.grad) for p in parameters if p.grad is not None)
         timeline = _step.timeline_of(recorder, gradients)
     if optimizer is None:
         return timeline, 0
@@ -926,7 +927,7 @@ def _record(
         return _predicted_peak(rows, picks)[0]
 
     report = StepReport(
-        parameters=sum(p.untyped_storage().nbytes() for p in model.parameters()),
+        parameters=sum(storage_nbytes(p) for p in model.parameters()),
         gradients=timeline.gradients,
         optimizer_state=optimizer_state,
         kept=kept,

@@ -8,6 +8,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
+from ._cuda_allocator import allocated_nbytes
 from ._torch import size_bound
 
 __all__ = ["estimate_flops", "output_nbytes", "storage_key", "storage_nbytes", "tensor_nbytes", "tensors_in"]
@@ -76,8 +77,9 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
 
 
 def storage_nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of the memory `tensor` views. See NOTE [data-dependent sizes count at their bound]."""
-    return size_bound(tensor.untyped_storage().nbytes())
+    """Bytes of the memory `tensor` views, as its device's allocator counts them (NOTE [what the CUDA
+    allocator counts]). See NOTE [data-dependent sizes count at their bound]."""
+    return allocated_nbytes(size_bound(tensor.untyped_storage().nbytes()), tensor.device)
 
 
 def storage_key(tensor: torch.Tensor) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ._cuda_allocator import allocated_nbytes
 from ._measure import storage_key, tensors_in
 from ._torch import TorchDispatchMode
 
@@ -100,7 +101,7 @@ class _Recorder:
         if key in self.live:
             return
         storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
+        nbytes = allocated_nbytes(storage.nbytes(), tensor.device)
         self.live[key] = nbytes
         self.total += nbytes
         weakref.finalize(storage, self._freed, key)
