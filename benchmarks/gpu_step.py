@@ -48,7 +48,6 @@ from .fit import (
     _grads_difference,
     _per_block,
     _record,
-    _step,
     measure_peak,
     time_rows,
 )
