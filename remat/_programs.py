@@ -590,6 +590,9 @@ def _emitter(
             copy.meta = dict(node.meta)
         else:
             copy = _copy(graph, node, env)
+            updated = _UNDECLARED_UPDATES.get(node.target)
+            if updated is not None and node.args[updated[0]] is True:  # NOTE [replays update no running statistics]
+                copy.args = tuple(None if i in updated[1] else a for i, a in enumerate(copy.args))
             if _value_stops_gradient(node, forward_mode):
                 copy = graph.call_function(aten.detach.default, (copy,))
             history = history_of(node, forward_mode=forward_mode)
@@ -629,6 +632,16 @@ def _emitter(
         return env[target]
 
     return emit
+
+
+# NOTE [replays update no running statistics]
+# The batch norm kernels a GPU runs in training (cuDNN's, MIOpen's) update the running statistics in
+# place without their schemas saying so (`_quirks.BATCH_NORM_UPDATES_UNDECLARED`),
+# so the trace holds them as pure ops and every run of one updates the statistics. The forward program
+# runs each once, as eager does. The programs built here run calls again (a replay in backward, the pure
+# forward of a second derivative or of forward mode): there such a call is given no running statistics.
+# In training it normalizes by the batch's own, so its outputs are the same, and it updates nothing.
+_UNDECLARED_UPDATES = _quirks.BATCH_NORM_UPDATES_UNDECLARED.table
 
 
 # NOTE [outputs of multi-output calls]

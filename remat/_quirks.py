@@ -34,6 +34,7 @@ __all__ = [
     "GRADIENTS_SWITCH_IN_GRAD_MODE",
     "SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP",
     "BATCH_NORM_FUNCTIONAL_UNBATCHED",
+    "BATCH_NORM_UPDATES_UNDECLARED",
     "TANGENT_FORMULAS_READ_STATISTICS",
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING",
     "SAC_ERRORS_LEAVE_MODES_PUSHED",
@@ -223,6 +224,23 @@ BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS = Quirk(
     },
 )
 
+BATCH_NORM_UPDATES_UNDECLARED = Quirk(
+    ops=(aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default),
+    releases=None,
+    differs=(
+        "in training mode these kernels (what batch norm runs on a GPU) update the running statistics in "
+        "place, which their schemas do not declare: a trace holds them as pure ops, and each run of one "
+        "updates the statistics again (a checkpointed CUDA step that replays it updated them twice; found on "
+        "a GPU, as running statistics off eager's by the momentum). The native kernel does the same, but a "
+        "trace decomposes it into the functional op"
+    ),
+    note="NOTE [replays update no running statistics] (remat/_programs.py)",
+    table={  # op -> (the position of its `training` flag, the positions of the running statistics)
+        aten.cudnn_batch_norm.default: (5, (3, 4)),
+        aten.miopen_batch_norm.default: (5, (3, 4)),
+    },
+)
+
 RRELU_FUNCTIONAL_DERIVATIVE = Quirk(
     ops=(aten.rrelu_with_noise_functional.default,),
     releases=None,
@@ -383,6 +401,7 @@ QUIRKS: tuple[Quirk, ...] = (
     GRADIENTS_SWITCH_IN_GRAD_MODE,
     SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP,
     BATCH_NORM_FUNCTIONAL_UNBATCHED,
+    BATCH_NORM_UPDATES_UNDECLARED,
     TANGENT_FORMULAS_READ_STATISTICS,
     QUANTILE_COMPARES_TENSORS,
     SAC_ASKS_AGAIN_WHILE_RECOMPUTING,

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from remat import _quirks
+from remat import _quirks, _torch
 from remat._contexts import dispatch_keys_put_back
 from remat._quirks import Quirk
 
@@ -84,6 +84,23 @@ def _batch_norm_training_ignores_running_stats() -> bool:
         return [out, save_mean, save_invstd, *grads]
 
     return all(torch.equal(a, b) for a, b in zip(forward_and_backward(0.0), forward_and_backward(5.0), strict=True))
+
+
+def _batch_norm_updates_undeclared() -> bool:
+    # Each schema leaves the running statistics undeclared as written. Their kernels need a GPU: the native
+    # kernel, of the same schema, stands for them here. It writes the statistics, and its outputs in training
+    # are those it gives without them.
+    undeclared = all(
+        _torch.op_schema(op).arguments[i].alias_info is None
+        for op, (_, stats) in _quirks.BATCH_NORM_UPDATES_UNDECLARED.table.items()
+        for i in stats
+    )
+    x = torch.randn(6, 3, dtype=torch.float64)
+    mean, var = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    with_stats = aten.native_batch_norm.default(x, None, None, mean, var, True, 0.1, 1e-5)
+    without = aten.native_batch_norm.default(x, None, None, None, None, True, 0.1, 1e-5)
+    same = all(torch.equal(a, b) for a, b in zip(with_stats, without, strict=True))
+    return undeclared and same and not torch.equal(mean, torch.zeros(3, dtype=torch.float64))
 
 
 def _rrelu_functional_derivative_reads_its_noise_input() -> bool:
@@ -294,6 +311,7 @@ PROBES: dict[str, Callable[[], bool]] = {
     "CPU_KERNELS_CHOOSE_LAYOUTS": _batch_norm_cpu_kernel_chooses_its_layout,
     "FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK": _fake_batch_norm_backward_ignores_the_mask,
     "BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS": _batch_norm_training_ignores_running_stats,
+    "BATCH_NORM_UPDATES_UNDECLARED": _batch_norm_updates_undeclared,
     "RRELU_FUNCTIONAL_DERIVATIVE": _rrelu_functional_derivative_reads_its_noise_input,
     "GRADIENTS_READ_LU_FACTORS": _gradients_read_lu_factors,
     "GRADIENTS_SWITCH_IN_GRAD_MODE": _gradients_switch_in_grad_mode,

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import remat
-from remat import policies
+from remat import _quirks, policies
 
 aten = torch.ops.aten
 DTYPE = torch.float64
@@ -1033,3 +1033,65 @@ def test_regression_training_batch_norm_keeps_no_copies_of_its_running_statistic
     (grad,) = torch.autograd.grad(wrapped(x).pow(3).sum(), x, create_graph=True)
     (expected,) = torch.autograd.grad(copy.deepcopy(norm)(x).pow(3).sum(), x, create_graph=True)
     torch.testing.assert_close(torch.autograd.grad(grad.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0])
+
+
+# A batch norm kernel of the kind a GPU runs (cuDNN's): it updates the running statistics in place, and its
+# schema does not say so (`_quirks.BATCH_NORM_UPDATES_UNDECLARED`). A custom op of the same kind, on the CPU.
+_UNDECLARED = torch.library.Library("remat_undeclared", "DEF")
+_UNDECLARED.define(
+    "batch_norm(Tensor input, Tensor? running_mean, Tensor? running_var, bool training) -> (Tensor, Tensor, Tensor)"
+)
+
+
+def _batch_norm_updating_undeclared(x: torch.Tensor, mean: Any, var: Any, training: bool) -> tuple[torch.Tensor, ...]:
+    outputs = torch.ops.aten.native_batch_norm.default(x, None, None, mean, var, training, 0.1, 1e-5)
+    return tuple(t.clone() for t in outputs)
+
+
+def _batch_norm_fake(x: torch.Tensor, mean: Any, var: Any, training: bool) -> tuple[torch.Tensor, ...]:
+    return torch.empty_like(x), x.new_empty(x.shape[1]), x.new_empty(x.shape[1])
+
+
+def _batch_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    ctx.save_for_backward(inputs[0], output[1], output[2])
+
+
+def _batch_norm_backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+    x, mean, invstd = ctx.saved_tensors
+    (grad_x, _, _) = torch.ops.aten.native_batch_norm_backward.default(
+        grad, x, None, None, None, mean, invstd, True, 1e-5, [True, False, False]
+    )
+    return grad_x, None, None, None
+
+
+_UNDECLARED.impl("batch_norm", _batch_norm_updating_undeclared, "CPU")
+torch.library.register_fake("remat_undeclared::batch_norm", _batch_norm_fake, lib=_UNDECLARED)
+torch.library.register_autograd(
+    "remat_undeclared::batch_norm", _batch_norm_backward, setup_context=_batch_norm_setup, lib=_UNDECLARED
+)
+
+
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_calls(0)], ids=["replayed", "saved"])
+def test_a_batch_norm_kernel_that_updates_undeclared_updates_once(monkeypatch: pytest.MonkeyPatch, policy: Any) -> None:
+    # Found on a GPU: a checkpointed step whose backward replays cuDNN's batch norm updated the running
+    # statistics twice. A replay runs such a kernel without them (NOTE [replays update no running statistics]).
+    op = torch.ops.remat_undeclared.batch_norm.default
+    monkeypatch.setitem(_quirks.BATCH_NORM_UPDATES_UNDECLARED.table, op, (3, (1, 2)))
+    mean, var = torch.zeros(3, dtype=DTYPE), torch.ones(3, dtype=DTYPE)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out, _, _ = op(x, mean, var, True)
+        return (out * x).sin()
+
+    def step(f: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        mean.zero_(), var.fill_(1)
+        x = torch.linspace(-1, 2, 12, dtype=DTYPE).reshape(4, 3).requires_grad_()
+        f(x).sum().backward()
+        assert x.grad is not None
+        return x.grad, mean.clone(), var.clone()
+
+    expected = step(fn)
+    got = step(remat.checkpoint(fn, policy=policy))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(expected[1], torch.zeros(3, dtype=DTYPE))  # updated, once
