@@ -43,6 +43,7 @@ from ._contexts import (
     outside_functorch,
     without_saved_tensors_hooks,
 )
+from ._engine import engine_can_run, walked_gradients
 from ._errors import TraceError, explain_tracing_errors
 from ._facts import (
     add_tag,
@@ -730,11 +731,14 @@ class _ForwardThenBackward:
         if not outputs or not wrt:
             return [None] * len(wrt)
         nodes_without_grad = NodesWithoutGrad(_traced_graph()) if create_graph else nullcontext()
+        functional_tangents = [FunctionalTensor.to_functional(t) for t in tangents]
         with autocast_disabled(), nodes_without_grad:  # NOTE [autocast is traced, not re-applied]
+            if not engine_can_run([*outputs, *wrt]):  # See NOTE [a backward walked without the engine].
+                return walked_gradients(outputs, wrt, functional_tangents, create_graph)
             return torch.autograd.grad(
                 outputs,
                 wrt,
-                [FunctionalTensor.to_functional(t) for t in tangents],
+                functional_tangents,
                 allow_unused=True,
                 # As eager's backward will run: see NOTE [a backward traced as it will run].
                 create_graph=create_graph,

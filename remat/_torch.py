@@ -117,6 +117,9 @@ __all__ = [
     "insert_value_checks",
     "is_custom_op",
     "is_custom_op_autograd",
+    "is_custom_function_node",
+    "autograd_node_inputs",
+    "autograd_node_order",
     "real_values_traced",
     "selective_checkpoint_context",
     "size_bound",
@@ -1094,6 +1097,21 @@ SAC_BYPASSES_HOOKS: dict[str, Any] = (
     if "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
     else {}
 )
+
+
+def autograd_node_order(node: Any) -> int:
+    """The sequence number of an autograd graph node: the engine runs the ready node created last first."""
+    return node._sequence_nr()  # type: ignore[no-any-return]
+
+
+def autograd_node_inputs(node: Any) -> Sequence[Any]:
+    """The shape, dtype and device of each gradient an autograd graph node takes."""
+    return node._input_metadata  # type: ignore[no-any-return]
+
+
+def is_custom_function_node(node: Any) -> bool:
+    """Whether an autograd graph node is a custom Function's (its `backward` runs through `node.apply`)."""
+    return hasattr(node, "_forward_cls")
 
 
 def is_custom_op_autograd(function: type) -> bool:
