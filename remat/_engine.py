@@ -112,14 +112,17 @@ def _dependencies(roots: Sequence[Any]) -> tuple[dict[Any, int], list[Any]]:
 
 def _needed(reachable: Sequence[Any], captures: dict[Any, Any]) -> set[Any]:
     """The nodes from which a captured node can be reached (themselves included)."""
-    needed = set(captures)
-    changed = True
-    while changed:  # (until no node joins: a graph is shallow next to what tracing it costs)
-        changed = False
-        for node in reachable:
-            if node not in needed and any(n in needed for n, _ in node.next_functions if n is not None):
-                needed.add(node)
-                changed = True
+    parents: dict[Any, list[Any]] = {}
+    for node in reachable:
+        for next_node, _ in node.next_functions:
+            if next_node is not None:
+                parents.setdefault(next_node, []).append(node)
+    needed, stack = set(), list(captures)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(parents.get(node, ()))
     return needed
 
 
