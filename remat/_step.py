@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from ._cuda_allocator import allocated_nbytes
-from ._measure import storage_key, tensors_in
+from ._measure import storage_key, storage_nbytes, tensors_in
 from ._torch import TorchDispatchMode
 
 __all__ = ["BlockCall", "Phase", "Segment", "Timeline", "recorder", "recording", "run_step", "timeline_of"]
@@ -101,7 +100,7 @@ class _Recorder:
         if key in self.live:
             return
         storage = tensor.untyped_storage()
-        nbytes = allocated_nbytes(storage.nbytes(), tensor.device)
+        nbytes = storage_nbytes(tensor)
         self.live[key] = nbytes
         self.total += nbytes
         weakref.finalize(storage, self._freed, key)
