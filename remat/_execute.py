@@ -14,6 +14,7 @@ from ._cache import requires_grad_at_any_level
 from ._calls import TensorMeta
 from ._compiled import CompiledPrograms
 from ._contexts import autocast_disabled
+from ._engine import release_saved_tensors, walk_as_the_engine
 from ._fidelity import is_dense
 from ._partition import KeptActivation, KeptGeneratorState, KeptInput, KeptOutput, Programs
 from ._programs import STACKS_UNDER_VMAP, differentiable_again
@@ -33,7 +34,6 @@ from ._torch import (
     inplace_requires_grad_allowed,
     is_functorch_wrapped,
     make_dual,
-    release_saved_tensors,
     tangent_of,
     unbatched_at,
     unwrap_batched,
@@ -208,10 +208,13 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if _step.recorder is not None:  # a probe step of `remat.fit`: see NOTE [a step's timeline]
             ctx.remat_step_call = _step.recorder.function_applied()
+        prehook = None
         if not functorch_active():  # See NOTE [the backward owns its gradients].
             taken: list[tuple[torch.Tensor | None, ...]] = []
             ctx.remat_taken_grads = taken
-            ctx.register_prehook(functools.partial(_take_grads, taken))
+            prehook = functools.partial(_take_grads, taken)
+            ctx.register_prehook(prehook)
+        walk_as_the_engine(ctx, prehook, materialize_grads=False)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

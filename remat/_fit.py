@@ -24,6 +24,7 @@ from ._apply import NOTHING, CheckpointedForward, InstalledForward, Which, check
 from ._cache import LRUCache, tensor_key
 from ._calls import Decision, Trace, format_bytes
 from ._decide import decide, decide_nested
+from ._engine import SavedTensors, engine_runs_on, walked_backward
 from ._measure import storage_nbytes
 from ._peak import peak_of
 from .report import Peak
@@ -717,13 +718,12 @@ def _target_device(model: nn.Module, device: Any) -> torch.device | None:
         raise TypeError(f"remat.fit: `device` must name a device ('cpu', 'cuda'), but got {device!r}.") from None
     if target.type == "meta":
         raise ValueError("remat.fit: `device` is the real device to plan for, not 'meta'.")
-    if target.type == "cuda" and on_meta and not torch.cuda.is_available():
-        # Fake CUDA tensors run forward without a GPU, but autograd's engine opens a CUDA context for
-        # their backward ("hasPrimaryContext expects a valid device index").
+    if target.type == "cuda" and on_meta and not torch.backends.cuda.is_built():
+        # Fake CUDA tensors need torch's CUDA kernels registered, GPU or not (NOTE [planning on the meta device]).
         raise ValueError(
-            "remat.fit: planning for `device='cuda'` runs the probe step on fake CUDA tensors, whose backward "
-            "needs a CUDA device on this machine, and torch sees none. Plan on a machine with a GPU (the model "
-            "can stay on meta there), or for `device='cpu'` here, whose kernels differ from CUDA's."
+            f"remat.fit: planning for `device='cuda'` runs the probe step on fake CUDA tensors, which need a "
+            f"CUDA build of torch (the default Linux wheel; no GPU needed), but this torch ({torch.__version__}) "
+            "is built for the CPU only."
         )
     where = {t.device for t in (*model.parameters(), *model.buffers())}
     if not on_meta and where != {target} and where:
@@ -775,15 +775,22 @@ def _probe(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> tu
     """The probe step's timeline, with the optimizer's step after it, and the bytes of new optimizer state."""
     model, loss, optimizer = planner.model, planner.loss, planner.optimizer
     with _put_back(model), _stepping(model, planner.device, args, kwargs) as (call, parameters, fakes):
+        # Without a GPU, the backward of fake CUDA tensors is walked, releasing saved tensors as the engine
+        # does (NOTE [a backward walked without the engine]).
+        saved = None if planner.device is None or engine_runs_on(planner.device) else SavedTensors()
 
         def step() -> None:
-            value = loss(call())
+            with saved.packing() if saved is not None else contextlib.nullcontext():
+                value = loss(call())
             if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
                 raise ValueError(
                     "remat.fit: `loss` must give a scalar tensor that requires grad (the value the step "
                     f"backpropagates), but gave {value!r}."
                 )
-            value.backward()
+            if saved is None:
+                value.backward()
+            else:
+                walked_backward([value], [torch.ones_like(value)], saved)
 
         recorder = _step.run_step(step, fakes)
         gradients = sum(storage_nbytes(p.grad) for p in parameters if p.grad is not None)

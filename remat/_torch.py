@@ -57,7 +57,7 @@ from torch._C._functorch import TransformType
 from torch._functorch.autograd_function import CtxCustomSave, CtxWithSavedTensors
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_clear_interpreter_stack
 from torch._functorch.vmap import unwrap_batched
-from torch._prims_common import compute_elementwise_output_strides
+from torch._prims_common import compute_elementwise_output_strides, is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -118,6 +118,7 @@ __all__ = [
     "is_custom_op",
     "is_custom_op_autograd",
     "is_custom_function_node",
+    "accumulated_leaf",
     "autograd_node_inputs",
     "autograd_node_order",
     "real_values_traced",
@@ -137,6 +138,7 @@ __all__ = [
     "batched_level",
     "check_supported",
     "default_generator",
+    "dense_without_overlap",
     "disable_current_modes",
     "forward_ad_level",
     "forward_grad_enabled",
@@ -271,11 +273,32 @@ def default_generator(device: torch.device) -> torch.Generator:
     if device.type == "cpu":
         return torch.default_generator
     if device.type == "cuda":
+        if not torch.cuda.is_available():  # fake CUDA tensors, on a machine without a GPU
+            return _CUDA_GENERATOR_STAND_INS.setdefault(device.index or 0, _CudaGeneratorStandIn())  # type: ignore[return-value]
         return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     raise NotImplementedError(
         f"remat.checkpoint: replaying a random call on a {device.type!r} device is not supported; save it with a "
         "policy (e.g. `policy | (lambda call: call.is_random)`)."
     )
+
+
+class _CudaGeneratorStandIn:
+    """A CUDA generator's state where torch has no CUDA generator (a CUDA build on a machine without a GPU):
+    random calls on fake CUDA tensors draw nothing, but remat keeps and restores their generator's state as
+    on a GPU, a 16-byte Philox state (seed and offset). The state is made as the generator makes it, outside
+    the dispatcher, so that a probe step does not count it as device memory."""
+
+    def __init__(self) -> None:
+        self._state = torch.frombuffer(bytearray(16), dtype=torch.uint8)
+
+    def get_state(self) -> torch.Tensor:
+        return self._state
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self._state = state
+
+
+_CUDA_GENERATOR_STAND_INS: dict[int, _CudaGeneratorStandIn] = {}
 
 
 @contextlib.contextmanager
@@ -1107,6 +1130,16 @@ def autograd_node_order(node: Any) -> int:
 def autograd_node_inputs(node: Any) -> Sequence[Any]:
     """The shape, dtype and device of each gradient an autograd graph node takes."""
     return node._input_metadata  # type: ignore[no-any-return]
+
+
+def accumulated_leaf(node: Any) -> torch.Tensor | None:
+    """The leaf tensor whose `.grad` an autograd graph node accumulates into (its `AccumulateGrad`), if it is one."""
+    return node.variable if type(node).__name__ == "AccumulateGrad" else None  # type: ignore[no-any-return]
+
+
+def dense_without_overlap(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s elements fill its memory once each, in some order of its dimensions."""
+    return bool(is_non_overlapping_and_dense_or_false(tensor))
 
 
 def is_custom_function_node(node: Any) -> bool:

@@ -3,15 +3,17 @@ machine lacks. On the CPU the walk is forced, and its trace must be the engine's
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import models
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import remat
-from remat import _api, _joint, _torch, policies
+from remat import _api, _engine, _fit, _joint, _step, _torch, policies
 from remat.testing import assert_checkpoint_equivalent, functions, inputs
 
 DTYPE = torch.float64
@@ -74,6 +76,126 @@ def test_a_walked_backward_runs_custom_functions_and_sums_paths(needs: str) -> N
     unused = torch.randn(2, dtype=DTYPE, requires_grad=True)
     for policy in (policies.save_nothing, policies.save_everything):
         assert_checkpoint_equivalent(fn, x, y, unused, policy=policy, transforms=())
+
+
+def _stepped(fn: Any, args: Any, walk: bool) -> tuple[list[Any], tuple[int, int, tuple[int, ...]]]:
+    """The gradients one step of `fn(*args).sum()` leaves in `.grad`, and the bytes live along it (its peak,
+    what is live at the end, and the live bytes after every op), stepped by the engine or walked."""
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    for leaf in leaves:
+        leaf.grad = None
+    saved = _engine.SavedTensors() if walk else None
+    live: list[int] = []
+
+    def step() -> None:
+        torch.manual_seed(0)
+        with saved.packing() if saved is not None else contextlib.nullcontext():
+            value = sum(out.sum() for out in _outputs(fn(*args)) if out.requires_grad)
+        if saved is None:
+            value.backward()
+        else:
+            _engine.walked_backward([value], [torch.ones_like(value)], saved)
+
+    class Watched(_step._Recorder):
+        def allocated(self, tensor: torch.Tensor, op: Any) -> None:
+            super().allocated(tensor, op)
+            live.append(self.total)
+
+    recorder = Watched()
+    with _step._Allocations(recorder):
+        step()
+    return [leaf.grad for leaf in leaves], (recorder.peak, recorder.total, tuple(live))
+
+
+def _outputs(out: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+@given(st.data())
+def test_a_walked_step_accumulates_and_frees_as_the_engine(data: st.DataObject) -> None:
+    # `.backward()` walked: the same `.grad` (bit for bit: the same kernels in the same order) and the same
+    # bytes live after every op, so saved tensors are released as each node runs and gradients dropped once
+    # used, as the engine does.
+    fn = data.draw(functions(max_ops=6), label="fn")
+    args = data.draw(inputs(fn), label="args")
+    assume(any(out.requires_grad for out in _outputs(fn(*args))))
+    expected_grads, expected_bytes = _stepped(fn, args, walk=False)
+    grads, walked_bytes = _stepped(fn, args, walk=True)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        assert (grad is None) == (expected is None)
+        if grad is not None:
+            assert grad.stride() == expected.stride()
+            torch.testing.assert_close(grad, expected, rtol=0, atol=0, equal_nan=True)
+    # (The engine gives a custom Function zeros of its non-differentiable output's shape and dtype, which
+    # torch keeps from Python; the walk gives a zero scalar: a few bytes. NOTE [a backward walked without
+    # the engine])
+    if not any(step.op == "custom_sorted_with_ranks" for step in fn.steps):
+        assert walked_bytes == expected_bytes
+
+
+def test_a_walked_step_adds_to_existing_gradients_and_keeps_the_leaf_layout() -> None:
+    w = torch.randn(4, 3, dtype=DTYPE).t().requires_grad_()  # a leaf laid out transposed
+    x = torch.randn(5, 3, dtype=DTYPE)
+
+    def fn(w: torch.Tensor) -> torch.Tensor:
+        return (x @ w + (x @ w).exp()).sum()
+
+    for walk in (False, True):
+        w.grad = None
+        for _ in range(2):  # the second step adds to the first's `.grad`
+            if walk:
+                _engine.walked_backward([fn(w)], [torch.ones((), dtype=DTYPE)])
+            else:
+                fn(w).backward()
+        if not walk:
+            expected = w.grad
+    assert w.grad.stride() == expected.stride() == w.stride()
+    torch.testing.assert_close(w.grad, expected, rtol=0, atol=0)
+
+
+def test_a_walked_step_refuses_hooks_it_cannot_run_and_a_second_backward() -> None:
+    w = torch.randn(3, requires_grad=True)
+    w.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(RuntimeError, match="cannot run the hooks"):
+        _engine.walked_backward([(w * 2).sum()], [torch.ones(())])
+    v = torch.randn(3, requires_grad=True)
+    saved = _engine.SavedTensors()
+    with saved.packing():
+        value = (v.exp() * v).sum()
+    _engine.walked_backward([value], [torch.ones(())], saved)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        _engine.walked_backward([value], [torch.ones(())], saved)
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt", "resnet"])
+def test_fit_plans_a_walked_probe_step_as_the_engine_stepped_it(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probe step of a model on meta, planned for the CPU, walked (as for CUDA without a GPU): the same
+    # timeline, segment by segment, as the engine's, and so the same plan.
+    from test_fit import MLPBlock, gpt_stack, mlp_stack, square_loss
+
+    def planned() -> tuple[Any, ...]:
+        timelines: list[Any] = []
+        probe = _fit._probe
+        monkeypatch.setattr(_fit, "_probe", lambda *a: timelines.append(probe(*a)) or timelines[-1])
+        plans: list[Any] = []
+        for _ in range(2):  # a first plan reads the range of peaks; the second plans for its middle
+            with torch.device("meta"):
+                net, block, x = {
+                    "mlp": lambda: (mlp_stack(n=3), MLPBlock, torch.empty(32, 16, 32)),
+                    "gpt": lambda: (gpt_stack(n=3), models.GPT2Block, torch.empty(8, 16, 32)),
+                    "resnet": lambda: (models.resnet18_like(), models.BasicBlock, torch.empty(8, 3, 32, 32)),
+                }[model]()
+            report = plans[0].report if plans else None
+            target = 10**12 if report is None else (report.peak_keeping_everything + report.peak_keeping_nothing) // 2
+            plan = remat.fit(net, block, x, peak_bytes=target, loss=square_loss, device="cpu")
+            plans.append(plan)
+        assert plans[1].predicted_peak < plans[0].predicted_peak  # (the second plan saves less)
+        measured = [(t.segments, t.peak, t.gradients, t.end) for t, _ in timelines]
+        return measured, [(plan.predicted_peak, [b.label for b in plan.blocks]) for plan in plans]
+
+    expected = planned()
+    monkeypatch.setattr(_fit, "engine_runs_on", lambda device: False)
+    assert planned() == expected
 
 
 @pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="needs a CUDA build of torch (its fake CUDA tensors)")

@@ -530,11 +530,17 @@ def test_on_cuda_the_measured_peak_stays_within_the_target_and_is_predicted() ->
 
 
 @needs_cuda
+@pytest.mark.parametrize("walked", [False, True], ids=["engine", "walked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_plan_made_on_meta_for_cuda_holds_on_the_gpu(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_plan_made_on_meta_for_cuda_holds_on_the_gpu(
+    dtype: torch.dtype, walked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # On meta, attention runs the math kernel, which keeps the T x T scores; on the GPU, SDPA picks a
     # fused kernel (memory-efficient in float32, flash in bfloat16) that keeps none. The probe runs on
-    # fake CUDA tensors, which pick the GPU's kernel: the plan is the one made on the real model.
+    # fake CUDA tensors, which pick the GPU's kernel: the plan is the one made on the real model. Walked
+    # (as on a machine without a GPU), the probe's backward plans the same.
+    if walked:
+        monkeypatch.setattr(remat._fit, "engine_runs_on", lambda device: False)
     real = sdpa_stack(d=256, vocab=512).to("cuda", dtype)
     with torch.device("meta"):
         model = sdpa_stack(d=256, vocab=512).to(dtype)
@@ -563,15 +569,47 @@ def test_fit_asks_for_the_device_to_plan_a_model_on_meta_for() -> None:
     assert not any(isinstance(m.__dict__.get("forward"), remat._apply.CheckpointedForward) for m in model.modules())
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
-def test_fit_for_cuda_without_a_gpu_is_a_clear_error() -> None:
-    # It was torch's raw "hasPrimaryContext expects a valid device index" from the probe's backward (on a
-    # CUDA build of torch), or a raw error about the missing CUDA driver (on a CPU-only build).
+class NoisyAttentionBlock(nn.Module):
+    """Attention with dropout on its probabilities and after its projection: random calls to replay."""
+
+    def __init__(self, d: int = 64, heads: int = 4, p: float = 0.1):
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.norm, self.qkv, self.out, self.drop = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p)
+        return x + self.drop(self.out(a.transpose(1, 2).reshape(b, t, d)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="for machines without a GPU")
+def test_fit_plans_for_cuda_without_a_gpu() -> None:
+    # The probe step runs on fake CUDA tensors (a CUDA build of torch), its backward walked (autograd's
+    # engine would need the GPU), its random calls keeping 16-byte CUDA generator states.
     with torch.device("meta"):
-        model = mlp_stack(n=2)
-    with pytest.raises(ValueError, match=r"device='cuda'.*needs a CUDA device"):
-        remat.fit(model, MLPBlock, torch.randn(8, 32, device="meta"), peak_bytes=2**20, loss=square_loss, device="cuda")
-    assert not any(isinstance(m.__dict__.get("forward"), remat._apply.CheckpointedForward) for m in model.modules())
+        model = nn.Sequential(*[NoisyAttentionBlock() for _ in range(3)])
+    x = torch.empty(4, 64, 64, device="meta")
+    if not torch.backends.cuda.is_built():
+        with pytest.raises(ValueError, match=r"device=.cuda.*need a CUDA build of torch"):
+            remat.fit(model, NoisyAttentionBlock, x, peak_bytes=2**30, loss=square_loss, device="cuda")
+        assert not any(isinstance(m.__dict__.get("forward"), remat._apply.CheckpointedForward) for m in model.modules())
+        return
+    everything = remat.fit(model, NoisyAttentionBlock, x, peak_bytes=2**40, loss=square_loss, device="cuda").report
+    remat.uncheckpoint_modules(model)
+    assert everything.peak_keeping_nothing < everything.peak_keeping_everything
+    target = (everything.peak_keeping_everything + everything.peak_keeping_nothing) // 2
+    plan = remat.fit(model, NoisyAttentionBlock, x, peak_bytes=target, loss=square_loss, device="cuda")
+    assert plan.predicted_peak <= target
+    assert any(remat.RECOMPUTE in block.decisions for block in plan.blocks)
+    assert all(p.is_meta for p in model.parameters())
+    # A random call replayed keeps its CUDA generator's state: 16 bytes, not the CPU generator's 5,056.
+    with remat._torch.FakeTensorMode(), torch.device("cuda"):
+        block, cuda_x = NoisyAttentionBlock(), torch.empty(4, 64, 64)
+    report = remat.report(block, cuda_x, policy=remat.policies.save_nothing)
+    random_calls = [call for call in remat.trace(block, cuda_x) if call.is_random]
+    assert random_calls and report.saved_bytes == 16 * len(random_calls)
 
 
 @st.composite
