@@ -18,6 +18,8 @@ from ._fit import BlockPlan as BlockPlan
 from ._fit import Fit as Fit
 from ._fit import StepReport as StepReport
 from ._fit import fit as fit
+from ._gpu import Gpu as Gpu
+from ._gpu import assume_gpu as assume_gpu
 from ._module import CheckpointedModule as CheckpointedModule
 from ._offload import limit_pinned_memory as limit_pinned_memory
 from ._pareto import Pareto as Pareto
@@ -44,6 +46,7 @@ __all__ = [
     "Dataflow",
     "Decision",
     "Fit",
+    "Gpu",
     "Report",
     "TensorMeta",
     "Trace",
@@ -51,6 +54,7 @@ __all__ = [
     "Pareto",
     "Peak",
     "StepReport",
+    "assume_gpu",
     "checkpoint",
     "checkpoint_modules",
     "fit",

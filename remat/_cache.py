@@ -10,6 +10,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 
 from ._contexts import AUTOCAST_DEVICES
+from ._gpu import assumed_gpu
 from ._torch import any_autocast_enabled, grad_dtype_override, is_functorch_wrapped, unwrap_level
 
 __all__ = ["CacheInfo", "LRUCache", "ambient_key", "requires_grad_at_any_level", "tensor_key"]
@@ -70,6 +71,7 @@ class AmbientKey(NamedTuple):
     autocast: tuple[tuple[bool, torch.dtype | None], ...]  # (enabled, dtype if enabled) on CPU, then CUDA
     autocast_cache: bool  # (True where autocast is off: the cache only holds autocast's casts)
     training: tuple[bool, ...]  # the `training` flags of the modules found in the function
+    gpu: Any  # the GPU assumed where there is none (`remat.assume_gpu`): it chooses CUDA kernels
 
 
 class SignatureKey(NamedTuple):
@@ -85,7 +87,7 @@ _AUTOCAST_OFF: tuple[tuple[bool, torch.dtype | None], ...] = tuple((False, None)
 
 
 def ambient_key(modules: Sequence[torch.nn.Module]) -> AmbientKey:
-    """State outside the arguments that changes a trace: autocast and `training` flags."""
+    """State outside the arguments that changes a trace: autocast and `training` flags, the assumed GPU."""
     autocast, cache = _AUTOCAST_OFF, True  # the common case, asked in one call (this runs on every call)
     if any_autocast_enabled():
         autocast = tuple(
@@ -93,7 +95,7 @@ def ambient_key(modules: Sequence[torch.nn.Module]) -> AmbientKey:
             for device in AUTOCAST_DEVICES
         )
         cache = torch.is_autocast_cache_enabled()
-    return AmbientKey(autocast, cache, tuple(module.training for module in modules))
+    return AmbientKey(autocast, cache, tuple(module.training for module in modules), assumed_gpu())
 
 
 class LRUCache(Generic[V]):

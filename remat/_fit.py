@@ -25,6 +25,7 @@ from ._cache import LRUCache, tensor_key
 from ._calls import Decision, Trace, format_bytes
 from ._decide import decide, decide_nested
 from ._engine import SavedTensors, engine_runs_on, walked_backward
+from ._gpu import attention_as_on_the_gpu
 from ._measure import storage_nbytes
 from ._peak import peak_of
 from .report import Peak
@@ -764,7 +765,7 @@ def _stepping(
     )
     trained = [state[names[id(p)]] for p in model.parameters() if p.requires_grad]
     try:
-        with mode:
+        with mode, attention_as_on_the_gpu(list(state.values())):
             yield (lambda: torch.func.functional_call(model, state, fake_args, fake_kwargs)), trained, mode  # type: ignore[arg-type]
     finally:
         for forward in _blocks(model).values():

@@ -60,6 +60,7 @@ from ._fidelity import (
     eager_fidelity,
     kept_as_dead_code,
 )
+from ._gpu import attention_as_on_the_gpu
 from ._measure import estimate_flops, output_nbytes
 from ._pytree import FlatArgs, flatten_outputs
 from ._rng import seeding_refused
@@ -172,6 +173,7 @@ def joint_graph_of(
             seeding_refused(),  # NOTE [seeding inside a checkpointed function]
             unset_fake_temporarily(),  # a fake mode of the caller's: the trace has its own
             fake_kernel_errors_unlogged(),
+            attention_as_on_the_gpu(flat_args.tensors),  # NOTE [kernels of a GPU this machine lacks]
         ):
             try:
                 joint = _joint_graph_attempt(

@@ -38,6 +38,7 @@ __all__ = [
     "TANGENT_FORMULAS_READ_STATISTICS",
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING",
     "SAC_ERRORS_LEAVE_MODES_PUSHED",
+    "SDPA_CHOOSES_BELOW_THE_DISPATCHER",
     "UNBACKED_SYMBOL_NAMES",
     "CpuLayout",
     "Quirk",
@@ -388,6 +389,28 @@ REGIONS_ALLOCATE_FOR_IN_PLACE_OPS = Quirk(
     table=frozenset({aten.empty.memory_format, aten.empty_like.default, aten._local_scalar_dense.default}),
 )
 
+# --- CUDA without a GPU --------------------------------------------------------------------------
+
+SDPA_CHOOSES_BELOW_THE_DISPATCHER = Quirk(
+    ops=(
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+    ),
+    releases=None,
+    differs=(
+        "SDPA picks its CUDA kernel (flash, memory-efficient, cuDNN) from the device's compute capability, "
+        "below the dispatcher; on fake CUDA tensors where this machine has no GPU it runs the math kernel, "
+        "which keeps the T x T probabilities for backward where the GPU's kernel keeps a row of log-sum-exps"
+    ),
+    note="NOTE [kernels of a GPU this machine lacks] (remat/_gpu.py): remat chooses as the assumed GPU would",
+    table={  # backend -> the op SDPA calls for it on CUDA
+        "flash": aten._scaled_dot_product_flash_attention.default,
+        "efficient": aten._scaled_dot_product_efficient_attention.default,
+        "cudnn": aten._scaled_dot_product_cudnn_attention.default,
+    },
+)
+
 QUIRKS: tuple[Quirk, ...] = (
     DETACH_TRACES_AS_ALIAS,
     IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD,
@@ -407,4 +430,5 @@ QUIRKS: tuple[Quirk, ...] = (
     SAC_ASKS_AGAIN_WHILE_RECOMPUTING,
     SAC_ERRORS_LEAVE_MODES_PUSHED,
     REGIONS_ALLOCATE_FOR_IN_PLACE_OPS,
+    SDPA_CHOOSES_BELOW_THE_DISPATCHER,
 )

@@ -78,6 +78,7 @@ from torch.fx.experimental.symbolic_shapes import (
     guard_scalar,
 )
 from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
@@ -122,6 +123,7 @@ __all__ = [
     "autograd_node_inputs",
     "autograd_node_order",
     "real_values_traced",
+    "sdp_priority_order",
     "selective_checkpoint_context",
     "size_bound",
     "STRICT_FAKE_KERNELS",
@@ -134,6 +136,7 @@ __all__ = [
     "OpOverload",
     "OpOverloadPacket",
     "TorchDispatchMode",
+    "TorchFunctionMode",
     "TransformType",
     "batched_level",
     "check_supported",
@@ -1150,6 +1153,14 @@ def is_custom_function_node(node: Any) -> bool:
 def is_custom_op_autograd(function: type) -> bool:
     """Whether `function` is the autograd Function torch made for a custom op's `register_autograd`."""
     return function.__module__ == "torch._library.autograd"
+
+
+_SDP_BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}  # torch's `SDPBackend` values
+
+
+def sdp_priority_order() -> list[str]:
+    """The order in which SDPA tries its backends on CUDA (`torch._C._set_sdp_priority_order` changes it)."""
+    return [_SDP_BACKENDS.get(int(b), "unknown") for b in torch._C._get_sdp_priority_order()]
 
 
 def selective_checkpoint_context(op_output: Any) -> torch.utils.checkpoint.SelectiveCheckpointContext:

@@ -304,6 +304,16 @@ def _regions_allocate_for_in_place_ops() -> bool:
     return bool(set(ops) & _quirks.REGIONS_ALLOCATE_FOR_IN_PLACE_OPS.table)
 
 
+def _sdpa_chooses_below_the_dispatcher() -> bool:
+    if not torch.backends.cuda.is_built() or torch.cuda.is_available():
+        pytest.skip("seen only on a CUDA build of torch on a machine without a GPU")
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16)  # what flash takes on sm80 and newer
+        graph = make_fx(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q))(q).graph
+    targets = {node.target for node in graph.nodes if node.op == "call_function"}
+    return not targets & set(_quirks.SDPA_CHOOSES_BELOW_THE_DISPATCHER.table.values())
+
+
 PROBES: dict[str, Callable[[], bool]] = {
     "DETACH_TRACES_AS_ALIAS": _detach_traces_as_alias,
     "UNBACKED_SYMBOL_NAMES": _unbacked_symbols_are_named_u,
@@ -323,6 +333,7 @@ PROBES: dict[str, Callable[[], bool]] = {
     "SAC_ERRORS_LEAVE_MODES_PUSHED": _sac_errors_leave_modes_pushed,
     "QUANTILE_COMPARES_TENSORS": _quantile_compares_tensors,
     "REGIONS_ALLOCATE_FOR_IN_PLACE_OPS": _regions_allocate_for_in_place_ops,
+    "SDPA_CHOOSES_BELOW_THE_DISPATCHER": _sdpa_chooses_below_the_dispatcher,
 }
 
 
