@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import remat
+from remat._gpu import assumed_gpu
 
 from . import models
 from .harness import describe, environment
@@ -218,10 +219,11 @@ def run_fit(args: argparse.Namespace, log: Callable[[str], None] = print) -> lis
     return rows
 
 
-def measure_meta_llama(layers: int = 32, tokens: int = 8192) -> dict[str, Any]:
-    """`remat.fit` of a Llama-3-8B-shaped model (bfloat16) on the meta device for the CPU, at batch 1 x `tokens`:
-    a plan for a model this machine could not hold, at a target halfway between keeping nothing and
-    keeping everything (read off a plan without a binding target, which is timed too)."""
+def measure_meta_llama(layers: int = 32, tokens: int = 8192, device: str = "cpu") -> dict[str, Any]:
+    """`remat.fit` of a Llama-3-8B-shaped model (bfloat16) on the meta device for `device`, at batch 1 x
+    `tokens`: a plan for a model this machine could not hold, at a target halfway between keeping nothing
+    and keeping everything (read off a plan without a binding target, which is timed too). For "cuda" on
+    a machine without a GPU, the GPU assumed is remat's default (docs/fit.md)."""
     config = transformers.LlamaConfig(
         hidden_size=4096,
         intermediate_size=14336,
@@ -239,7 +241,7 @@ def measure_meta_llama(layers: int = 32, tokens: int = 8192) -> dict[str, Any]:
 
     def planned(target: int) -> tuple[Any, float]:
         started = time.perf_counter()
-        plan = remat.fit(model, block, ids, kwargs={"labels": ids}, peak_bytes=target, device="cpu")
+        plan = remat.fit(model, block, ids, kwargs={"labels": ids}, peak_bytes=target, device=device)
         seconds = time.perf_counter() - started
         remat.uncheckpoint_modules(model)
         return plan, seconds
@@ -250,6 +252,8 @@ def measure_meta_llama(layers: int = 32, tokens: int = 8192) -> dict[str, Any]:
     return {
         "layers": layers,
         "tokens": tokens,
+        "device": device,
+        "gpu": str(assumed_gpu()) if device == "cuda" and not torch.cuda.is_available() else None,
         "first_plan_s": first_s,
         "plan_s": plan_s,
         "peak_keeping_nothing": loose.report.peak_keeping_nothing,
@@ -297,12 +301,16 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             f"| {r['layers']} | {r['structures']} | {r['traces']} | {r['plans']} | {r['plan_s']:.2f} |" for r in fits
         ]
-    meta = result.get("meta_llama")
-    if meta:
+    for meta in (result.get("meta_llama"), result.get("meta_llama_cuda")):
+        if not meta:
+            continue
         gib = 2**30
+        target = "the CPU" if meta.get("device", "cpu") == "cpu" else "CUDA"
+        if meta.get("gpu"):
+            target += f" without a GPU (assumed: {meta['gpu']})"
         lines += [
             "",
-            f"`remat.fit` of a Llama-3-8B-shaped model on the meta device for the CPU ({meta['layers']} layers, "
+            f"`remat.fit` of a Llama-3-8B-shaped model on the meta device for {target} ({meta['layers']} layers, "
             f"bfloat16, batch 1 x {meta['tokens']} tokens): peak keeping nothing "
             f"{meta['peak_keeping_nothing'] / gib:.1f} GiB, keeping everything "
             f"{meta['peak_keeping_everything'] / gib:.1f} GiB; planned to {meta['target'] / gib:.1f} GiB "
@@ -327,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.no_fit:
         result["fit"] = run_fit(args)
         result["meta_llama"] = measure_meta_llama()
+        if torch.backends.cuda.is_built():  # fake CUDA tensors: planned for a GPU, with or without one
+            result["meta_llama_cuda"] = measure_meta_llama(device="cuda")
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
