@@ -47,7 +47,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import remat
-from remat._gpu import assumed_gpu
 
 from . import models
 from .harness import describe, environment
@@ -223,7 +222,7 @@ def measure_meta_llama(layers: int = 32, tokens: int = 8192, device: str = "cpu"
     """`remat.fit` of a Llama-3-8B-shaped model (bfloat16) on the meta device for `device`, at batch 1 x
     `tokens`: a plan for a model this machine could not hold, at a target halfway between keeping nothing
     and keeping everything (read off a plan without a binding target, which is timed too). For "cuda" on
-    a machine without a GPU, the GPU assumed is remat's default (docs/fit.md)."""
+    a machine without a GPU, planned for an H100 (docs/fit.md)."""
     config = transformers.LlamaConfig(
         hidden_size=4096,
         intermediate_size=14336,
@@ -246,14 +245,15 @@ def measure_meta_llama(layers: int = 32, tokens: int = 8192, device: str = "cpu"
         remat.uncheckpoint_modules(model)
         return plan, seconds
 
-    loose, first_s = planned(2**62)
-    target = (loose.report.peak_keeping_nothing + loose.report.peak_keeping_everything) // 2
-    plan, plan_s = planned(target)
+    with remat.assume_gpu("H100") as gpu:  # (where a GPU is present, it chooses its kernels itself)
+        loose, first_s = planned(2**62)
+        target = (loose.report.peak_keeping_nothing + loose.report.peak_keeping_everything) // 2
+        plan, plan_s = planned(target)
     return {
         "layers": layers,
         "tokens": tokens,
         "device": device,
-        "gpu": str(assumed_gpu()) if device == "cuda" and not torch.cuda.is_available() else None,
+        "gpu": str(gpu) if device == "cuda" and not torch.cuda.is_available() else None,
         "first_plan_s": first_s,
         "plan_s": plan_s,
         "peak_keeping_nothing": loose.report.peak_keeping_nothing,

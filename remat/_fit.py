@@ -722,9 +722,9 @@ def _target_device(model: nn.Module, device: Any) -> torch.device | None:
     if target.type == "cuda" and on_meta and not torch.backends.cuda.is_built():
         # Fake CUDA tensors need torch's CUDA kernels registered, GPU or not (NOTE [planning on the meta device]).
         raise ValueError(
-            f"remat.fit: planning for `device='cuda'` runs the probe step on fake CUDA tensors, which need a "
-            f"CUDA build of torch (the default Linux wheel; no GPU needed), but this torch ({torch.__version__}) "
-            "is built for the CPU only."
+            "remat.fit: planning for `device='cuda'` runs the probe step on fake CUDA tensors, which need a "
+            "CUDA build of torch (the default Linux wheel; no GPU needed), but this torch is built for the CPU "
+            "only (`torch.backends.cuda.is_built()` is False)."
         )
     where = {t.device for t in (*model.parameters(), *model.buffers())}
     if not on_meta and where != {target} and where:

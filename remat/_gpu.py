@@ -152,12 +152,19 @@ def _common_conditions(
     return failed
 
 
+def _half_precision_from_sm80(kernel: str, q: torch.Tensor, gpu: Gpu) -> list[str]:
+    """What a kernel for float16 and bfloat16 on sm80 and newer (flash, cuDNN) finds wrong."""
+    failed = []
+    if gpu.capability < (8, 0):
+        failed.append(f"{kernel} needs sm80 or newer ({gpu})")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        failed.append(f"{kernel} takes float16 and bfloat16")
+    return failed
+
+
 def _flash_conditions(q, k, v, mask, dropout_p, is_causal, enable_gqa, gpu) -> list[str]:  # type: ignore[no-untyped-def]
     failed = _common_conditions(q, k, v, gqa_allowed=True, enable_gqa=enable_gqa)
-    if gpu.capability < (8, 0):
-        failed.append(f"flash attention needs sm80 or newer ({gpu})")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        failed.append("flash attention takes float16 and bfloat16")
+    failed += _half_precision_from_sm80("flash attention", q, gpu)
     if mask is not None:
         failed.append("flash attention takes no mask")
     if not (q.size(-1) == k.size(-1) == v.size(-1)) or q.size(-1) > 256:
@@ -189,10 +196,7 @@ def _efficient_conditions(q, k, v, mask, dropout_p, is_causal, enable_gqa, gpu) 
 
 def _cudnn_conditions(q, k, v, mask, dropout_p, is_causal, enable_gqa, gpu) -> list[str]:  # type: ignore[no-untyped-def]
     failed = _common_conditions(q, k, v, gqa_allowed=False, enable_gqa=enable_gqa)
-    if gpu.capability < (8, 0):
-        failed.append(f"cuDNN attention needs sm80 or newer ({gpu})")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        failed.append("cuDNN attention takes float16 and bfloat16")
+    failed += _half_precision_from_sm80("cuDNN attention", q, gpu)
     if not (q.size(-1) == k.size(-1) == v.size(-1)) or q.size(-1) % 8 or q.size(-1) > 128:
         failed.append("cuDNN attention needs one head dimension, a multiple of 8 of at most 128")
     return failed
