@@ -52,12 +52,13 @@ check_supported()  # before the private imports below, which an unsupported rele
 
 import torch._functorch.config
 import torch._ops
+import torch._prims_common
 import torch.utils.checkpoint
 from torch._C._functorch import TransformType
 from torch._functorch.autograd_function import CtxCustomSave, CtxWithSavedTensors
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_clear_interpreter_stack
 from torch._functorch.vmap import unwrap_batched
-from torch._prims_common import compute_elementwise_output_strides, is_non_overlapping_and_dense_or_false
+from torch._prims_common import compute_elementwise_output_strides
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -1140,9 +1141,17 @@ def accumulated_leaf(node: Any) -> torch.Tensor | None:
     return node.variable if type(node).__name__ == "AccumulateGrad" else None  # type: ignore[no-any-return]
 
 
+# (`_or_false` since 2.11, where it answers False for a symbolic size that leaves it open; before, without)
+_NON_OVERLAPPING_AND_DENSE: Any = next(
+    getattr(torch._prims_common, name)
+    for name in ("is_non_overlapping_and_dense_or_false", "is_non_overlapping_and_dense")
+    if hasattr(torch._prims_common, name)
+)
+
+
 def dense_without_overlap(tensor: torch.Tensor) -> bool:
     """Whether `tensor`'s elements fill its memory once each, in some order of its dimensions."""
-    return bool(is_non_overlapping_and_dense_or_false(tensor))
+    return bool(_NON_OVERLAPPING_AND_DENSE(tensor))
 
 
 def is_custom_function_node(node: Any) -> bool:
