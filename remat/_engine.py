@@ -56,10 +56,11 @@ __all__ = [
 #   engine releases them when the graph is not retained, so that memory falls as it will on the device.
 # What the walk does not do: run hooks registered on the graph's tensors or nodes (torch keeps them out of
 # Python's reach; a leaf with hooks is refused), keep the `None`s of a Function that turned
-# materialization off (it gets zeros), both but for remat's own Function, which tells the walk its
-# pre-hook and that it takes `None`s (`walk_as_the_engine`), give an output a Function marked non-differentiable zeros of its
-# shape and dtype (torch keeps them from Python: it gets a zero scalar), and record streams. The walk's trace equals the engine's on the
-# CPU, and so do its gradients and its memory (`tests/test_engine.py`).
+# materialization off (it gets zeros), give an output a Function marked non-differentiable zeros of its
+# shape and dtype (torch keeps them from Python: it gets a zero scalar), and record streams. remat's own
+# Function is the exception to the first two: it tells the walk its pre-hook and that it takes `None`s
+# (`walk_as_the_engine`). The walk's trace equals the engine's on the CPU, and so do its gradients and
+# its memory (`tests/test_engine.py`).
 
 
 def engine_can_run(tensors: Sequence[Any]) -> bool:
@@ -322,9 +323,9 @@ def _run(node: Any, grads: list[torch.Tensor | None]) -> list[torch.Tensor | Non
         computed = node(*grads)
         return list(computed) if isinstance(computed, tuple) else [computed]
     prehook, materialize_grads = getattr(node, "remat_walked_as", (None, True))
-    if prehook is not None:
-        replaced = prehook(tuple(grads))
-        grads[:] = grads if replaced is None else replaced
+    replaced = None if prehook is None else prehook(tuple(grads))
+    if replaced is not None:
+        grads[:] = replaced
     if materialize_grads:
         grads[:] = [
             torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g

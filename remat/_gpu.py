@@ -104,6 +104,8 @@ def assume_gpu(gpu: str | tuple[int, int]) -> Iterator[Gpu]:
 
 # --- attention ---------------------------------------------------------------------------------------------
 
+Mask = torch.Tensor | None
+
 
 def sdpa_backend(
     query: torch.Tensor,
@@ -120,7 +122,7 @@ def sdpa_backend(
     conditions = {
         "flash": (torch.backends.cuda.flash_sdp_enabled, _flash_conditions),
         "efficient": (torch.backends.cuda.mem_efficient_sdp_enabled, _efficient_conditions),
-        "math": (torch.backends.cuda.math_sdp_enabled, lambda *a: []),
+        "math": (torch.backends.cuda.math_sdp_enabled, _no_conditions),
         "cudnn": (torch.backends.cuda.cudnn_sdp_enabled, _cudnn_conditions),
     }
     for backend in sdp_priority_order():
@@ -130,6 +132,10 @@ def sdpa_backend(
         if enabled() and not failed(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, gpu):
             return backend
     return "math"  # (SDPA raises "no available kernel" here; the math kernel says so in its own words)
+
+
+def _no_conditions(*arguments: Any) -> list[str]:
+    return []
 
 
 def _common_conditions(
@@ -162,7 +168,16 @@ def _half_precision_from_sm80(kernel: str, q: torch.Tensor, gpu: Gpu) -> list[st
     return failed
 
 
-def _flash_conditions(q, k, v, mask, dropout_p, is_causal, enable_gqa, gpu) -> list[str]:  # type: ignore[no-untyped-def]
+def _flash_conditions(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+    gpu: Gpu,
+) -> list[str]:
     failed = _common_conditions(q, k, v, gqa_allowed=True, enable_gqa=enable_gqa)
     failed += _half_precision_from_sm80("flash attention", q, gpu)
     if mask is not None:
@@ -181,7 +196,16 @@ def _flash_conditions(q, k, v, mask, dropout_p, is_causal, enable_gqa, gpu) -> l
     return failed
 
 
-def _efficient_conditions(q, k, v, mask, dropout_p, is_causal, enable_gqa, gpu) -> list[str]:  # type: ignore[no-untyped-def]
+def _efficient_conditions(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+    gpu: Gpu,
+) -> list[str]:
     failed = _common_conditions(q, k, v, gqa_allowed=False, enable_gqa=enable_gqa)
     if gpu.capability < (5, 0):
         failed.append(f"memory-efficient attention needs sm50 or newer ({gpu})")
@@ -194,7 +218,16 @@ def _efficient_conditions(q, k, v, mask, dropout_p, is_causal, enable_gqa, gpu) 
     return failed
 
 
-def _cudnn_conditions(q, k, v, mask, dropout_p, is_causal, enable_gqa, gpu) -> list[str]:  # type: ignore[no-untyped-def]
+def _cudnn_conditions(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+    gpu: Gpu,
+) -> list[str]:
     failed = _common_conditions(q, k, v, gqa_allowed=False, enable_gqa=enable_gqa)
     failed += _half_precision_from_sm80("cuDNN attention", q, gpu)
     if not (q.size(-1) == k.size(-1) == v.size(-1)) or q.size(-1) % 8 or q.size(-1) > 128:
@@ -223,7 +256,15 @@ def _aligned_bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch
     return mask.expand(q.size(0), q.size(1), q.size(2), k.size(2))
 
 
-def _run_flash(q, k, v, mask, dropout_p, is_causal, scale) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _run_flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
     head = q.size(-1)
     scale = scale if scale is not None else 1.0 / math.sqrt(head)
     if head % 8:
@@ -232,7 +273,15 @@ def _run_flash(q, k, v, mask, dropout_p, is_causal, scale) -> torch.Tensor:  # t
     return out[..., :head] if head % 8 else out
 
 
-def _run_efficient(q, k, v, mask, dropout_p, is_causal, scale) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _run_efficient(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
     bias = _additive(mask, q.dtype)
     if bias is not None:
         bias = _aligned_bias(bias, q, k)
@@ -241,7 +290,15 @@ def _run_efficient(q, k, v, mask, dropout_p, is_causal, scale) -> torch.Tensor: 
     )[0]
 
 
-def _run_cudnn(q, k, v, mask, dropout_p, is_causal, scale) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _run_cudnn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
     bias = _additive(mask, q.dtype)
     if bias is not None:
         bias = bias.expand(q.size(0), q.size(1), q.size(2), k.size(2))
