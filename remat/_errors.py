@@ -10,6 +10,7 @@ from typing import Any
 
 from ._capture import DataPointerRead
 from ._fidelity import FakeKernelRefused, OverlappingWrite, ReadsWhatItWrites
+from ._gpu import asks_for_the_missing_gpu
 from ._rng import GeneratorMadeInside, GlobalSeeding
 from ._specialize import FloatRead, UncheckedValue
 from ._torch import (
@@ -48,6 +49,16 @@ def _in_place_collective(fn: Callable[..., Any], error: BaseException) -> TraceE
         "(`torch.distributed.all_reduce` and friends), which cannot be traced. Use the functional "
         "collectives of `torch.distributed._functional_collectives` (`all_reduce(tensor, 'sum', group)` "
         "returns the result), which remat traces and always saves, so that backward never replays one."
+    )
+
+
+def _needs_a_gpu(fn: Callable[..., Any], error: BaseException, op: str) -> TraceError:
+    return TraceError(
+        f"remat.checkpoint could not trace `{_name(fn)}` on CUDA tensors: {op}{_at(error)} runs only on a GPU, "
+        "and this machine has none (torch asks the CUDA driver for it even on fake tensors: cuDNN's RNNs, grid "
+        "sampler and CTC loss, the fused GRU cell). Trace or plan it on a machine with a GPU. For a cuDNN kernel, "
+        "`with torch.backends.cudnn.flags(enabled=False):` around the call plans the kernel the GPU runs without "
+        "cuDNN instead, which may keep other tensors for backward than cuDNN's."
     )
 
 
@@ -143,6 +154,8 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "function, and tell remat's maintainers which op it was."
         ) from error
     except FakeKernelRefused as error:
+        if asks_for_the_missing_gpu(error):
+            raise _needs_a_gpu(fn, error, str(error.op)) from error
         raise TraceError(
             f"remat.checkpoint could not trace `{_name(fn)}`: `{error.op}`{_at(error)} refused its inputs while "
             f"tracing: {error.reason.rstrip('.')}. Tracing runs each op's fake kernel (its rule for output shapes and dtypes) "
@@ -168,6 +181,8 @@ def explain_tracing_errors(fn: Callable[..., Any]) -> Iterator[None]:
             "draw from a `torch.Generator` of your own (`generator=g`) that you seed outside it."
         ) from error
     except RuntimeError as error:
+        if asks_for_the_missing_gpu(error):
+            raise _needs_a_gpu(fn, error, "an op") from error
         if DATA_NOT_ALLOCATED in str(error):
             raise TraceError(
                 f"remat.checkpoint could not trace `{_name(fn)}`: an op{_at(error)} reads the values of a tensor "

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ._quirks import SDPA_CHOOSES_BELOW_THE_DISPATCHER
 from ._torch import TorchFunctionMode, sdp_priority_order
 
-__all__ = ["Gpu", "assume_gpu", "assumed_gpu", "attention_as_on_the_gpu", "sdpa_backend"]
+__all__ = ["Gpu", "asks_for_the_missing_gpu", "assume_gpu", "assumed_gpu", "attention_as_on_the_gpu", "sdpa_backend"]
 
 
 # NOTE [kernels of a GPU this machine lacks]
@@ -37,6 +37,16 @@ __all__ = ["Gpu", "assume_gpu", "assumed_gpu", "attention_as_on_the_gpu", "sdpa_
 # torch's `sdp_utils` (below); a corner they do not cover may be planned with
 # another kernel than the GPU runs, which `docs/fit.md` lists. Where a GPU is
 # present, SDPA chooses itself and the assumption is not used.
+
+
+# What torch raises where an op on CUDA tensors asks the CUDA driver and this machine has no GPU.
+_NO_DRIVER = ("NVIDIA driver", "CUDA driver version is insufficient", "no CUDA GPUs are available")
+
+
+def asks_for_the_missing_gpu(error: BaseException) -> bool:
+    """Whether `error` is torch asking the CUDA driver for a GPU this machine lacks: a few CUDA ops run only
+    on a device, fake tensors or not (cuDNN's RNNs, grid sampler and CTC loss; the fused GRU cell)."""
+    return not torch.cuda.is_available() and any(text in str(error) for text in _NO_DRIVER)
 
 
 @dataclasses.dataclass(frozen=True)

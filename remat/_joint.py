@@ -968,7 +968,7 @@ def _drop_unread_batch_norm_arguments(graph: fx.Graph) -> None:
     unread_by = _quirks.BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS.table["backward"]
     for node in graph.nodes:
         unread = unread_by.get(node.target)
-        if unread is not None and node.args[unread[0]] is True:
+        if unread is not None and (unread[0] is None or node.args[unread[0]] is True):
             node.args = tuple(None if i in unread[1] else a for i, a in enumerate(node.args))
 
 

@@ -210,18 +210,34 @@ FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK = Quirk(
 # --- partitioning -------------------------------------------------------------------------------
 
 BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS = Quirk(
-    ops=(aten.native_batch_norm_backward.default, aten._native_batch_norm_legit_functional.default),
+    ops=(
+        aten.native_batch_norm_backward.default,
+        aten.cudnn_batch_norm_backward.default,
+        aten.miopen_batch_norm_backward.default,
+        aten._native_batch_norm_legit_functional.default,
+        aten.cudnn_batch_norm.default,
+        aten.miopen_batch_norm.default,
+    ),
     releases=None,
     differs=(
         "in training mode, batch norm's backward takes the running statistics but reads the batch "
-        "statistics instead; a replayed forward's outputs that backward reads do not depend on them"
+        "statistics instead; a replayed forward's outputs that backward reads do not depend on them. A GPU's "
+        "backward kernels (cuDNN's, MIOpen's) run only for training"
     ),
     note="`_value_graph.reads_any_value` and `_joint._drop_unread_batch_norm_arguments`: nothing keeps them",
     # For the backward ops and for the forward ops a replay runs: op -> (the position of its `training`
-    # flag, the positions of the running statistics)
+    # flag, None for an op that always trains; the positions of the running statistics)
     table={
-        "backward": {aten.native_batch_norm_backward.default: (7, (3, 4))},
-        "replay": {aten._native_batch_norm_legit_functional.default: (5, (3, 4))},
+        "backward": {
+            aten.native_batch_norm_backward.default: (7, (3, 4)),
+            aten.cudnn_batch_norm_backward.default: (None, (3, 4)),
+            aten.miopen_batch_norm_backward.default: (None, (3, 4)),
+        },
+        "replay": {
+            aten._native_batch_norm_legit_functional.default: (5, (3, 4)),
+            aten.cudnn_batch_norm.default: (5, (3, 4)),
+            aten.miopen_batch_norm.default: (5, (3, 4)),
+        },
     },
 )
 
@@ -300,14 +316,15 @@ TANGENT_FORMULAS_READ_STATISTICS = Quirk(
         aten._native_batch_norm_legit.default,
         aten._native_batch_norm_legit.no_stats,
         aten._native_batch_norm_legit_functional.default,
+        aten.cudnn_batch_norm.default,
     ),
     releases=None,
     differs=(
         "their forward-mode formulas read the mean and inverse deviation the op returns without a derivative, "
         "so a reverse-mode derivative of their tangents (`grad` of `jvp`, `jacrev` of `jacfwd`) misses the "
         "terms through those statistics: eager's is off from float64 finite differences (by about 1 on unit "
-        "inputs; layer norm, batch and instance norm in training). Found by comparing `grad` of `jvp` with "
-        "the gradient of a finite-difference tangent, op by op"
+        "inputs; layer norm, batch and instance norm in training, cuDNN's batch norm on a GPU). Found by "
+        "comparing `grad` of `jvp` with the gradient of a finite-difference tangent, op by op"
     ),
     note="NOTE [tangents that will be differentiated] (remat/_programs.py)",
     table=frozenset(
@@ -317,6 +334,7 @@ TANGENT_FORMULAS_READ_STATISTICS = Quirk(
             aten._native_batch_norm_legit.default,
             aten._native_batch_norm_legit.no_stats,
             aten._native_batch_norm_legit_functional.default,
+            aten.cudnn_batch_norm.default,
         }
     ),
 )

@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from test_fit import square_loss
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import _cache, _torch, policies
+from remat._engine import walked_backward
 from remat._gpu import DEFAULT_GPU, Gpu, assumed_gpu, sdpa_backend
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -159,6 +161,19 @@ def test_a_cuda_trace_without_a_gpu_runs_the_assumed_gpus_attention(dtype: torch
         assert any(call.op is torch.ops.aten.native_dropout.default for call in trace)
         return
     (attention,) = [call for call in trace if call.op is ops[kernel]]
+    # Its backward op reads the Philox seed and offset the forward kernel returned: the dropout mask is drawn
+    # again, never kept.
+    graph_nodes = list(trace._joint.graph.nodes)
+    (forward,) = [node for node in graph_nodes if node.target is ops[kernel]]
+    (backward,) = [
+        node for node in graph_nodes if str(node.target) == str(ops[kernel]).replace(".default", "_backward.default")
+    ]
+    read = {
+        a.name: arg.meta["val"].numel()
+        for a, arg in zip(backward.target._schema.arguments, backward.args, strict=False)
+        if a.name.startswith("philox") and arg.args[0] is forward  # outputs of the forward kernel
+    }
+    assert read.keys() == {"philox_seed", "philox_offset"} and max(read.values()) <= 2  # (a seed and an offset)
     # Dropout is drawn inside the kernel, from the CUDA generator: saving nothing keeps one 16-byte state
     # and replays the kernel in backward with it.
     assert attention.is_random and sum(call.is_random for call in trace) == 1
@@ -182,3 +197,122 @@ def test_fit_plans_attention_for_the_assumed_gpu() -> None:
             plan = remat.fit(model, NoisyAttentionBlock, x, peak_bytes=2**40, loss=square_loss, device="cuda")
         peaks[gpu] = plan.report.peak_keeping_everything
     assert peaks["V100"] > peaks["H100"] + 2 * 4 * 4 * 256 * 256 * 2  # at least the probabilities of one block
+
+
+class _OpCalls(TorchDispatchMode):
+    """Every op call below it, with its arguments as given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+    def of(self, op: Any) -> list[tuple[Any, ...]]:
+        return [args for func, args in self.calls if func is op]
+
+
+def _step(fn: Any, x: torch.Tensor) -> None:
+    """Forward and backward, the backward walked (autograd's engine needs the GPU)."""
+    loss = fn(x).sum()
+    walked_backward([loss], [torch.ones_like(loss)])
+
+
+def _same_memory(*pairs: Any) -> bool:
+    """Whether each tensor of the pairs `a, b, c, d, ...` is in the memory of its partner (a Function may
+    hand its kernels aliases of what it was given)."""
+    return all(
+        isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        for a, b in zip(pairs[::2], pairs[1::2], strict=True)
+    )
+
+
+def _rounded_as_cuda(nbytes: int) -> int:
+    return -(-nbytes // 512) * 512  # the caching allocator's smallest blocks (docs/fit.md)
+
+
+@needs_fake_cuda
+@pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything], ids=["nothing", "everything"])
+def test_cuda_batch_norm_updates_its_statistics_once(policy: Any) -> None:
+    # On a GPU, training-mode batch norm is cuDNN's kernel, which updates the running statistics in place
+    # without its schema saying so (`_quirks.BATCH_NORM_UPDATES_UNDECLARED`): a replay would update them
+    # again. Its backward takes the running statistics and does not read them: nothing keeps them.
+    aten = torch.ops.aten
+    with _torch.FakeTensorMode(), torch.device("cuda"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+        x = torch.empty(2, 3, 16, 16, requires_grad=True)
+    norm = model[1]
+    checkpointed = remat.checkpoint(model, policy=policy)
+    _step(checkpointed, x)  # traced here
+    for fn in (model, checkpointed):
+        with _OpCalls() as ops:
+            _step(fn, x)
+        forward = ops.of(aten.cudnn_batch_norm.default)
+        updating = [args for args in forward if _same_memory(args[3], norm.running_mean, args[4], norm.running_var)]
+        assert len(updating) == 1
+        replays = [args for args in forward if args[3] is None and args[4] is None]
+        assert len(replays) == (1 if fn is checkpointed and policy is policies.save_nothing else 0)
+        assert len(forward) == len(updating) + len(replays)
+        (backward,) = ops.of(aten.cudnn_batch_norm_backward.default)
+        assert (backward[3] is None) == (fn is checkpointed)  # eager's autograd passes them on
+    # What saving everything keeps is what eager's autograd saves, in blocks of CUDA's allocator: the
+    # convolution's and ReLU's outputs, the batch statistics (and cuDNN's empty reserve).
+    saved: dict[int, int] = {}
+    kept_anyway = {id(t) for t in (x, *model.parameters(), *model.buffers())}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in kept_anyway:
+            saved[id(t)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    report = remat.report(model, x, policy=policies.save_everything)
+    assert report.saved_bytes == sum(_rounded_as_cuda(n) for n in saved.values()) > 0
+    assert remat.report(model, x, policy=policies.save_nothing).saved_bytes == 0
+
+
+@needs_fake_cuda
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor:UserWarning")  # torch's RNN module's
+@pytest.mark.parametrize("rnn", [nn.LSTM, nn.GRU])
+def test_an_op_that_runs_only_on_a_gpu_says_so(rnn: type[nn.RNNBase]) -> None:
+    # torch asks the CUDA driver for cuDNN's RNNs (and for the fused GRU cell) even on fake tensors.
+    with _torch.FakeTensorMode(), torch.device("cuda"):
+        layer, x = rnn(8, 8, batch_first=True), torch.empty(2, 5, 8, requires_grad=True)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return layer(x)[0]
+
+    with pytest.raises(remat.TraceError, match=r"runs only on a GPU, and this machine has none.*cudnn.flags"):
+        remat.trace(run, x)
+    if rnn is nn.LSTM:  # what the message offers: the kernels without cuDNN (the fused GRU cell, before
+        with torch.backends.cudnn.flags(enabled=False):  # torch 2.15, asks the driver too)
+            assert "aten._thnn_fused_lstm_cell.default" in {call.name for call in remat.trace(run, x)}
+
+
+def test_cuda_rms_norm_kernel_is_differentiated_as_eager() -> None:
+    # On CUDA, `F.rms_norm` runs the fused kernel, whose gradient formula switches form in grad mode and
+    # whose tangent formula reads the inverse deviation it returns (with a derivative of its own). torch has
+    # a CPU kernel of it too: first and second derivatives, and `grad` of `jvp`, against float64 differences.
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.rand(8, dtype=torch.float64, requires_grad=True)
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._fused_rms_norm(x, [8], weight, 1e-5)[0].sin()
+
+    checkpointed = remat.checkpoint(norm)
+    if next(call.name for call in remat.trace(norm, x, weight)) != "aten._fused_rms_norm.default":
+        pytest.skip(f"torch {torch.__version__} runs the fused kernel on the CPU as its decomposition")
+    for a, b in zip(
+        torch.autograd.grad(norm(x, weight).sum(), (x, weight)),
+        torch.autograd.grad(checkpointed(x, weight).sum(), (x, weight)),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert torch.autograd.gradgradcheck(checkpointed, (x, weight))
+    tangent = torch.ones_like(x)
+    assert torch.autograd.gradcheck(
+        lambda x, w: torch.func.jvp(lambda x: checkpointed(x, w), (x,), (tangent,))[1], (x, weight)
+    )

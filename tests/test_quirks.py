@@ -83,7 +83,32 @@ def _batch_norm_training_ignores_running_stats() -> bool:
         )
         return [out, save_mean, save_invstd, *grads]
 
-    return all(torch.equal(a, b) for a, b in zip(forward_and_backward(0.0), forward_and_backward(5.0), strict=True))
+    native = all(torch.equal(a, b) for a, b in zip(forward_and_backward(0.0), forward_and_backward(5.0), strict=True))
+    return native and _gpu_batch_norm_backward_ignores_running_stats()
+
+
+def _gpu_batch_norm_backward_ignores_running_stats() -> bool:
+    """cuDNN's backward kernel gives the same gradients whatever running statistics it is given: on a GPU,
+    run; elsewhere torch's decomposition of it (what torch says the kernel computes) stands in, on the CPU."""
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    x, grad_out = (torch.randn(6, 3, 4, dtype=torch.float64, device=device) for _ in range(2))
+    weight = torch.rand(3, dtype=torch.float64, device=device)
+    backward = aten.cudnn_batch_norm_backward.default
+    if gpu:
+        _, save_mean, save_invstd, reserve = aten.cudnn_batch_norm.default(x, weight, None, None, None, True, 0.1, 1e-5)
+    else:
+        from torch._decomp import decomposition_table
+
+        backward = decomposition_table[backward]
+        _, save_mean, save_invstd = aten.native_batch_norm.default(x, weight, None, None, None, True, 0.1, 1e-5)
+        reserve = torch.empty(0, dtype=torch.uint8)
+
+    def gradients(running: float) -> list[torch.Tensor]:
+        mean, var = (torch.full((3,), v, dtype=torch.float64, device=device) for v in (running, 1 + running))
+        return list(backward(x, grad_out, weight, mean, var, save_mean, save_invstd, 1e-5, reserve))
+
+    return all(torch.equal(a, b) for a, b in zip(gradients(0.0), gradients(5.0), strict=True))
 
 
 def _batch_norm_updates_undeclared() -> bool:
@@ -208,9 +233,19 @@ def _tangent_formulas_read_statistics() -> bool:
             t, None, None, *stats, True, 0.1, 1e-5
         )[0],
     }
-    assert set(calls) == _quirks.TANGENT_FORMULAS_READ_STATISTICS.table
+    # cuDNN's batch norm runs only on a GPU: `test_cuda_batch_norm_tangent_formula_reads_its_statistics`.
+    assert set(calls) | {aten.cudnn_batch_norm.default} == _quirks.TANGENT_FORMULAS_READ_STATISTICS.table
     off = {op for op, call in calls.items() if _grad_of_jvp_off(call, x, tangent, weights)}
     return off == set(calls)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's batch norm runs only on a GPU")
+def test_cuda_batch_norm_tangent_formula_reads_its_statistics() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x, tangent, weights = (torch.randn(4, 3, 5, dtype=torch.float64, generator=generator).cuda() for _ in range(3))
+    affine = torch.ones(3, dtype=torch.float64, device="cuda"), torch.zeros(3, dtype=torch.float64, device="cuda")
+    norm = lambda t: torch.ops.aten.cudnn_batch_norm(t, *affine, None, None, True, 0.1, 1e-5)[0]  # noqa: E731
+    assert _grad_of_jvp_off(norm, x, tangent, weights), "TANGENT_FORMULAS_READ_STATISTICS: cudnn_batch_norm"
 
 
 def _grad_of_jvp_off(
