@@ -24,6 +24,7 @@ from .workloads import SUITES
 BENCHMARKS = {
     "fit": "benchmarks.fit",
     "gpu-step": "benchmarks.gpu_step",
+    "workspaces": "benchmarks.workspaces",
     "planner": "benchmarks.planner",
     "compiled": "benchmarks.compiled",
     "offload": "benchmarks.offload",

@@ -6,8 +6,10 @@
 #   tests (TESTS_S=150)  the CUDA tests (`-k "cuda or CUDA"`), with `filterwarnings = error` kept: only two
 #                        warnings that are not remat's are ignored, by message (cuBLAS setting the primary
 #                        context itself; NumPy's deprecation of the generic timedelta unit, at import)
+#   workspaces (WORKSPACES_S=30)  what cuBLAS, cuDNN and SDPA's kernels allocate beyond their outputs, held
+#                        and transient, per kernel family (benchmarks/workspaces.py; the data docs/fit.md awaits)
 #   fit (FIT_S=90)       remat.fit against its peers and targets, peaks by `torch.cuda.max_memory_allocated`
-#   step (STEP_S=210)    a GPT-style step at a GPU's size (bf16, d=2048, T=2048, 12 layers) under eager,
+#   step (STEP_S=190)    a GPT-style step at a GPU's size (bf16, d=2048, T=2048, 12 layers) under eager,
 #                        torch.utils.checkpoint, SAC, torch_remat, torch.compile's activation_memory_budget,
 #                        remat dots_saveable and remat.fit at two targets, side by side in one process
 # and, named only: offload (OFFLOAD_S=300), offloading to host memory against its peers (docs/offload.md).
@@ -24,7 +26,7 @@ fi
 out="${1:-benchmarks/results/gpu}"
 shift || true
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests fit step)
+[ ${#stages[@]} -eq 0 ] && stages=(tests workspaces fit step)
 py="${PYTHON:-python3}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -45,12 +47,15 @@ for stage in "${stages[@]}"; do
       -k "cuda or CUDA" tests 2>&1 | tee "$out/cuda-tests.txt" ;;
     tests:1) timeout "${TESTS_S:-150}" "$py" -m pytest -q -p no:cacheprovider --collect-only "${warnings[@]}" \
       -k "cuda or CUDA" tests 2>&1 | tail -3 | tee "$out/cuda-tests.txt" ;;
+    workspaces:0) timeout "${WORKSPACES_S:-30}" "$py" -m benchmarks.workspaces --device cuda \
+      --out "$out/workspaces-cuda.json" ;;
+    workspaces:1) timeout "${WORKSPACES_S:-30}" "$py" -m benchmarks.workspaces --dry-run --out "$out/workspaces-cpu.json" ;;
     fit:0) timeout "${FIT_S:-90}" "$py" -m benchmarks.fit --device cuda --models gpt resnet --targets 3 --repeats 3 \
       --batches 2 --out "$out/fit-cuda.json" ;;
     fit:1) timeout "${FIT_S:-90}" "$py" -m benchmarks.fit --device cpu --small --models gpt --targets 2 --repeats 1 \
       --batches 2 --out "$out/fit-cpu.json" ;;
-    step:0) timeout "${STEP_S:-210}" "$py" -m benchmarks.gpu_step --device cuda --repeats 5 --out "$out/gpu-step-cuda.json" ;;
-    step:1) timeout "${STEP_S:-210}" "$py" -m benchmarks.gpu_step --dry-run --repeats 1 --out "$out/gpu-step-cpu.json" ;;
+    step:0) timeout "${STEP_S:-190}" "$py" -m benchmarks.gpu_step --device cuda --repeats 5 --out "$out/gpu-step-cuda.json" ;;
+    step:1) timeout "${STEP_S:-190}" "$py" -m benchmarks.gpu_step --dry-run --repeats 1 --out "$out/gpu-step-cpu.json" ;;
     offload:0) timeout "${OFFLOAD_S:-300}" "$py" -m benchmarks.offload --device cuda --out "$out/offload-cuda.json" ;;
     offload:1) timeout "${OFFLOAD_S:-300}" "$py" -m benchmarks.offload --layers 1 --d 32 --heads 2 --seq 16 --repeats 1 \
       --out "$out/offload-cpu.json" ;;

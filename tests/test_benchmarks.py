@@ -366,11 +366,14 @@ def test_the_gpu_script_runs_its_stages_at_a_toy_size_on_the_cpu(tmp_path: Path)
         check=False,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert [line.split()[1] for line in run.stdout.splitlines() if line.startswith("== ")][:3] == [
+    assert [line.split()[1] for line in run.stdout.splitlines() if line.startswith("== ")][:4] == [
         "tests",
+        "workspaces",
         "fit",
         "step",
     ]
+    workspaces = json.loads((tmp_path / "workspaces-cpu.json").read_text())["families"]
+    assert "cudnn conv2d backward" in workspaces and all("held_bytes" in row for row in workspaces.values())
     collected = (tmp_path / "cuda-tests.txt").read_text()
     assert int(re.search(r"(\d+)/\d+ tests collected", collected).group(1)) > 100  # type: ignore[union-attr]
     assert json.loads((tmp_path / "fit-cpu.json").read_text())["cases"][0]["rows"]
