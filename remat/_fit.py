@@ -793,7 +793,7 @@ def _probe(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> tu
             else:
                 walked_backward([value], [torch.ones_like(value)], saved)
 
-        recorder = _step.run_step(step, fakes)
+        recorder = _step.run_step(step, fakes, _step.kernel_workspaces(parameters))
         gradients = sum(storage_nbytes(p.grad) for p in parameters if p.grad is not None)
         timeline = _step.timeline_of(recorder, gradients)
     if optimizer is None:

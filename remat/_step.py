@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,7 +16,18 @@ import torch
 from ._measure import storage_key, storage_nbytes, tensors_in
 from ._torch import TorchDispatchMode
 
-__all__ = ["BlockCall", "Phase", "Segment", "Timeline", "recorder", "recording", "run_step", "timeline_of"]
+__all__ = [
+    "BlockCall",
+    "KernelWorkspaces",
+    "Phase",
+    "Segment",
+    "Timeline",
+    "kernel_workspaces",
+    "recorder",
+    "recording",
+    "run_step",
+    "timeline_of",
+]
 
 
 # NOTE [a step's timeline]
@@ -93,6 +104,7 @@ class _Recorder:
         self.alive: set[int] = set()
         self.applied: set[int] = set()
         self.current: int | None = None  # the block call whose forward runs
+        self.workspace = 0  # the most bytes one op's kernel took of its own and freed
 
     # --- bytes -----------------------------------------------------------------------------------------
     def allocated(self, tensor: torch.Tensor, op: Any) -> None:
@@ -107,6 +119,13 @@ class _Recorder:
         if self.total > self.segment_peak:
             self.segment_peak, self.segment_op = self.total, str(op)
         self.peak = max(self.peak, self.total)
+
+    def took_and_freed(self, nbytes: int, op: Any) -> None:
+        """An op's kernel took `nbytes` of its own and freed them (NOTE [kernels' workspaces])."""
+        if self.total + nbytes > self.segment_peak:
+            self.segment_peak, self.segment_op = self.total + nbytes, f"{op} (its kernel's workspace)"
+        self.peak = max(self.peak, self.total + nbytes)
+        self.workspace = max(self.workspace, nbytes)
 
     def _freed(self, key: Any) -> None:
         self.total -= self.live.pop(key, 0)
@@ -154,6 +173,46 @@ class _Recorder:
 recorder: _Recorder | None = None  # set while a probe step runs (one at a time)
 
 
+# NOTE [kernels' workspaces]
+# On a GPU, some kernels take memory of their own from the caching allocator for
+# the length of a call (cuDNN's convolution workspace, chosen with its
+# algorithm), which `torch.cuda.max_memory_allocated` counts and no tensor
+# shows. Where the probe step runs real CUDA kernels, each op call is measured
+# by the allocator's counters: the bytes allocated during it, less the bytes it
+# left allocated, were taken and freed inside it, and count on top of what is
+# live after the call (an upper bound: workspaces taken one after another count
+# as their sum). What a library keeps once allocated (cuBLAS's workspace, per
+# handle and stream) stays allocated: live before every later step, not part of
+# a step's peak. On fake tensors (a model on meta, or no GPU) no kernel runs and
+# nothing is counted (docs/fit.md).
+
+
+class KernelWorkspaces:
+    """The bytes the kernels of one op call take and free on `device` (NOTE [kernels' workspaces])."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def _allocated(self) -> tuple[int, int]:
+        """(bytes ever allocated, bytes allocated now) on the device, by its caching allocator's counters."""
+        stats = torch.cuda.memory_stats(self.device)
+        return stats.get("allocated_bytes.all.allocated", 0), stats.get("allocated_bytes.all.current", 0)
+
+    def run(self, op: Any, call: Callable[[], Any]) -> tuple[Any, int]:
+        """`call()` (a call of `op`), and the bytes its kernels took and freed before it returned."""
+        ever, now = self._allocated()
+        out = call()
+        ever_after, now_after = self._allocated()
+        return out, max(0, (ever_after - ever) - (now_after - now))
+
+
+def kernel_workspaces(tensors: Sequence[torch.Tensor]) -> KernelWorkspaces | None:
+    """What measures kernels' workspaces for a step on `tensors` (the model's parameters): on a GPU's real
+    tensors; None elsewhere."""
+    device = next((t.device for t in tensors if t.is_cuda and _real(t)), None)
+    return KernelWorkspaces(device) if device is not None and torch.cuda.is_available() else None
+
+
 class _Allocations(TorchDispatchMode):
     """Reports every real tensor an op allocates (fake tensors of remat's tracing are not memory), and
     every fake tensor of `counted`, the fake mode a step on fake tensors runs under."""
@@ -162,17 +221,23 @@ class _Allocations(TorchDispatchMode):
     # its implementation allocates and frees inside.
     supports_higher_order_operators = True
 
-    def __init__(self, into: _Recorder, counted: Any = None):
+    def __init__(self, into: _Recorder, counted: Any = None, workspaces: KernelWorkspaces | None = None):
         super().__init__()
         self.into = into
         self.counted = counted
+        self.workspaces = workspaces
 
     def _memory(self, tensor: torch.Tensor) -> bool:
         return _real(tensor) or (self.counted is not None and getattr(tensor, "fake_mode", None) is self.counted)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if self.workspaces is None:
+            out, taken = func(*args, **kwargs), 0
+        else:
+            out, taken = self.workspaces.run(func, lambda: func(*args, **kwargs))
+        if taken:
+            self.into.took_and_freed(taken, func)
         # An output in the memory of an input (a view, an in-place update) is no allocation; the memory
         # of a tensor that existed before the step is not counted.
         made = [t for t in tensors_in(out) if self._memory(t)]
@@ -197,15 +262,15 @@ def _real(tensor: torch.Tensor) -> bool:
 
 
 @contextmanager
-def recording(fake_mode: Any = None) -> Iterator[_Recorder]:
-    """Record the step run inside (on fake tensors of `fake_mode`, if given): `Timeline` of it from
-    `timeline_of` once it ends."""
+def recording(fake_mode: Any = None, workspaces: KernelWorkspaces | None = None) -> Iterator[_Recorder]:
+    """Record the step run inside (on fake tensors of `fake_mode`, if given; with its kernels' workspaces
+    where `workspaces` measures them): `Timeline` of it from `timeline_of` once it ends."""
     global recorder
     if recorder is not None:
         raise RuntimeError("remat.fit: a probe step is already running (plan one model at a time).")
     recorder = _Recorder()
     try:
-        with _Allocations(recorder, fake_mode):
+        with _Allocations(recorder, fake_mode, workspaces):
             yield recorder
     finally:
         recorder = None
@@ -217,8 +282,9 @@ def timeline_of(done: _Recorder, gradients: int) -> Timeline:
     return Timeline(tuple(done.calls), tuple(done.segments), done.peak, gradients, done.total)
 
 
-def run_step(step: Callable[[], Any], fake_mode: Any = None) -> _Recorder:
-    """Run `step()` while recording it (a step on fake tensors of `fake_mode`, if given)."""
-    with recording(fake_mode) as active:
+def run_step(step: Callable[[], Any], fake_mode: Any = None, workspaces: KernelWorkspaces | None = None) -> _Recorder:
+    """Run `step()` while recording it (a step on fake tensors of `fake_mode`, if given; with its kernels'
+    workspaces where `workspaces` measures them)."""
+    with recording(fake_mode, workspaces) as active:
         step()
     return active

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import remat
-from remat import policies
+from remat import _step, policies
 
 CPU = torch.device("cpu")
 
@@ -627,3 +627,78 @@ def test_the_chain_planners_pruning_keeps_the_optimum_of_the_0_1_program(
             return sum(groups[g].options[k].cost for g, k in enumerate(choice))
 
         assert cost(by_chain) == pytest.approx(cost(by_milp), abs=1e-6)
+
+
+class _EachMatmulTakes:
+    """Stands for a GPU's kernels on the CPU: every matmul takes `nbytes` of its own and frees them."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def run(self, op: Any, call: Callable[[], Any]) -> tuple[Any, int]:
+        matmul = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+        return call(), self.nbytes if matmul else 0
+
+
+def test_kernels_workspaces_count_where_they_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU, fit's probe measures what each op's kernels take and free beyond their outputs (cuDNN's
+    # convolution workspace) by the allocator's counters: NOTE [kernels' workspaces].
+    model, x = mlp_stack(), torch.randn(256, 32)
+    reports, plans = {}, {}
+    for nbytes in (0, 2**20):
+        monkeypatch.setattr(_step, "kernel_workspaces", lambda tensors, n=nbytes: _EachMatmulTakes(n) if n else None)
+        reports[nbytes] = remat.fit(model, MLPBlock, x, peak_bytes=2**40, loss=square_loss).report
+        remat.uncheckpoint_modules(model)
+    without, taken = reports[0], reports[2**20]
+    for peak in ("peak_keeping_nothing", "peak_keeping_everything"):
+        assert getattr(without, peak) < getattr(taken, peak) <= getattr(without, peak) + 2**20
+    # At one target, the plan that counts the workspaces replays more to leave room for them.
+    target = (taken.peak_keeping_nothing + taken.peak_keeping_everything) // 2
+    for nbytes in (0, 2**20):
+        monkeypatch.setattr(_step, "kernel_workspaces", lambda tensors, n=nbytes: _EachMatmulTakes(n) if n else None)
+        plans[nbytes] = remat.fit(model, MLPBlock, x, peak_bytes=target, loss=square_loss)
+        remat.uncheckpoint_modules(model)
+        assert plans[nbytes].predicted_peak <= target
+    assert plans[2**20].replay_cost > plans[0].replay_cost
+    monkeypatch.undo()
+    assert _step.kernel_workspaces(list(model.parameters())) is None  # a CPU's kernels are not measured
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.norm(self.conv(x)))
+
+
+@needs_cuda
+def test_on_cuda_a_convolution_stack_stays_within_the_target_with_its_workspaces() -> None:
+    # cuDNN's convolutions take workspaces of their own during each call (NOTE [kernels' workspaces]).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), *[ConvBlock(32) for _ in range(8)]).cuda()
+    x = torch.randn(16, 3, 32, 32, device="cuda")
+    eager, lowest = eager_and_lowest(model, ConvBlock, x)
+    for share in (0.2, 0.6):
+        target = int(lowest + share * (eager - lowest))
+        plan = remat.fit(model, ConvBlock, x, peak_bytes=target, loss=square_loss)
+        measured = measured_peak(model, x)
+        assert measured <= target
+        assert abs(plan.predicted_peak - measured) <= 0.05 * measured
+        remat.uncheckpoint_modules(model)
+
+
+def test_a_kernels_workspace_is_what_it_allocated_less_what_it_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The caching allocator's counters around one call: it allocated 8 bytes of output and 32 of
+    # workspace, and freed the workspace before it returned.
+    counters = iter([(100, 50), (140, 58)])
+    monkeypatch.setattr(
+        torch.cuda,
+        "memory_stats",
+        lambda device: dict(
+            zip(("allocated_bytes.all.allocated", "allocated_bytes.all.current"), next(counters), strict=True)
+        ),
+    )
+    out, taken = _step.KernelWorkspaces(torch.device("cuda", 0)).run(torch.ops.aten.mm.default, lambda: "out")
+    assert (out, taken) == ("out", 32)
