@@ -3,11 +3,12 @@
 # torch 2.11 and Python 3.12 is what this project is lent), in under 8 minutes, results under OUT:
 #     bash benchmarks/gpu.sh [--dry-run] [OUT [STAGE ...]]
 # Stages, in this order by default, each bounded by a time limit in seconds from the environment:
-#   tests (TESTS_S=150)  the CUDA tests (`-k "cuda or CUDA"`), with `filterwarnings = error` kept: only two
-#                        warnings that are not remat's are ignored, by message (cuBLAS setting the primary
-#                        context itself; NumPy's deprecation of the generic timedelta unit, at import)
+#   tests (TESTS_S=150)  the CUDA tests and the quirk probes (`-k "cuda or CUDA or test_quirks"`), with
+#                        `filterwarnings = error` kept: only two warnings that are not remat's are ignored,
+#                        by message (cuBLAS setting the primary context itself; NumPy's deprecation of the
+#                        generic timedelta unit, at import)
 #   workspaces (WORKSPACES_S=30)  what cuBLAS, cuDNN and SDPA's kernels allocate beyond their outputs, held
-#                        and transient, per kernel family (benchmarks/workspaces.py; the data docs/fit.md awaits)
+#                        and transient, per kernel family (benchmarks/workspaces.py)
 #   fit (FIT_S=90)       remat.fit against its peers and targets, peaks by `torch.cuda.max_memory_allocated`
 #   step (STEP_S=190)    a GPT-style step at a GPU's size (bf16, d=2048, T=2048, 12 layers) under eager,
 #                        torch.utils.checkpoint, SAC, torch_remat, torch.compile's activation_memory_budget,
@@ -44,9 +45,9 @@ for stage in "${stages[@]}"; do
   echo "== $stage ($(date -u +%H:%M:%S))"
   case "$stage:$dry_run" in
     tests:0) timeout "${TESTS_S:-150}" "$py" -m pytest -q -p no:cacheprovider -n 8 --timeout 120 "${warnings[@]}" \
-      -k "cuda or CUDA" tests 2>&1 | tee "$out/cuda-tests.txt" ;;
+      -k "cuda or CUDA or test_quirks" tests 2>&1 | tee "$out/cuda-tests.txt" ;;
     tests:1) timeout "${TESTS_S:-150}" "$py" -m pytest -q -p no:cacheprovider --collect-only "${warnings[@]}" \
-      -k "cuda or CUDA" tests 2>&1 | tail -3 | tee "$out/cuda-tests.txt" ;;
+      -k "cuda or CUDA or test_quirks" tests 2>&1 | tail -3 | tee "$out/cuda-tests.txt" ;;
     workspaces:0) timeout "${WORKSPACES_S:-30}" "$py" -m benchmarks.workspaces --device cuda \
       --out "$out/workspaces-cuda.json" ;;
     workspaces:1) timeout "${WORKSPACES_S:-30}" "$py" -m benchmarks.workspaces --dry-run --out "$out/workspaces-cpu.json" ;;
