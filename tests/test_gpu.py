@@ -304,7 +304,10 @@ def test_cuda_rms_norm_kernel_is_differentiated_as_eager() -> None:
 
     checkpointed = remat.checkpoint(norm)
     if next(call.name for call in remat.trace(norm, x, weight)) != "aten._fused_rms_norm.default":
-        pytest.skip(f"torch {torch.__version__} runs the fused kernel on the CPU as its decomposition")
+        release = ".".join(torch.__version__.split(".")[:2])
+        pytest.skip(
+            f"torch {release}: the CPU runs `_fused_rms_norm` as its decomposition (the fused kernel from 2.14)"
+        )
     for a, b in zip(
         torch.autograd.grad(norm(x, weight).sum(), (x, weight)),
         torch.autograd.grad(checkpointed(x, weight).sum(), (x, weight)),
