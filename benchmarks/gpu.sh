@@ -16,9 +16,20 @@
 # and, named only: offload (OFFLOAD_S=300), offloading to host memory against its peers (docs/offload.md).
 # --dry-run runs the same stages at a toy size on the CPU (the tests stage only collects the CUDA tests),
 # so that the test suite checks the script cannot rot. PYTHON names the interpreter (default python3). What
-# the machine's image lacks travels as wheels installed first (optree, highspy, expecttest, pytest-randomly,
-# torch-remat: a few MiB), with remat itself imported from the working tree (PYTHONPATH=.).
+# the machine's image lacks (optree, highspy, expecttest, pytest-randomly, pytest-timeout, torch-remat: about
+# 4 MiB) travels as wheels for its Python (3.12), fetched here beforehand into WHEELS (default .wheels, which
+# git ignores) and installed there first, without an index; remat itself is imported from the working tree:
+#     bash benchmarks/gpu.sh --fetch-wheels          # here, with the network
+#     bash benchmarks/gpu.sh "$OUT"                  # there (the device tool: carry .wheels)
 set -uo pipefail
+wheels="${WHEELS:-.wheels}"
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  mkdir -p "$wheels"
+  PIP_CONFIG_FILE=/dev/null "${PYTHON:-python3}" -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d "$wheels" \
+    optree highspy expecttest pytest-randomly pytest-timeout torch-remat
+  exit $?
+fi
 dry_run=0
 if [ "${1:-}" = "--dry-run" ]; then
   dry_run=1
@@ -30,7 +41,10 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests workspaces fit step)
 py="${PYTHON:-python3}"
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$dry_run" -eq 0 ] && compgen -G "$wheels/*.whl" >/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps "$wheels"/*.whl || exit 1
+fi
 status=0
 if [ "$dry_run" -eq 1 ]; then
   "$py" -c 'import platform, torch; print("python", platform.python_version(), "torch", torch.__version__, "(dry run, CPU)")'
