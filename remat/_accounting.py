@@ -12,8 +12,9 @@ from collections.abc import Collection, Mapping, Sequence
 
 from ._calls import Decision, Trace, Value
 from ._rules import rules_of
+from ._storage import DEVICE, Storage, storage_of
 
-__all__ = ["Accounting", "KeptOutputs", "account", "offloaded_calls", "saved_calls"]
+__all__ = ["Accounting", "KeptOutputs", "account", "account_for", "saved_calls", "stored_calls"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,12 +23,13 @@ class KeptOutputs:
 
     nbytes: int
     read_by: frozenset[str]  # "backward" (the gradient formulas) and/or "replay" (replayed calls)
-    offloaded_nbytes: int = 0  # of `nbytes`, those kept in host memory
+    storage: Storage = DEVICE  # where its decision keeps them (NOTE [kinds of storage])
+    stored_nbytes: int = 0  # of `nbytes`, those in `storage` (the function's outputs stay on the device)
 
     @property
     def offloaded(self) -> bool:
         """Whether the call's kept outputs are in host memory."""
-        return self.offloaded_nbytes > 0
+        return self.stored_nbytes > 0 and not self.storage.on_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Accounting:
     rng_state_bytes: int
     recompute_flops: int  # of the replayed calls
     offloaded_bytes: int = 0  # activations kept in host memory (copied there and back once each)
+    moved_bytes: int = 0  # activations a storage copies when it stores and loads them (each way once)
 
     @property
     def saved_calls(self) -> tuple[int, ...]:
@@ -48,12 +51,13 @@ class Accounting:
         return tuple(sorted(self.kept_by_call))
 
 
-def account(trace: Trace, saved: Collection[int], offloaded: Collection[int] = ()) -> Accounting:
+def account(trace: Trace, saved: Collection[int], stored: Mapping[int, Storage] | None = None) -> Accounting:
     """What saving exactly the calls `saved` of `trace` (and recomputing the others) keeps and replays.
 
-    The kept values of the calls in `offloaded` (some of `saved`) are kept in host memory, except
-    the function's outputs, which the caller holds on the device anyway.
+    The kept values of the calls in `stored` (some of `saved`) are kept in their storage, except the
+    function's outputs, which the caller holds on the device anyway; the others' on their device.
     """
+    stored = stored or {}
     graph = trace.values
     if graph is None:
         raise ValueError("remat: this trace has no dataflow (it was made of hand-picked calls); trace a function")
@@ -64,7 +68,7 @@ def account(trace: Trace, saved: Collection[int], offloaded: Collection[int] = (
     by_call: dict[int, set[Value]] = {}
     for value in resolved.kept:
         by_call.setdefault(value[0], set()).add(value)
-    on_host = {v for v in resolved.kept if v[0] in offloaded and v not in graph.returned}
+    elsewhere = {v: stored[v[0]] for v in resolved.kept if v[0] in stored and v not in graph.returned}
     kept_by_call = {
         call: KeptOutputs(
             sum(graph.nbytes[v] for v in values),
@@ -73,19 +77,27 @@ def account(trace: Trace, saved: Collection[int], offloaded: Collection[int] = (
                 for reader, reads in (("backward", backward_reads), ("replay", replay_reads))
                 if any(v in reads for v in values)
             ),
-            offloaded_nbytes=sum(graph.nbytes[v] for v in values & on_host),
+            storage=stored.get(call, DEVICE),
+            stored_nbytes=sum(graph.nbytes[v] for v in values if v in elsewhere),
         )
         for call, values in sorted(by_call.items())
     }
+    on_device = sum(graph.nbytes[v] for v in (resolved.kept | resolved.copied) if v not in elsewhere)
     return Accounting(
         kept_by_call=kept_by_call,
         replayed_calls=tuple(sorted(resolved.replayed)),
         rng_state_calls=resolved.states,
-        saved_bytes=sum(graph.nbytes[v] for v in (resolved.kept | resolved.copied) - on_host) + rng_state_bytes,
+        saved_bytes=on_device + sum(s.device_bytes(graph.nbytes[v]) for v, s in elsewhere.items()) + rng_state_bytes,
         rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(trace[c].flops for c in resolved.replayed),
-        offloaded_bytes=sum(graph.nbytes[v] for v in on_host),
+        offloaded_bytes=sum(s.host_bytes(graph.nbytes[v]) for v, s in elsewhere.items()),
+        moved_bytes=sum(graph.nbytes[v] for v, s in elsewhere.items() if s.moves),
     )
+
+
+def account_for(trace: Trace, decisions: Sequence[Decision]) -> Accounting:
+    """What `decisions` (one per call of `trace`) keep, where, and replay."""
+    return account(trace, saved_calls(decisions), stored_calls(decisions))
 
 
 def saved_calls(decisions: Sequence[Decision]) -> set[int]:
@@ -93,6 +105,7 @@ def saved_calls(decisions: Sequence[Decision]) -> set[int]:
     return {i for i, decision in enumerate(decisions) if decision.keeps}
 
 
-def offloaded_calls(decisions: Sequence[Decision]) -> set[int]:
-    """The calls `decisions` offload."""
-    return {i for i, decision in enumerate(decisions) if decision is Decision.OFFLOAD}
+def stored_calls(decisions: Sequence[Decision]) -> dict[int, Storage]:
+    """The calls `decisions` keep elsewhere than on their device as they are, with their storage."""
+    storages = {i: storage_of(decision) for i, decision in enumerate(decisions)}
+    return {i: storage for i, storage in storages.items() if storage is not None and storage is not DEVICE}

@@ -15,7 +15,7 @@ import optree
 import torch
 
 from . import _rng, _step
-from ._accounting import account, offloaded_calls, saved_calls
+from ._accounting import account_for
 from ._cache import CacheInfo, LRUCache, SignatureKey, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
@@ -438,7 +438,7 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
         policy = policy if policy is not None else own_policy
         decisions = decide_nested(policy, joint.trace, joint.regions)
         programs = partition(joint, decisions)
-    accounting = account(joint.trace, saved_calls(decisions), offloaded_calls(decisions))
+    accounting = account_for(joint.trace, decisions)
     rows = []
     for call in joint.trace:
         kept = accounting.kept_by_call.get(call.index)
@@ -452,6 +452,7 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
                 saved_bytes=kept.nbytes if kept else 0,
                 read_by=kept.read_by if kept else frozenset(),
                 offloaded=kept is not None and kept.offloaded,
+                storage="" if kept is None else kept.storage.name if kept.stored_nbytes else "device",
             )
         )
     return Report(

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import _milp
-from ._accounting import Accounting, account, offloaded_calls, saved_calls
+from ._accounting import Accounting, account, account_for, stored_calls
 from ._calls import Decision, Trace, Value
 from ._decide import is_collective
 from ._peak import peak_of
@@ -299,12 +299,10 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
     candidates += [_on_device(d) for d in candidates if Decision.OFFLOAD in d]
     scored = []
     for decisions in candidates:
-        accounting = account(trace, saved_calls(decisions), offloaded_calls(decisions))
+        accounting = account_for(trace, decisions)
         if accounting.saved_bytes <= budget:
             total = replay_cost(accounting, costs, link)
-            scored.append(
-                (total, sum(d.keeps for d in decisions), len(offloaded_calls(decisions)), decisions, accounting)
-            )
+            scored.append((total, sum(d.keeps for d in decisions), len(stored_calls(decisions)), decisions, accounting))
     if not scored:
         raise InfeasibleBudget(minimum_bytes(trace, link))
     total, _, _, decisions, accounting = min(scored, key=lambda score: score[:3])
@@ -370,7 +368,7 @@ def replay_cost(accounting: Accounting, costs: Sequence[float], link: HostLink |
         return replay
     host = [0] * len(costs)
     for c, kept in accounting.kept_by_call.items():
-        host[c] = kept.offloaded_nbytes
+        host[c] = kept.stored_nbytes if kept.offloaded else 0
     return replay + link.exposed_seconds(host)
 
 
@@ -387,7 +385,7 @@ def minimum_bytes(trace: Trace, link: HostLink | None = None) -> int:
     solution, _ = program.solve(math.inf, integral=True, objective=objective)
     assert solution is not None
     decisions = program.decisions(solution)
-    return account(trace, saved_calls(decisions), offloaded_calls(decisions)).saved_bytes
+    return account_for(trace, decisions).saved_bytes
 
 
 class InfeasibleBudget(ValueError):

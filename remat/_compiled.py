@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from . import _offload, _rng
+from . import _rng
 from ._partition import Programs
+from ._storage import program_functions
 
 __all__ = ["CompiledPrograms", "compile_options", "compile_programs"]
 
@@ -28,10 +29,10 @@ __all__ = ["CompiledPrograms", "compile_options", "compile_programs"]
 # backward unless a second derivative is being taken), so the compiler makes
 # inference graphs and no partitioner of its own is involved. Random calls stay
 # eager, outside the graphs, so that they draw from, and replay with, the
-# generator states remat keeps; so do the copies of offloaded values. Where a torch.func transform wraps the tensors
-# a program would see, or when backward is differentiated again, the eager
-# programs run: the compiled ones take plain tensors and are not
-# differentiated.
+# generator states remat keeps; so do the stores and loads of kept values stored
+# off their device. Where a torch.func transform wraps the tensors a program
+# would see, or when backward is differentiated again, the eager programs run:
+# the compiled ones take plain tensors and are not differentiated.
 
 _TORCH_COMPILE_OPTIONS = frozenset({"backend", "mode", "options", "fullgraph", "dynamic"})
 
@@ -95,8 +96,9 @@ def _replay_with_rng_state(state: torch.Tensor, device: torch.device, op: Any, /
 _EAGER: dict[Callable[..., Any], Callable[..., Any]] = {
     _rng.run_keeping_state: _run_keeping_state,
     _rng.replay_with_rng_state: _replay_with_rng_state,
-    # Copies to and from the host use streams and events of their own: see NOTE [offloading kept values].
-    **{function: torch.compiler.disable(function) for function in _offload.COPIES},
+    # Storing and loading kept values (copies to and from the host use streams and events of their own:
+    # NOTE [offloading kept values]) runs eagerly: NOTE [kinds of storage].
+    **{function: torch.compiler.disable(function) for function in program_functions()},
 }
 
 

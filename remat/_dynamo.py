@@ -252,7 +252,7 @@ class _RecomputeTags:
             return CheckpointPolicy.PREFER_RECOMPUTE
         decision = self.decisions[position]
         self.positions[recompute] = position + 1
-        # OFFLOAD keeps the value on the device here: see NOTE [offload inside torch.compile].
+        # A kept value stays on the device here, whatever its storage: see NOTE [offload inside torch.compile].
         return CheckpointPolicy.MUST_SAVE if decision.keeps else CheckpointPolicy.MUST_RECOMPUTE
 
 

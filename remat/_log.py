@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ._accounting import account, offloaded_calls, saved_calls
+from ._accounting import account_for
 from ._cache import SignatureKey
 from ._calls import Decision, Trace, format_bytes
 from ._pytree import FlatArgs, describe_path
@@ -87,7 +87,7 @@ def log_trace(name: str, signature: str, seconds: float, trace: Trace, decisions
     """The DEBUG record of one trace."""
     if not logger.isEnabledFor(logging.DEBUG):
         return
-    accounting = account(trace, saved_calls(decisions), offloaded_calls(decisions))
+    accounting = account_for(trace, decisions)
     logger.debug(
         "traced %s in %.1f ms at (%s): %d calls, policy saves %d and offloads %d; keeps %s on the device and %s in "
         "host memory from %d calls, replays %d calls in backward",

@@ -1,7 +1,7 @@
 """Offload: kept values copied to host memory in forward and back to their device in backward.
 
-See NOTE [offloading kept values]. The programs call `to_host`, `start_reload` and
-`finish_reload`; `_partition` decides which values go through them.
+See NOTE [offloading kept values]. The programs call `to_host`, `start_reload`, `finish_reload` and
+`reload_now`, as the storage `_storage.HOST`'s functions (NOTE [kinds of storage]).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 from ._torch import functorch_active, is_functorch_wrapped
 
 __all__ = [
-    "COPIES",
     "CPU_COPIES",
     "PREFETCH",
     "Reload",
@@ -173,9 +172,6 @@ def reload_now(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         torch.cuda.current_stream(device).wait_stream(_side_stream(device))
         return host.to(device, non_blocking=True)  # the caching host allocator keeps `host` until it is read
     return host.to(device)
-
-
-COPIES = (to_host, start_reload, finish_reload, reload_now)  # what the programs call
 
 
 def _wrapped(tensor: torch.Tensor) -> bool:

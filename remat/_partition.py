@@ -29,6 +29,7 @@ from ._facts import CustomApplication
 from ._joint import JointGraph, stops_gradient
 from ._programs import PureForward, backward_program, forward_program, views_of_inputs
 from ._rules import rules_of
+from ._storage import DEVICE, Storage, storage_of
 from ._torch import is_custom_op
 from ._value_graph import (
     backward_nodes_of,
@@ -72,11 +73,10 @@ class KeptOutput:
 
 @dataclasses.dataclass(frozen=True)
 class KeptActivation:
-    """The `index`-th extra output of the forward program, kept on the device or, `offloaded`, in host
-    memory (see NOTE [offloading kept values])."""
+    """The `index`-th extra output of the forward program, kept in `storage` (NOTE [kinds of storage])."""
 
     index: int
-    offloaded: bool = False
+    storage: Storage = DEVICE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +100,9 @@ class Kept:
         return isinstance(self.where, KeptGeneratorState)
 
     @property
-    def offloaded(self) -> bool:
-        return isinstance(self.where, KeptActivation) and self.where.offloaded
+    def storage(self) -> Storage:
+        """Where it lives until backward (an input, an output or a generator state: on its device)."""
+        return self.where.storage if isinstance(self.where, KeptActivation) else DEVICE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,8 +171,8 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             kept.append(Kept(node, KeptInput(primal_index[node])))
         elif node in position:
             kept.append(Kept(node, KeptOutput(position[node])))
-    offloaded = _offloaded(joint, decisions, activations)
-    kept += [Kept(node, KeptActivation(k, node in offloaded)) for k, node in enumerate(activations)]
+    stored = _stored_elsewhere(joint, decisions, activations)
+    kept += [Kept(node, KeptActivation(k, stored.get(node, DEVICE))) for k, node in enumerate(activations)]
     n = len(activations)
     kept += [Kept(node, KeptGeneratorState(n + k)) for k, node in enumerate(random_states)]
     by_autograd = _differentiated_again_by_autograd(joint)
@@ -192,7 +193,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             joint,
             False,
             tuple(kept_pairs),
-            tuple(offloaded),
+            tuple(stored.items()),
             {**{p: p for p in holder}, **{c: c for c in _constants_to_autograd(joint, split.kept)}},
             tuple([*split.returned_nodes, *activations]),
             reapply=True,
@@ -200,14 +201,14 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
     )
     return Programs(
         forward=forward_program(
-            joint, _dirty_as_inputs(joint, split.returned_nodes), activations, copied, random_states, offloaded
+            joint, _dirty_as_inputs(joint, split.returned_nodes), activations, copied, random_states, stored
         ),
-        backward=backward_program(joint, kept_pairs, split.backward_nodes, offloaded),
+        backward=backward_program(joint, kept_pairs, split.backward_nodes, stored),
         pure=PureForward(
             joint,
             forward_mode,
             tuple(kept_pairs),
-            tuple(offloaded),
+            tuple(stored.items()),
             {**{p: p for p in holder}, **{c: c for c in split.constants}},
             tuple([*split.returned_nodes, *activations] if forward_mode else activations),  # input copies too
         ),
@@ -295,11 +296,19 @@ def _inputs_to_differentiate_again(joint: JointGraph, split: _Split, kept: Seque
     return list(reached)
 
 
-def _offloaded(joint: JointGraph, decisions: Sequence[Decision], activations: Sequence[fx.Node]) -> dict[fx.Node, None]:
-    """The activations kept in host memory, in order: the values of OFFLOAD calls that the forward
-    does not return anyway (the caller holds those on the device)."""
-    offload = {node for node, d in zip(joint.call_nodes, decisions, strict=True) if d is Decision.OFFLOAD}
-    return {a: None for a in activations if (a.args[0] if a.target is operator.getitem else a) in offload}
+def _stored_elsewhere(
+    joint: JointGraph, decisions: Sequence[Decision], activations: Sequence[fx.Node]
+) -> dict[fx.Node, Storage]:
+    """The activations kept elsewhere than on their device as they are, in order, with their storage: the
+    values of calls whose decision keeps them so, that the forward does not return anyway (the caller
+    holds those on the device). See NOTE [kinds of storage]."""
+    storages = {node: storage_of(d) for node, d in zip(joint.call_nodes, decisions, strict=True)}
+    stored = {}
+    for a in activations:
+        storage = storages.get(a.args[0] if a.target is operator.getitem else a)  # type: ignore[arg-type]
+        if storage is not None and storage is not DEVICE:
+            stored[a] = storage
+    return stored
 
 
 def _split(joint: JointGraph, decisions: Sequence[Decision], forward_mode: bool) -> _Split:

@@ -54,10 +54,10 @@ def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
 
     backward = programs.backward
     placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
-    handed_over = {  # offloaded values arrive in host memory: no device bytes until reloaded
-        placeholder: kept.node.meta.get("val")
+    handed_over = {  # a value stored off its device takes no device bytes until loaded (NOTE [kinds of storage])
+        placeholder: kept.storage.stored_form(kept.node.meta.get("val"))
         for placeholder, kept in zip(placeholders, programs.kept, strict=False)
-        if not kept.rng_state and not kept.offloaded
+        if not kept.rng_state and kept.storage.on_device
     }
     for placeholder, tangent in zip(placeholders[len(programs.kept) :], joint.tangents, strict=False):
         handed_over[placeholder] = tangent.meta.get("val")

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 from torch import fx
 
-from . import _offload, _quirks, _rng
+from . import _quirks, _rng
 from ._applications import Reapplication, application_of
 from ._capture import SCATTERS, history_of
 from ._errors import TraceError
 from ._facts import CustomApplication, computed_without_grad, fill_of, stacked_under_vmap, stop_gradient_of
 from ._fidelity import RRELU, fill_in_eager_layout, is_dense, run_rrelu_as_eager, runnable, with_a_fills_derivative
 from ._joint import JointGraph, draws_random_numbers, is_free, stops_gradient
+from ._storage import Storage
 from ._torch import (
     BoxedCodeGen,
     LazyGraphModule,
@@ -62,14 +63,14 @@ def forward_program(
     activations: Sequence[fx.Node],
     copied: set[fx.Node],
     random_states: Sequence[fx.Node],
-    offloaded: Collection[fx.Node],
+    stored: Mapping[fx.Node, Storage],
 ) -> fx.GraphModule:
     """primals -> (*returned, *activations, *generator states): every forward node, once.
 
     `copied` inputs are kept as a copy taken before anything overwrites them;
     a generator state is read right before each call in `random_states`; the
-    `offloaded` activations are returned as host copies, started as soon as
-    each is made (see NOTE [offloading kept values]).
+    `stored` activations are returned in their storage's form, stored as soon as
+    each is made (see NOTE [kinds of storage]).
     """
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {primal: graph.placeholder(primal.name) for primal in joint.primals}
@@ -90,14 +91,17 @@ def forward_program(
                 env[node].meta = dict(node.meta)
             else:
                 env[node] = _copy(graph, node, env)
-    hosts = {}
-    for node in offloaded:
+    forms = {}
+    for node, storage in stored.items():
         with graph.inserting_after(env[node]):
-            hosts[node] = graph.call_function(_offload.to_host, (env[node],))
+            forms[node] = graph.call_function(storage.store, (env[node],))  # type: ignore[arg-type]
+        form = storage.stored_form(node.meta.get("val"))
+        if form is not None:  # what it takes on the device (see `_peak`)
+            forms[node].meta["val"] = form
     graph.output(
         (
             *(env[node] for node in returned),
-            *(copies.get(a) or hosts.get(a) or env[a] for a in activations),
+            *(copies.get(a) or forms.get(a) or env[a] for a in activations),
             *(states[node] for node in random_states),
         )
     )
@@ -108,28 +112,29 @@ def backward_program(
     joint: JointGraph,
     kept: Sequence[tuple[fx.Node, bool]],
     backward_nodes: Sequence[fx.Node],
-    offloaded: Collection[fx.Node],
+    stored: Mapping[fx.Node, Storage],
 ) -> fx.GraphModule:
     """[*kept, *tangents] -> grads, replaying what is not kept just before its first use.
 
     Boxed: it takes one list and empties it, so that each kept tensor is freed
     at its last use. `kept` pairs a node with whether the kept tensor is the
     generator state of that (random) node rather than its value. See NOTE
-    [replay just in time]. The `offloaded` kept values arrive as host copies and
-    are reloaded ahead of their first use (see NOTE [offloading kept values]).
+    [replay just in time]. The `stored` kept values arrive in their storage's form
+    and are loaded before their first use (see NOTE [kinds of storage]).
     """
     graph = fx.Graph()
     env, states = _kept_placeholders(graph, kept)
-    hosts = {node: env.pop(node) for node in offloaded}
+    forms = {node: (env.pop(node), storage) for node, storage in stored.items()}
     for tangent in joint.tangents:
         env[tangent] = graph.placeholder(tangent.name)
     for node, placeholder in env.items():  # for `differentiable_again` to call ops on
         placeholder.meta.setdefault("val", node.meta.get("val"))
-    emit = _emitter(graph, env, states, forward_mode=False, hosts=hosts)
+    emit = _emitter(graph, env, states, forward_mode=False, forms=forms)
     for node in backward_nodes:
         emit(node)
     graph.output(tuple(emit(g) for g in joint.grads))
-    _prefetch(graph)
+    for storage in {storage for _, storage in forms.values() if storage.ahead}:
+        _load_ahead(graph, storage)
     graph.set_codegen(BoxedCodeGen())
     return _module(joint, graph)
 
@@ -241,17 +246,17 @@ def _detach_uses(graph: fx.Graph, node: fx.Node) -> None:
     node.replace_all_uses_with(detached, delete_user_cb=lambda user: user is not detached)
 
 
-def _prefetch(graph: fx.Graph) -> None:
-    """Move each reload's start `_offload.PREFETCH` reloads ahead of where backward waits for it:
-    the first ones to the program's start, each next one to right after the wait for the one
-    `PREFETCH` places before it. See NOTE [offloading kept values]."""
-    finishes = [node for node in graph.nodes if node.target is _offload.finish_reload]
+def _load_ahead(graph: fx.Graph, storage: Storage) -> None:
+    """Move the start of each load from `storage` `storage.ahead` loads ahead of where backward waits
+    for it: the first ones to the program's start, each next one to right after the wait for the one
+    `ahead` places before it. See NOTE [offloading kept values]."""
+    finishes = [node for node in graph.nodes if node.target is storage.finish_load]
     if not finishes:
         return
-    anchor = [node for node in graph.nodes if node.op == "placeholder"][-1]  # a reload reads one
+    anchor = [node for node in graph.nodes if node.op == "placeholder"][-1]  # a load reads one
     for k, finish in enumerate(finishes):
-        if k >= _offload.PREFETCH:
-            anchor = finishes[k - _offload.PREFETCH]
+        if k >= storage.ahead:
+            anchor = finishes[k - storage.ahead]
         anchor.append(finish.args[0])  # type: ignore[arg-type]
         anchor = finish.args[0]  # the next start goes after this one
 
@@ -275,8 +280,8 @@ class PureForward:
 
     `inputs` maps each primal to the kept node that holds its value (itself, or
     the node of its copy when the forward overwrites it), and each random call
-    whose kept output stands for it to itself. `offloaded` kept values arrive
-    as host copies and are copied back first.
+    whose kept output stands for it to itself. `stored` kept values arrive
+    in their storage's form and are loaded first (NOTE [kinds of storage]).
 
     Its program is built on its first call: only second derivatives and forward mode run it, and
     the planners that partition a graph to predict a peak never do.
@@ -285,7 +290,7 @@ class PureForward:
     joint: JointGraph
     forward_mode: bool
     kept: tuple[tuple[fx.Node, bool], ...]
-    offloaded: tuple[fx.Node, ...]
+    stored: tuple[tuple[fx.Node, Storage], ...]
     inputs: Mapping[fx.Node, fx.Node]
     targets: tuple[fx.Node, ...]
     reapply: bool = False  # custom Functions applied again: NOTE [custom Functions applied again]
@@ -338,9 +343,9 @@ class PureForward:
         """The program (two threads' first calls may both build it: either is the same program)."""
         graph = fx.Graph()
         holders, states = _kept_placeholders(graph, self.kept)
-        for node in self.offloaded:
+        for node, storage in self.stored:
             if node in self.inputs.values():
-                holders[node] = graph.call_function(_offload.reload_now, (holders[node], device_of(node)))
+                holders[node] = graph.call_function(storage.load_now, (holders[node], device_of(node)))  # type: ignore[arg-type]
         env = {primal: holders[holder] for primal, holder in self.inputs.items()}
         emit = _emitter(graph, env, states, self.forward_mode, reapply_in=self.joint if self.reapply else None)
         if self.reapply:  # a fill's kept value, read as it is, keeps its derivative: NOTE [a fill's derivative]
@@ -525,16 +530,16 @@ def _emitter(
     env: dict[fx.Node, fx.Node],
     states: Mapping[fx.Node, fx.Node],
     forward_mode: bool,
-    hosts: Mapping[fx.Node, fx.Node] | None = None,
+    forms: Mapping[fx.Node, tuple[fx.Node, Storage]] | None = None,
     reapply_in: JointGraph | None = None,
 ) -> Callable[[fx.Node], fx.Node]:
     """A function that copies a node of the joint graph into `graph` (and, first, the nodes
     it reads that are not there yet), replaying random calls from their kept states, so
     that autograd (forward-mode AD, with `forward_mode`) can differentiate the copy. See
-    NOTE [differentiating the forward again]. A node with a placeholder in `hosts` is
-    reloaded from that host copy where it is first read. With `reapply_in` (the joint graph
+    NOTE [differentiating the forward again]. A node in `forms` (a placeholder of its stored
+    form, and its storage) is loaded where it is first read. With `reapply_in` (the joint graph
     copied from), custom Functions are applied again: NOTE [custom Functions applied again]."""
-    hosts = hosts or {}
+    forms = forms or {}
     live = set(reapply_in.graph.nodes) if reapply_in is not None else set()
     reapplications: dict[CustomApplication, Reapplication] = {}
 
@@ -564,10 +569,11 @@ def _emitter(
                 env[output] = graph.call_function(operator.getitem, (applied, k))
                 env[output].meta = dict(output.meta)
 
-    def reload(node: fx.Node) -> fx.Node:
-        started = graph.call_function(_offload.start_reload, (hosts[node], device_of(node)))
+    def load(node: fx.Node) -> fx.Node:
+        form, storage = forms[node]
+        started = graph.call_function(storage.start_load, (form, device_of(node)))  # type: ignore[arg-type]
         started.meta["val"] = node.meta["val"]  # the device memory it takes (see `_peak`)
-        finished = graph.call_function(_offload.finish_reload, (started,))
+        finished = graph.call_function(storage.finish_load, (started,))  # type: ignore[arg-type]
         finished.meta["val"] = node.meta["val"]
         return finished
 
@@ -610,8 +616,8 @@ def _emitter(
             node, inputs_done = stack.pop()
             if node in env:
                 continue
-            if node in hosts:
-                env[node] = reload(node)
+            if node in forms:
+                env[node] = load(node)
                 continue
             again = reapplication(node)
             if again is not None:  # See NOTE [custom Functions applied again].

@@ -56,6 +56,8 @@ class ReportRow:
         offloaded: whether its kept outputs are kept in host memory (the call is
             OFFLOADed; the function's own outputs stay on the device, where the caller
             holds them).
+        storage: where its kept outputs live until backward: `"device"` as they are,
+            `"host"` (offloaded); empty where nothing is kept.
     """
 
     call: Call
@@ -66,6 +68,7 @@ class ReportRow:
     saved_bytes: int = 0
     read_by: frozenset[str] = frozenset()
     offloaded: bool = False
+    storage: str = ""
 
     @property
     def replay_flops(self) -> int:
@@ -88,6 +91,7 @@ class ReportRow:
             "saved": self.saved,
             "saved_bytes": self.saved_bytes,
             "offloaded": self.offloaded,
+            "storage": self.storage,
             "read_by": sorted(self.read_by),
             "replayed": self.replayed,
             "replay_flops": self.replay_flops,
@@ -205,7 +209,7 @@ class Report:
                 str(row.call.index),
                 row.call.name,
                 row.decision.name + (" (unused)" if row.saves_nothing else ""),
-                (format_bytes(row.saved_bytes) + (" (host)" if row.offloaded else ""))
+                (format_bytes(row.saved_bytes) + (f" ({row.storage})" if row.storage not in ("", "device") else ""))
                 if row.saved
                 else "rng state"
                 if row.rng_state_kept

@@ -1,0 +1,114 @@
+"""Where a kept value lives from forward to backward: on its device as it is, or in another form somewhere
+else. See NOTE [kinds of storage].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from . import _offload
+from ._calls import Decision
+
+__all__ = ["DEVICE", "HOST", "STORAGES", "Storage", "program_functions", "storage_of"]
+
+
+# NOTE [kinds of storage]
+# A call whose values backward reads is either replayed or kept, and a kept
+# value lives somewhere from forward to backward: on its device as it is
+# (SAVE), in host memory (OFFLOAD), or in another form. Each kind is one
+# `Storage`: what its stored form costs on the device and what storing and
+# loading it moves, and the functions the programs call for it. The forward
+# program stores each kept value right after the call that makes it; the
+# backward program loads it before the gradient formula that first reads it
+# (a kind whose loads take time of their own, such as a copy from the host,
+# starts `ahead` of them sooner); the pure programs (differentiating again,
+# forward mode) load it at once. Everything else (the accounting, the peak
+# prediction, the planners, the report, the compiled and Dynamo paths) reads
+# a kept value's kind from `storage_of` and its figures from the kind. A new
+# kind is one module holding its functions, and one entry in `STORAGES`.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Storage:
+    """One kind of storage for kept values.
+
+    Attributes:
+        name: what the report calls it ("device", "host").
+        decision: the decision that keeps a call's values in it.
+        exact: whether a value comes back bit for bit.
+        on_device: whether the stored form takes the value's bytes on its device until backward.
+        store: the forward program's call, value -> stored form (None: kept as it is).
+        start_load: the backward program's call, (stored form, device) -> a load under way.
+        finish_load: the backward program's call, a load under way -> the value.
+        load_now: (stored form, device) -> the value, differentiably (for the pure programs).
+        ahead: how many loads backward starts ahead of the one it waits for.
+        form: a value's tensor -> its stored form's, for shapes and dtypes only (None: the same).
+    """
+
+    name: str
+    decision: Decision
+    exact: bool = True
+    on_device: bool = True
+    store: Callable[[Any], Any] | None = None
+    start_load: Callable[[Any, Any], Any] | None = None
+    finish_load: Callable[[Any], Any] | None = None
+    load_now: Callable[[Any, Any], Any] | None = None
+    ahead: int = 0
+    form: Callable[[Any], Any] | None = None
+
+    def device_bytes(self, nbytes: int) -> int:
+        """Bytes a kept value of `nbytes` takes on its device between forward and backward."""
+        return nbytes if self.on_device else 0
+
+    def stored_form(self, value: Any) -> Any:
+        """What the stored form of `value` (a fake tensor of a trace) is on its device, for the peak
+        prediction: None where it is not on the device."""
+        if not self.on_device or value is None:
+            return None
+        return value if self.form is None else self.form(value)
+
+    def host_bytes(self, nbytes: int) -> int:
+        """Bytes it takes in host memory."""
+        return 0 if self.on_device else nbytes
+
+    @property
+    def moves(self) -> bool:
+        """Whether storing and loading a value copies it (each way once)."""
+        return self.store is not None
+
+    def __repr__(self) -> str:
+        return f"<storage {self.name}>"
+
+
+DEVICE = Storage("device", Decision.SAVE)
+
+HOST = Storage(
+    "host",
+    Decision.OFFLOAD,
+    on_device=False,
+    store=_offload.to_host,
+    start_load=_offload.start_reload,
+    finish_load=_offload.finish_reload,
+    load_now=_offload.reload_now,
+    ahead=_offload.PREFETCH,
+)
+
+STORAGES: tuple[Storage, ...] = (DEVICE, HOST)
+
+_BY_DECISION = {storage.decision: storage for storage in STORAGES}
+
+
+def storage_of(decision: Decision) -> Storage | None:
+    """Where `decision` keeps a call's values (None: it keeps none, it replays the call)."""
+    return _BY_DECISION.get(decision)
+
+
+def program_functions() -> tuple[Callable[..., Any], ...]:
+    """Every function the programs call to store and load kept values (which torch.compile must leave
+    alone: they use streams and events of their own)."""
+    found = []
+    for storage in STORAGES:
+        found += [f for f in (storage.store, storage.start_load, storage.finish_load, storage.load_now) if f]
+    return tuple(found)
