@@ -19,6 +19,7 @@ from ._calls import Decision, Trace, Value
 from ._decide import is_collective
 from ._peak import peak_of
 from ._rules import COPIED, KEPT, RECOMPUTED, REPLAYED, SAVED, STATE, Atom, rules_of
+from ._storage import HOST
 from ._value_graph import ValueGraph
 from .costs import estimate_seconds, resolve_device
 
@@ -102,7 +103,7 @@ class HostLink:
     @staticmethod
     def of(trace: Trace, cost: str) -> HostLink:
         device = resolve_device(cost.removeprefix("roofline:"))
-        return HostLink(1.0 / device.host_bandwidth, tuple(estimate_seconds(call, device) for call in trace))
+        return HostLink(HOST.move_seconds(device, 1.0), tuple(estimate_seconds(call, device) for call in trace))
 
     def exposed_seconds(self, host_bytes: Sequence[int]) -> float:
         """Copy time not hidden by compute, forward and backward, for `host_bytes` offloaded per call."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from . import _offload
 from ._calls import Decision
+from .costs import Device
 
 __all__ = ["DEVICE", "HOST", "STORAGES", "Storage", "program_functions", "storage_of"]
 
@@ -45,6 +46,8 @@ class Storage:
         load_now: (stored form, device) -> the value, differentiably (for the pure programs).
         ahead: how many loads backward starts ahead of the one it waits for.
         form: a value's tensor -> its stored form's, for shapes and dtypes only (None: the same).
+        seconds: (device, bytes) -> the seconds storing (or loading) that many bytes takes one way on
+            the device's cost model, on a stream of its own (None: nothing moves).
     """
 
     name: str
@@ -57,6 +60,11 @@ class Storage:
     load_now: Callable[[Any, Any], Any] | None = None
     ahead: int = 0
     form: Callable[[Any], Any] | None = None
+    seconds: Callable[[Device, float], float] | None = None
+
+    def move_seconds(self, device: Device, nbytes: float) -> float:
+        """Seconds storing (or loading) `nbytes` takes one way on `device` (NOTE [kinds of storage])."""
+        return 0.0 if self.seconds is None else self.seconds(device, nbytes)
 
     def device_bytes(self, nbytes: int) -> int:
         """Bytes a kept value of `nbytes` takes on its device between forward and backward."""
@@ -93,6 +101,7 @@ HOST = Storage(
     finish_load=_offload.finish_reload,
     load_now=_offload.reload_now,
     ahead=_offload.PREFETCH,
+    seconds=lambda device, nbytes: device.copy_seconds(nbytes),  # type: ignore[arg-type]
 )
 
 STORAGES: tuple[Storage, ...] = (DEVICE, HOST)

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from ._calls import Call, Decision, Trace, _module_label, format_bytes, format_seconds, format_table
+from ._storage import HOST
 from .costs import Device, resolve_device
 
 __all__ = ["Peak", "Report", "ReportRow"]
@@ -161,7 +162,7 @@ class Report:
         """Predicted seconds of the copies one way (to the host in forward, or back in backward),
         at `device`'s host bandwidth (`remat.costs.Device.host_bandwidth`): the time the copies
         take on their own stream, hidden if the compute around them takes longer."""
-        return resolve_device(device).copy_seconds(self.offloaded_bytes)
+        return HOST.move_seconds(resolve_device(device), self.offloaded_bytes)
 
     @property
     def peak_bytes(self) -> int:
