@@ -31,11 +31,13 @@ from .report import Report as Report
 SAVE = Decision.SAVE
 RECOMPUTE = Decision.RECOMPUTE
 OFFLOAD = Decision.OFFLOAD
+PACK = Decision.PACK
 
 __version__ = "0.1.0"
 
 __all__ = [
     "OFFLOAD",
+    "PACK",
     "RECOMPUTE",
     "SAVE",
     "BlockPlan",

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 from ._calls import Decision, Trace, Value
 from ._rules import rules_of
 from ._storage import DEVICE, Storage, storage_of
+from ._value_graph import ValueGraph
 
 __all__ = ["Accounting", "KeptOutputs", "account", "account_for", "saved_calls", "stored_calls"]
 
@@ -21,10 +23,10 @@ __all__ = ["Accounting", "KeptOutputs", "account", "account_for", "saved_calls",
 class KeptOutputs:
     """What is kept of one saved call's outputs, where, and what reads it."""
 
-    nbytes: int
+    nbytes: int  # as kept: on the device (in their stored form there), or in host memory
     read_by: frozenset[str]  # "backward" (the gradient formulas) and/or "replay" (replayed calls)
     storage: Storage = DEVICE  # where its decision keeps them (NOTE [kinds of storage])
-    stored_nbytes: int = 0  # of `nbytes`, those in `storage` (the function's outputs stay on the device)
+    stored_nbytes: int = 0  # the bytes of those values in `storage` (the function's outputs stay on the device)
 
     @property
     def offloaded(self) -> bool:
@@ -68,10 +70,21 @@ def account(trace: Trace, saved: Collection[int], stored: Mapping[int, Storage] 
     by_call: dict[int, set[Value]] = {}
     for value in resolved.kept:
         by_call.setdefault(value[0], set()).add(value)
-    elsewhere = {v: stored[v[0]] for v in resolved.kept if v[0] in stored and v not in graph.returned}
+    elsewhere = {
+        v: stored[v[0]]
+        for v in resolved.kept
+        if v[0] in stored and v not in graph.returned and stored[v[0]].can_hold(graph.nodes[v])
+    }
+
+    def as_kept(v: Value) -> int:  # its bytes where it is kept: a stored form on the device counts as it is
+        storage = elsewhere.get(v)
+        if storage is None or not storage.on_device:
+            return graph.nbytes[v]
+        return storage.device_bytes(graph.nbytes[v], _value(graph, v))
+
     kept_by_call = {
         call: KeptOutputs(
-            sum(graph.nbytes[v] for v in values),
+            sum(as_kept(v) for v in values),
             frozenset(
                 reader
                 for reader, reads in (("backward", backward_reads), ("replay", replay_reads))
@@ -87,12 +100,16 @@ def account(trace: Trace, saved: Collection[int], stored: Mapping[int, Storage] 
         kept_by_call=kept_by_call,
         replayed_calls=tuple(sorted(resolved.replayed)),
         rng_state_calls=resolved.states,
-        saved_bytes=on_device + sum(s.device_bytes(graph.nbytes[v]) for v, s in elsewhere.items()) + rng_state_bytes,
+        saved_bytes=on_device + sum(as_kept(v) for v, s in elsewhere.items() if s.on_device) + rng_state_bytes,
         rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(trace[c].flops for c in resolved.replayed),
         offloaded_bytes=sum(s.host_bytes(graph.nbytes[v]) for v, s in elsewhere.items()),
         moved_bytes=sum(graph.nbytes[v] for v, s in elsewhere.items() if s.moves),
     )
+
+
+def _value(graph: ValueGraph, value: Value) -> Any:
+    return graph.nodes[value].meta.get("val")
 
 
 def account_for(trace: Trace, decisions: Sequence[Decision]) -> Accounting:

@@ -21,26 +21,29 @@ class Decision(enum.Enum):
     `SAVE` keeps the outputs that backward (or a replay) reads on their device;
     `OFFLOAD` keeps them too, in host memory: copied there as forward makes
     them and back to their device before backward first reads them (see
-    docs/offload.md), with gradients exactly those of `SAVE`; `RECOMPUTE`
-    keeps nothing and replays the call in backward if something backward
-    needs depends on it.
+    docs/offload.md), with gradients exactly those of `SAVE`; `PACK` keeps
+    them on their device in fewer bytes where that is exact, bit for bit
+    (booleans and dropout's masks as bits: docs/storage.md), as they are
+    elsewhere; `RECOMPUTE` keeps nothing and replays the call in backward if
+    something backward needs depends on it.
 
-    Combined (`|`, `&` of policies), `SAVE` ranks above `OFFLOAD`, which
-    ranks above `RECOMPUTE`: `p | q` takes the higher decision of the two,
-    `p & q` the lower.
+    Combined (`|`, `&` of policies), `SAVE` ranks above `PACK`, which ranks
+    above `OFFLOAD`, which ranks above `RECOMPUTE`: `p | q` takes the higher
+    decision of the two, `p & q` the lower.
 
     >>> import remat
-    >>> remat.Decision.SAVE is remat.SAVE, remat.Decision.OFFLOAD is remat.OFFLOAD
+    >>> remat.Decision.SAVE is remat.SAVE, remat.Decision.PACK is remat.PACK
     (True, True)
     """
 
     SAVE = "save"
     RECOMPUTE = "recompute"
     OFFLOAD = "offload"
+    PACK = "pack"
 
     @property
     def keeps(self) -> bool:
-        """Whether backward reads the call's outputs as forward made them (SAVE or OFFLOAD)."""
+        """Whether backward reads the call's outputs as forward made them (SAVE, PACK or OFFLOAD)."""
         return self is not Decision.RECOMPUTE
 
     def __repr__(self) -> str:

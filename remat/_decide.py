@@ -52,7 +52,7 @@ def _as_decision(policy: Any, call: Any, value: Any) -> Decision:
         return Decision.SAVE if value else Decision.RECOMPUTE
     raise TypeError(
         f"remat.checkpoint: the policy {policy!r} returned {value!r} (of type {type(value).__qualname__}) for call "
-        f"{call}; a policy must return remat.SAVE, remat.OFFLOAD, remat.RECOMPUTE, True (save) or False (recompute)."
+        f"{call}; a policy must return remat.SAVE, remat.PACK, remat.OFFLOAD, remat.RECOMPUTE, True (save) or False (recompute)."
     )
 
 

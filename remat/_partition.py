@@ -306,7 +306,7 @@ def _stored_elsewhere(
     stored = {}
     for a in activations:
         storage = storages.get(a.args[0] if a.target is operator.getitem else a)  # type: ignore[arg-type]
-        if storage is not None and storage is not DEVICE:
+        if storage is not None and storage is not DEVICE and storage.can_hold(a):
             stored[a] = storage
     return stored
 

@@ -12,7 +12,7 @@ from typing import Any, Union
 from ._calls import Call, Decision, Trace
 from ._decide import decide, decide_call
 
-__all__ = ["Policy", "PolicyLike", "offload", "save_all_of", "save_any_of", "save_unless"]
+__all__ = ["Policy", "PolicyLike", "offload", "pack", "save_all_of", "save_any_of", "save_unless"]
 
 PolicyLike = Union[Callable[[Call], Decision | bool], "Policy", None]
 
@@ -48,8 +48,8 @@ class Policy:
         return _Not(self)
 
 
-# SAVE > OFFLOAD > RECOMPUTE: `|` takes the higher of two decisions, `&` the lower.
-_RANK = {Decision.RECOMPUTE: 0, Decision.OFFLOAD: 1, Decision.SAVE: 2}
+# SAVE > PACK > OFFLOAD > RECOMPUTE: `|` takes the higher of two decisions, `&` the lower.
+_RANK = {Decision.RECOMPUTE: 0, Decision.OFFLOAD: 1, Decision.PACK: 2, Decision.SAVE: 3}
 
 
 def _combine(decisions: Iterable[Decision], require_all: bool) -> Decision:
@@ -80,7 +80,8 @@ class _Combined(Policy):
 def save_any_of(*policies: PolicyLike) -> Policy:
     """Save a call if any of `policies` saves it (JAX's `save_from_both_policies`); also `p | q`.
 
-    Otherwise offload it if any of them offloads it, and recompute it if none keeps it.
+    Otherwise pack it if any of them packs it, offload it if any offloads it, and recompute it if none
+    keeps it.
 
     >>> import torch, remat
     >>> from remat.policies import save_ops, save_any_of
@@ -93,7 +94,8 @@ def save_any_of(*policies: PolicyLike) -> Policy:
 def save_all_of(*policies: PolicyLike) -> Policy:
     """Save a call only if every one of `policies` saves it; also `p & q`.
 
-    Recompute it if any of them recomputes it; otherwise (some offload it) offload it.
+    Recompute it if any of them recomputes it; otherwise offload it if any offloads it, and pack it if
+    any packs it.
 
     >>> import torch, remat
     >>> from remat.policies import save_ops, save_calls
@@ -103,12 +105,17 @@ def save_all_of(*policies: PolicyLike) -> Policy:
     return _Combined(tuple(policies), require_all=True)
 
 
-_OPPOSITE = {Decision.SAVE: Decision.RECOMPUTE, Decision.RECOMPUTE: Decision.SAVE, Decision.OFFLOAD: Decision.OFFLOAD}
+_OPPOSITE = {
+    Decision.SAVE: Decision.RECOMPUTE,
+    Decision.RECOMPUTE: Decision.SAVE,
+    Decision.OFFLOAD: Decision.OFFLOAD,
+    Decision.PACK: Decision.PACK,
+}
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class _Not(Policy):
-    """Save what `policy` recomputes and recompute what it saves; what it offloads stays offloaded."""
+    """Save what `policy` recomputes and recompute what it saves; what it offloads or packs stays so."""
 
     policy: Any
 
@@ -134,17 +141,20 @@ def save_unless(policy: PolicyLike, unless: PolicyLike) -> Policy:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _Offload(Policy):
+class _KeptAs(Policy):
+    """What `policy` keeps, kept as `decision` says (OFFLOAD, PACK); the rest stays RECOMPUTE."""
+
     policy: Any
+    decision: Decision
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
-        return tuple(Decision.OFFLOAD if d.keeps else d for d in decide(self.policy, trace))
+        return tuple(self.decision if d.keeps else d for d in decide(self.policy, trace))
 
     def _decide(self, call: Call) -> Decision:
-        return Decision.OFFLOAD if decide_call(self.policy, call).keeps else Decision.RECOMPUTE
+        return self.decision if decide_call(self.policy, call).keeps else Decision.RECOMPUTE
 
     def __repr__(self) -> str:
-        return f"offload({self.policy!r})"
+        return f"{self.decision.value}({self.policy!r})"
 
 
 def offload(policy: PolicyLike) -> Policy:
@@ -159,4 +169,18 @@ def offload(policy: PolicyLike) -> Policy:
     >>> offload(save_ops(torch.ops.aten.mm)).plan(remat.trace(lambda a, b: (a @ b).relu(), torch.ones(2, 3), torch.ones(3, 4)))
     (remat.OFFLOAD, remat.RECOMPUTE)
     """
-    return _Offload(policy)
+    return _KeptAs(policy, Decision.OFFLOAD)
+
+
+def pack(policy: PolicyLike) -> Policy:
+    """Pack what `policy` keeps: its SAVE decisions become PACK, the rest stays RECOMPUTE.
+
+    The kept outputs of those calls wait for backward on their device in fewer bytes wherever
+    that is exact (booleans and dropout's masks as bits: docs/storage.md), as they are elsewhere.
+
+    >>> import torch, remat
+    >>> from remat.policies import pack, save_everything
+    >>> pack(save_everything).plan(remat.trace(lambda x: torch.where(x > 0, x, 0.0).sum(), torch.ones(3)))
+    (remat.PACK, remat.PACK, remat.PACK, remat.PACK)
+    """
+    return _KeptAs(policy, Decision.PACK)

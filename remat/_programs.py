@@ -345,7 +345,10 @@ class PureForward:
         holders, states = _kept_placeholders(graph, self.kept)
         for node, storage in self.stored:
             if node in self.inputs.values():
-                holders[node] = graph.call_function(storage.load_now, (holders[node], device_of(node)))  # type: ignore[arg-type]
+                holders[node] = graph.call_function(
+                    storage.load_now,  # type: ignore[arg-type]
+                    (holders[node], device_of(node), *storage.static_args(node)),
+                )
         env = {primal: holders[holder] for primal, holder in self.inputs.items()}
         emit = _emitter(graph, env, states, self.forward_mode, reapply_in=self.joint if self.reapply else None)
         if self.reapply:  # a fill's kept value, read as it is, keeps its derivative: NOTE [a fill's derivative]
@@ -571,6 +574,13 @@ def _emitter(
 
     def load(node: fx.Node) -> fx.Node:
         form, storage = forms[node]
+        if storage.start_load is None:  # one call
+            loaded = graph.call_function(
+                storage.finish_load,  # type: ignore[arg-type]
+                (form, device_of(node), *storage.static_args(node)),
+            )
+            loaded.meta["val"] = node.meta["val"]
+            return loaded
         started = graph.call_function(storage.start_load, (form, device_of(node)))  # type: ignore[arg-type]
         started.meta["val"] = node.meta["val"]  # the device memory it takes (see `_peak`)
         finished = graph.call_function(storage.finish_load, (started,))  # type: ignore[arg-type]

@@ -8,27 +8,29 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from . import _offload
+from . import _bits, _offload
 from ._calls import Decision
+from ._measure import storage_nbytes
 from .costs import Device
 
-__all__ = ["DEVICE", "HOST", "STORAGES", "Storage", "program_functions", "storage_of"]
+__all__ = ["BITS", "DEVICE", "HOST", "STORAGES", "Storage", "program_functions", "storage_of"]
 
 
 # NOTE [kinds of storage]
 # A call whose values backward reads is either replayed or kept, and a kept
 # value lives somewhere from forward to backward: on its device as it is
-# (SAVE), in host memory (OFFLOAD), or in another form. Each kind is one
-# `Storage`: what its stored form costs on the device and what storing and
-# loading it moves, and the functions the programs call for it. The forward
-# program stores each kept value right after the call that makes it; the
-# backward program loads it before the gradient formula that first reads it
-# (a kind whose loads take time of their own, such as a copy from the host,
-# starts `ahead` of them sooner); the pure programs (differentiating again,
-# forward mode) load it at once. Everything else (the accounting, the peak
-# prediction, the planners, the report, the compiled and Dynamo paths) reads
-# a kept value's kind from `storage_of` and its figures from the kind. A new
-# kind is one module holding its functions, and one entry in `STORAGES`.
+# (SAVE), in host memory (OFFLOAD), as bits (PACK: NOTE [values kept as
+# bits]), or in another form. Each kind is one `Storage`: what its stored form
+# costs on the device and what storing and loading it moves, and the functions
+# the programs call for it. The forward program stores each kept value right
+# after the call that makes it; the backward program loads it before the
+# gradient formula that first reads it (a kind whose loads take time of their
+# own, such as a copy from the host, starts `ahead` of them sooner); the pure
+# programs (differentiating again, forward mode) load it at once. Everything
+# else (the accounting, the peak prediction, the planners, the report, the
+# compiled and Dynamo paths) reads a kept value's kind from `storage_of` and
+# its figures from the kind. A new kind is one module holding its functions,
+# and one entry in `STORAGES`.
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -41,9 +43,13 @@ class Storage:
         exact: whether a value comes back bit for bit.
         on_device: whether the stored form takes the value's bytes on its device until backward.
         store: the forward program's call, value -> stored form (None: kept as it is).
-        start_load: the backward program's call, (stored form, device) -> a load under way.
+        start_load: the backward program's call, (stored form, device) -> a load under way; None: the
+            load is one call, `finish_load(stored form, device, *load_args(node))`.
         finish_load: the backward program's call, a load under way -> the value.
-        load_now: (stored form, device) -> the value, differentiably (for the pure programs).
+        load_now: (stored form, device, *load_args(node)) -> the value, differentiably (the pure programs).
+        load_args: a kept node -> the static arguments its loads take after the device (None: none).
+        holds: whether a kept node's value can be stored so (None: every value); a value it cannot
+            hold stays on its device as it is.
         ahead: how many loads backward starts ahead of the one it waits for.
         form: a value's tensor -> its stored form's, for shapes and dtypes only (None: the same).
         seconds: (device, bytes) -> the seconds storing (or loading) that many bytes takes one way on
@@ -56,19 +62,32 @@ class Storage:
     on_device: bool = True
     store: Callable[[Any], Any] | None = None
     start_load: Callable[[Any, Any], Any] | None = None
-    finish_load: Callable[[Any], Any] | None = None
-    load_now: Callable[[Any, Any], Any] | None = None
+    finish_load: Callable[..., Any] | None = None
+    load_now: Callable[..., Any] | None = None
     ahead: int = 0
     form: Callable[[Any], Any] | None = None
     seconds: Callable[[Device, float], float] | None = None
+    load_args: Callable[[Any], tuple[Any, ...]] | None = None
+    holds: Callable[[Any], bool] | None = None
+
+    def can_hold(self, node: Any) -> bool:
+        """Whether `node`'s value (an fx node of a trace) can be stored so."""
+        return self.holds is None or self.holds(node)
+
+    def static_args(self, node: Any) -> tuple[Any, ...]:
+        """What its loads of `node`'s value take after the device."""
+        return () if self.load_args is None else self.load_args(node)
 
     def move_seconds(self, device: Device, nbytes: float) -> float:
         """Seconds storing (or loading) `nbytes` takes one way on `device` (NOTE [kinds of storage])."""
         return 0.0 if self.seconds is None else self.seconds(device, nbytes)
 
-    def device_bytes(self, nbytes: int) -> int:
-        """Bytes a kept value of `nbytes` takes on its device between forward and backward."""
-        return nbytes if self.on_device else 0
+    def device_bytes(self, nbytes: int, value: Any = None) -> int:
+        """Bytes a kept value of `nbytes` (`value`, a fake tensor of the trace) takes on its device between
+        forward and backward."""
+        if not self.on_device:
+            return 0
+        return nbytes if self.form is None or value is None else storage_nbytes(self.form(value))
 
     def stored_form(self, value: Any) -> Any:
         """What the stored form of `value` (a fake tensor of a trace) is on its device, for the peak
@@ -104,7 +123,20 @@ HOST = Storage(
     seconds=lambda device, nbytes: device.copy_seconds(nbytes),  # type: ignore[arg-type]
 )
 
-STORAGES: tuple[Storage, ...] = (DEVICE, HOST)
+BITS = Storage(
+    "bits",
+    Decision.PACK,
+    store=_bits.pack,
+    finish_load=_bits.unpack,
+    load_now=_bits.unpack,
+    form=_bits.packed_like,
+    # Memory-bound: the value read and its bits written, then read and the value written again.
+    seconds=lambda device, nbytes: nbytes * 9 / 8 / device.bandwidth,
+    load_args=_bits.load_args,
+    holds=_bits.packable,
+)
+
+STORAGES: tuple[Storage, ...] = (DEVICE, HOST, BITS)
 
 _BY_DECISION = {storage.decision: storage for storage in STORAGES}
 

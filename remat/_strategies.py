@@ -342,9 +342,10 @@ def policies(trace: Trace, *, save_calls: bool = True, offload: bool = False) ->
     Mixes the constant policies, `remat.policies.save_calls` of random subsets
     of the calls, plain callables that answer per call (with `bool`s or
     `remat.Decision`s), so that every save/recompute split is reachable, and,
-    where highspy is installed, the planner `remat.policies.budget`. With
-    `offload`, also per-call tables of SAVE, OFFLOAD and RECOMPUTE (every
-    three-way split is reachable) and `remat.policies.offload_dots`.
+    where highspy is installed, the planner `remat.policies.budget`, and
+    `remat.policies.pack_everything`. With `offload`, also per-call tables of
+    every decision (SAVE, PACK, OFFLOAD and RECOMPUTE: every split is
+    reachable) and `remat.policies.offload_dots`.
 
     Args:
         trace: the `remat.Trace` of the function the policies are for.
@@ -368,7 +369,7 @@ def policies(trace: Trace, *, save_calls: bool = True, offload: bool = False) ->
     n = len(trace)
     subsets = st.lists(st.integers(0, n - 1), unique=True, max_size=n) if n else st.just([])
     choices: list[st.SearchStrategy[Any]] = [
-        st.sampled_from([None, _policies.save_nothing, _policies.save_everything]),
+        st.sampled_from([None, _policies.save_nothing, _policies.save_everything, _policies.pack_everything]),
         st.builds(_PerCallPolicy, st.lists(st.booleans(), min_size=n, max_size=n).map(tuple), st.booleans()),
     ]
     if save_calls:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._accounting import account
 from ._calls import Call, Decision, Trace, format_bytes, op_name
-from ._policy import Policy, offload, save_all_of, save_any_of, save_unless
+from ._policy import Policy, offload, pack, save_all_of, save_any_of, save_unless
 from ._policy import offload as _offload_policy  # `offload` is also an argument name below
 from ._sac import from_sac
 from ._torch import HigherOrderOperator, OpOverload, OpOverloadPacket
@@ -44,6 +44,8 @@ __all__ = [
     "offload_dots",
     "offload_dots_with_no_batch_dims",
     "offload_tagged",
+    "pack",
+    "pack_everything",
     "save_all_but_tagged",
     "save_all_of",
     "save_and_offload_tagged",
@@ -264,6 +266,16 @@ nor convolutions.
 [('aten.bmm.default', remat.RECOMPUTE), ('aten.bmm.default', remat.RECOMPUTE)]
 """
 
+
+pack_everything: Policy = pack(save_everything)
+"""Keep every call's outputs, packed where that is exact (`remat.PACK`: booleans and dropout's masks as bits,
+bit for bit; docs/storage.md), as they are elsewhere.
+
+>>> import torch, remat
+>>> f = lambda x: torch.where(x > 0, x.sin(), 0.0).sum()
+>>> [(row.call.name, row.storage) for row in remat.report(f, torch.ones(64), policy=remat.policies.pack_everything).rows][:2]
+[('aten.gt.Scalar', 'bits'), ('aten.sin.default', 'device')]
+"""
 
 offload_dots: Policy = offload(dots_saveable)
 """Offload the output of every matrix-multiply-like call (`dots_saveable`'s calls) to host memory;

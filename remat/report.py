@@ -49,8 +49,8 @@ class ReportRow:
         saved: whether some output of the call is kept for backward.
         replayed: whether backward runs the call again.
         rng_state_kept: whether the generator state it started from is kept, to replay it.
-        saved_bytes: bytes of its kept outputs (distinct storages), on the device or,
-            when `offloaded`, in host memory.
+        saved_bytes: bytes of its kept outputs (distinct storages) as kept: on the device
+            (as bits, where `storage` is `"bits"`) or, when `offloaded`, in host memory.
         read_by: who reads the kept outputs in backward: `"backward"` (the gradient
             formulas) and/or `"replay"` (calls replayed from them). Empty when only
             a second derivative would read them.
@@ -58,7 +58,7 @@ class ReportRow:
             OFFLOADed; the function's own outputs stay on the device, where the caller
             holds them).
         storage: where its kept outputs live until backward: `"device"` as they are,
-            `"host"` (offloaded); empty where nothing is kept.
+            `"host"` (offloaded), `"bits"` (packed); empty where nothing is kept.
     """
 
     call: Call

@@ -550,6 +550,8 @@ BUILT_IN_POLICIES = [
     ("offload_dots", policies.offload_dots),
     ("offload_dots_with_no_batch_dims", policies.offload_dots_with_no_batch_dims),
     ("offload_tagged", policies.offload_tagged("hidden")),
+    ("pack", policies.pack(policies.dots_saveable)),
+    ("pack_everything", policies.pack_everything),
     ("save_and_offload_tagged", policies.save_and_offload_tagged(save=["a"], offload=["hidden"])),
     ("save_all_but_tagged", policies.save_all_but_tagged("hidden")),
     ("save_all_of", policies.save_all_of(policies.dots_saveable, policies.save_everything)),

@@ -137,7 +137,7 @@ def test_from_sac_maps_the_offload_values(value: str) -> None:
 
 def test_a_policy_answering_something_else_names_offload() -> None:
     f = remat.checkpoint(lambda x: x.sin(), policy=lambda call: "offload")
-    with pytest.raises(TypeError, match=r"remat\.SAVE, remat\.OFFLOAD, remat\.RECOMPUTE"):
+    with pytest.raises(TypeError, match=r"remat\.SAVE, remat\.PACK, remat\.OFFLOAD, remat\.RECOMPUTE"):
         f(torch.ones(2, requires_grad=True))
 
 

@@ -75,7 +75,8 @@ def test_decision_names():
     assert remat.SAVE is not remat.RECOMPUTE
     assert repr(remat.SAVE) == "remat.SAVE"
     assert repr(remat.RECOMPUTE) == "remat.RECOMPUTE"
-    assert set(remat.Decision) == {remat.SAVE, remat.RECOMPUTE, remat.OFFLOAD}
+    assert set(remat.Decision) == {remat.SAVE, remat.RECOMPUTE, remat.OFFLOAD, remat.PACK}
+    assert repr(remat.PACK) == "remat.PACK"
 
 
 # --- constant policies ----------------------------------------------------------------------------

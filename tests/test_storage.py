@@ -11,13 +11,13 @@ import torch
 
 import remat
 from remat import _storage, policies
-from remat._storage import DEVICE, HOST, Storage, storage_of
+from remat._storage import BITS, DEVICE, HOST, Storage, storage_of
 
 
 def test_each_decision_names_its_storage() -> None:
-    assert storage_of(remat.SAVE) is DEVICE and storage_of(remat.OFFLOAD) is HOST
+    assert storage_of(remat.SAVE) is DEVICE and storage_of(remat.OFFLOAD) is HOST and storage_of(remat.PACK) is BITS
     assert storage_of(remat.RECOMPUTE) is None
-    assert [s.name for s in _storage.STORAGES] == ["device", "host"]
+    assert [s.name for s in _storage.STORAGES] == ["device", "host", "bits"]
     assert DEVICE.device_bytes(100) == 100 and DEVICE.host_bytes(100) == 0 and not DEVICE.moves
     assert HOST.device_bytes(100) == 0 and HOST.host_bytes(100) == 100 and HOST.moves and HOST.ahead > 0
     h100 = remat.costs.DEVICES["h100"]
