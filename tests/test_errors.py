@@ -80,7 +80,7 @@ def test_policy_returning_a_non_decision(value):
     assert f"returned {value!r} (of type {type(value).__qualname__})" in message
     assert "aten.mm.default" in message  # the call it was asked about (the first)
     assert "#0" in message
-    assert "remat.SAVE, remat.OFFLOAD, remat.RECOMPUTE, True (save) or False (recompute)" in message
+    assert "remat.SAVE, remat.PACK, remat.OFFLOAD, remat.RECOMPUTE, True (save) or False (recompute)" in message
 
 
 def test_policy_returning_a_non_decision_names_the_call_it_failed_on():
