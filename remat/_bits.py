@@ -33,7 +33,6 @@ aten = torch.ops.aten
 
 _BERNOULLI = frozenset({aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor})
 _SCALINGS = frozenset({aten.div.Scalar, aten.mul.Scalar})
-_SHIFTS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
 def _scaled_draws(node: fx.Node) -> bool:
@@ -83,7 +82,7 @@ def pack(value: torch.Tensor) -> torch.Tensor:
     pad = -flat.numel() % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=value.device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=value.device)  # made there: no copy from the host
     return (flat.view(-1, 8).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
 
 
@@ -99,7 +98,7 @@ def unpack(
 ) -> torch.Tensor:
     """The value `pack` packed, in its layout: a boolean, Bernoulli draws, or draws run through `op` with
     `by` again (NOTE [values kept as bits])."""
-    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=packed.device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     bits = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:numel].view(shape)
     value = bits.bool() if dtype is torch.bool else bits.to(dtype)
     if op is not None:

@@ -63,7 +63,7 @@ def test_packed_values_come_back_bit_for_bit(name: str, dtype: torch.dtype) -> N
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_packing_composes_with_torch_func(name: str) -> None:
     fn, _ = PROGRAMS[name]
-    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)  # 35 elements: the last byte half used
     assert_checkpoint_equivalent(fn, x, policy=policies.pack_everything, transforms=TRANSFORMS)
 
 
