@@ -45,7 +45,6 @@ class Accounting:
     rng_state_bytes: int
     recompute_flops: int  # of the replayed calls
     offloaded_bytes: int = 0  # activations kept in host memory (copied there and back once each)
-    moved_bytes: int = 0  # activations a storage copies when it stores and loads them (each way once)
 
     @property
     def saved_calls(self) -> tuple[int, ...]:
@@ -104,7 +103,6 @@ def account(trace: Trace, saved: Collection[int], stored: Mapping[int, Storage] 
         rng_state_bytes=rng_state_bytes,
         recompute_flops=sum(trace[c].flops for c in resolved.replayed),
         offloaded_bytes=sum(s.host_bytes(graph.nbytes[v]) for v, s in elsewhere.items()),
-        moved_bytes=sum(graph.nbytes[v] for v, s in elsewhere.items() if s.moves),
     )
 
 

@@ -100,11 +100,6 @@ class Storage:
         """Bytes it takes in host memory."""
         return 0 if self.on_device else nbytes
 
-    @property
-    def moves(self) -> bool:
-        """Whether storing and loading a value copies it (each way once)."""
-        return self.store is not None
-
     def __repr__(self) -> str:
         return f"<storage {self.name}>"
 
