@@ -116,3 +116,16 @@ def test_a_boolean_output_is_returned_as_it_is() -> None:
     x = torch.randn(16, 16, requires_grad=True)
     report = remat.report(lambda x: (_bool_program(x), x.sin().sum()), x, policy=policies.pack_everything)
     assert all(row.storage != "bits" for row in report.rows if row.call.name == "aten.logical_and.default")
+
+
+def test_inside_a_compiled_model_pack_gives_eagers_gradients() -> None:
+    # The compiled region has no storage but the device: remat answers MUST_SAVE for a PACK call there.
+    x = torch.randn(16, 32, requires_grad=True)
+    torch.manual_seed(0)
+    expected = torch.autograd.grad(_dropout(x).sum(), x)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(remat.checkpoint(_dropout, policy=policies.pack_everything), backend="aot_eager")
+    torch.manual_seed(0)
+    got = torch.autograd.grad(compiled(x).sum(), x)[0]
+    torch._dynamo.reset()
+    assert torch.equal(expected, got)
