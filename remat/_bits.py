@@ -12,7 +12,7 @@ from torch import fx
 
 from ._torch import dense_without_overlap
 
-__all__ = ["load_args", "pack", "packable", "packed_like", "unpack"]
+__all__ = ["load_args", "pack", "packable", "packed_like", "packing_bytes", "unpack", "unpacking_bytes"]
 
 aten = torch.ops.aten
 
@@ -77,13 +77,26 @@ def packed_like(value: torch.Tensor) -> torch.Tensor:
 
 
 def pack(value: torch.Tensor) -> torch.Tensor:
-    """`value`'s elements as bits (nonzero: 1), eight to a byte, in its logical order."""
-    flat = value.reshape(-1) != 0
-    pad = -flat.numel() % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    shifts = torch.arange(8, dtype=torch.uint8, device=value.device)  # made there: no copy from the host
-    return (flat.view(-1, 8).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
+    """`value`'s elements as bits (nonzero: 1), eight to a byte, in its logical order. Column by column, so
+    that what it takes besides the value is at most `packing_bytes`."""
+    flat = (value if value.dtype is torch.bool else value != 0).reshape(-1)
+    numel = flat.numel()
+    whole = numel - numel % 8
+    rows = flat[:whole].view(-1, 8)
+    packed = rows[:, 0].to(torch.uint8)
+    for k in range(1, 8):
+        packed = packed | (rows[:, k].to(torch.uint8) << k)
+    if whole < numel:
+        tail = flat[whole:].to(torch.uint8) << torch.arange(numel - whole, dtype=torch.uint8, device=value.device)
+        packed = torch.cat([packed, tail.sum(0, keepdim=True, dtype=torch.uint8)])
+    return packed
+
+
+def packing_bytes(value: torch.Tensor) -> int:
+    """At most the bytes `pack(value)` takes besides `value` and its result, at once: a boolean of it (for a
+    float), its copy in logical order (for a layout that is not), and the columns being combined."""
+    numel = value.numel()
+    return numel * (value.dtype is not torch.bool) + numel * (not value.is_contiguous()) + 4 * _packed_bytes(numel)
 
 
 def unpack(
@@ -97,12 +110,20 @@ def unpack(
     by: Any = None,
 ) -> torch.Tensor:
     """The value `pack` packed, in its layout: a boolean, Bernoulli draws, or draws run through `op` with
-    `by` again (NOTE [values kept as bits])."""
+    `by` again (NOTE [values kept as bits]). What it takes besides its result is at most
+    `unpacking_bytes`."""
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     bits = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:numel].view(shape)
     value = bits.bool() if dtype is torch.bool else bits.to(dtype)
+    del bits
     if op is not None:
         value = op(value, by)
     if value.stride() == stride:
         return value
     return packed.new_empty_strided(shape, stride, dtype=dtype).copy_(value)
+
+
+def unpacking_bytes(value: torch.Tensor) -> int:
+    """At most the bytes `unpack` takes besides its result (`value`'s size) at once: the bits, a byte each
+    (twice, as they are shifted out), and the value before its op or its layout."""
+    return 2 * 8 * _packed_bytes(value.numel()) + value.numel() * value.element_size()

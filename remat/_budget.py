@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,9 +19,9 @@ from ._calls import Decision, Trace, Value
 from ._decide import is_collective
 from ._peak import peak_of
 from ._rules import COPIED, KEPT, RECOMPUTED, REPLAYED, SAVED, STATE, Atom, rules_of
-from ._storage import HOST
+from ._storage import BITS, HOST
 from ._value_graph import ValueGraph
-from .costs import estimate_seconds, resolve_device
+from .costs import Device, estimate_seconds, resolve_device
 
 __all__ = [
     "HostLink",
@@ -66,6 +66,14 @@ __all__ = [
 # and in backward, whose reloads must land before it reaches call j, likewise with
 # the backward's compute of the calls after j (twice their forward). The exposed
 # copy time e_f + e_b is added to the replay cost, both in seconds.
+#
+# With packing allowed, a kept value that bits hold exactly (NOTE [values kept as
+# bits]) may be kept packed (y_v = 1, y_v <= k_v, or <= d_v with offload): the
+# budget counts its packed bytes (bytes_v k_v - shrink_v y_v), and the objective
+# adds the memory-bound passes that pack and unpack it (seconds on the roofline's
+# device; with FLOPs, none: a tie the 1e-9 breaks, so a plan packs only where the
+# bytes it frees buy fewer replays). A call with a packed value is PACK, which
+# packs every such value it keeps: never more bytes than the program counts.
 #
 # The exact mode solves it with HiGHS's branch and bound; the fast mode solves its
 # LP relaxation, rounds the saves, and repairs the result with `_accounting.account`, whose
@@ -118,6 +126,38 @@ class HostLink:
         return exposed
 
 
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """What keeping each packable value as bits frees and costs (NOTE [the budget problem])."""
+
+    shrink: Mapping[Value, int]  # bytes freed
+    cost: Mapping[Value, float]  # in the cost unit: seconds on the roofline's device, 0 with FLOPs
+    device: Device | None
+
+    @staticmethod
+    def of(trace: Trace, cost: str) -> Packing:
+        graph = trace.values
+        assert graph is not None
+        device = None if cost == "flops" else resolve_device(cost.removeprefix("roofline:"))
+        shrink, costs = {}, {}
+        for value, node in graph.nodes.items():
+            if value[0] < 0 or value in graph.returned or not BITS.can_hold(node):
+                continue
+            nbytes = graph.nbytes[value]
+            freed = nbytes - BITS.device_bytes(nbytes, node.meta.get("val"))
+            if freed > 0:
+                shrink[value] = freed
+                costs[value] = 0.0 if device is None else 2 * BITS.move_seconds(device, nbytes)
+        return Packing(shrink, costs, device)
+
+    def cost_of(self, accounting: Accounting) -> float:
+        """The packing and unpacking `accounting`'s decisions do, in the cost unit."""
+        if self.device is None:
+            return 0.0
+        packed = (kept for kept in accounting.kept_by_call.values() if kept.storage is BITS and kept.stored_nbytes)
+        return sum(2 * BITS.move_seconds(self.device, kept.stored_nbytes) for kept in packed)
+
+
 def call_costs(trace: Trace, cost: str) -> list[float]:
     """The replay cost of each call: FLOPs, or roofline seconds on a device (`"roofline:h100"`)."""
     if cost == "flops":
@@ -136,6 +176,7 @@ class _Program:
         costs: Sequence[float],
         forced: frozenset[int] = frozenset(),
         link: HostLink | None = None,
+        packing: Packing | None = None,
     ):
         n = len(costs)
         self.n = n
@@ -160,6 +201,9 @@ class _Program:
         self.link = link
         if link is not None:
             self._offload(link)
+        self._packed_index: dict[Value, int] = {}
+        if packing is not None:
+            self._pack(packing)
         scale = max(costs, default=0.0) or 1.0
         # Replay cost first; among equal costs, fewer saves (a tiny tie-break, well below any real cost).
         self.objective = np.zeros(self.size)
@@ -168,6 +212,8 @@ class _Program:
         if link is not None:  # exposed copy time, in the same seconds; offload only where it helps
             self.objective[self._exposed : self._exposed + 2] = 1 / scale
             self.objective[self._o(0) : self._o(0) + n] = 1e-9
+        for value, j in self._packed_index.items():  # pack only where it helps
+            self.objective[j] = packing.cost[value] / scale + 1e-9  # type: ignore[union-attr]
         self.scale = scale
 
     # The columns of each variable.
@@ -219,14 +265,28 @@ class _Program:
                 self._row({self._queued + j: 1, e: -1}, backward_factor * after)
             after += link.compute[j]
 
+    def _pack(self, packing: Packing) -> None:
+        """Variables and rows of packing: see NOTE [the budget problem]."""
+        for value, freed in packing.shrink.items():
+            kept = self._column.get(Atom(KEPT, value))
+            if kept is None:
+                continue
+            j = self._packed_index[value] = self.size
+            self.size += 1
+            self._row({j: 1, self._device_index[value] if self.link is not None else kept: -1}, 0)
+            self.budget_row[j] = -float(freed)
+
     def decisions(self, solution: np.ndarray) -> tuple[Decision, ...]:
-        """The decisions of a solution: SAVE, OFFLOAD (saved and offloaded) or RECOMPUTE per call."""
+        """The decisions of a solution: SAVE, PACK or OFFLOAD (saved, and packed or offloaded) or
+        RECOMPUTE per call."""
+        packed = {value[0] for value, j in self._packed_index.items() if solution[j] > 0.5}
 
         def decision(c: int) -> Decision:
             if solution[self._s(c)] <= 0.5:
                 return Decision.RECOMPUTE
-            offloaded = self.link is not None and solution[self._o(c)] > 0.5
-            return Decision.OFFLOAD if offloaded else Decision.SAVE
+            if self.link is not None and solution[self._o(c)] > 0.5:
+                return Decision.OFFLOAD
+            return Decision.PACK if c in packed else Decision.SAVE
 
         return tuple(decision(c) for c in range(self.n))
 
@@ -261,7 +321,7 @@ class _Program:
 FAST_TIME_LIMIT = 0.5
 
 
-def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = False) -> Plan:
+def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = False, pack: bool = False) -> Plan:
     """The cheapest decisions for `trace` whose kept bytes (on the device) are at most `budget`.
 
     Exact: branch and bound to optimality. Fast: branch and bound for at most
@@ -269,14 +329,15 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
     its bound starting from the LP relaxation's; if that finds nothing, the LP relaxation (a
     lower bound on the optimum) rounded and repaired (without offloading). With `offload`, a
     kept call may be kept in host memory, at the copy time the roofline `cost` device's host
-    link leaves exposed.
+    link leaves exposed. With `pack`, a kept value that bits hold exactly may be kept packed.
     """
     assert trace.values is not None
     started = time.perf_counter()
     costs = call_costs(trace, cost)
     link = HostLink.of(trace, cost) if offload else None
+    packing = Packing.of(trace, cost) if pack else None
     forced = frozenset(call.index for call in trace if is_collective(call))
-    program = _Program(trace.values, costs, forced, link)
+    program = _Program(trace.values, costs, forced, link, packing)
     candidates: list[tuple[Decision, ...]] = []
     solution: np.ndarray | None
     if not len(trace):  # nothing to decide (a function of views only); HiGHS refuses empty programs
@@ -288,7 +349,7 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
         if solution is None:  # out of time, or infeasible: the relaxation tells which
             relaxed, relaxed_bound = program.solve(budget, integral=False)
             if relaxed is None:
-                raise InfeasibleBudget(minimum_bytes(trace, link))
+                raise InfeasibleBudget(minimum_bytes(trace, link, packing))
             bound = max(bound, relaxed_bound)
             deadline = time.perf_counter() + FAST_TIME_LIMIT
             saved = set(forced) | _round_and_repair(trace, costs, relaxed[: program.n], budget, deadline)
@@ -298,14 +359,15 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
     # Offloading where the device has room is a tie the objective breaks by 1e-9, below the solver's
     # tolerance: each plan on the device wins a tie with the same plan offloaded.
     candidates += [_on_device(d) for d in candidates if Decision.OFFLOAD in d]
+    candidates += [_unpacked(d) for d in candidates if Decision.PACK in d]  # likewise for packing
     scored = []
     for decisions in candidates:
         accounting = account_for(trace, decisions)
         if accounting.saved_bytes <= budget:
-            total = replay_cost(accounting, costs, link)
+            total = replay_cost(accounting, costs, link) + (packing.cost_of(accounting) if packing else 0.0)
             scored.append((total, sum(d.keeps for d in decisions), len(stored_calls(decisions)), decisions, accounting))
     if not scored:
-        raise InfeasibleBudget(minimum_bytes(trace, link))
+        raise InfeasibleBudget(minimum_bytes(trace, link, packing))
     total, _, _, decisions, accounting = min(scored, key=lambda score: score[:3])
     return Plan(
         decisions=decisions,
@@ -319,6 +381,10 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
 
 def _on_device(decisions: tuple[Decision, ...]) -> tuple[Decision, ...]:
     return tuple(Decision.SAVE if d is Decision.OFFLOAD else d for d in decisions)
+
+
+def _unpacked(decisions: tuple[Decision, ...]) -> tuple[Decision, ...]:
+    return tuple(Decision.SAVE if d is Decision.PACK else d for d in decisions)
 
 
 def _saving(saved: set[int], n: int) -> tuple[Decision, ...]:
@@ -373,13 +439,14 @@ def replay_cost(accounting: Accounting, costs: Sequence[float], link: HostLink |
     return replay + link.exposed_seconds(host)
 
 
-def minimum_bytes(trace: Trace, link: HostLink | None = None) -> int:
-    """The fewest device bytes any decisions for `trace` keep (offloading too, given a host `link`)."""
+def minimum_bytes(trace: Trace, link: HostLink | None = None, packing: Packing | None = None) -> int:
+    """The fewest device bytes any decisions for `trace` keep (offloading too, given a host `link`;
+    packing too, given `packing`)."""
     assert trace.values is not None
     forced = frozenset(call.index for call in trace if is_collective(call))
     if not len(trace):
         return account(trace, set()).saved_bytes
-    program = _Program(trace.values, [0.0] * len(trace), forced, link)
+    program = _Program(trace.values, [0.0] * len(trace), forced, link, packing)
     objective = np.zeros(program.size)
     for j, a in program.budget_row.items():
         objective[j] = a
@@ -411,7 +478,9 @@ class InfeasibleBudget(ValueError):
 PEAK_CANDIDATES = 16  # byte budgets tried, evenly spaced
 
 
-def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool, offload: bool = False) -> Plan:
+def solve_peak(
+    trace: Trace, peak_bytes: int, cost: str, exact: bool, offload: bool = False, pack: bool = False
+) -> Plan:
     """The cheapest of the byte-budget planner's plans, and of saving everything and saving nothing,
     whose predicted peak is at most `peak_bytes`."""
     assert trace.values is not None and trace.joint is not None
@@ -419,10 +488,11 @@ def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool, offload: b
     costs = call_costs(trace, cost)
     forced = {call.index for call in trace if is_collective(call)}
     link = HostLink.of(trace, cost) if offload else None
-    low, high = minimum_bytes(trace, link), account(trace, range(len(trace))).saved_bytes
+    packing = Packing.of(trace, cost) if pack else None
+    low, high = minimum_bytes(trace, link, packing), account(trace, range(len(trace))).saved_bytes
     budgets = sorted({low + (high - low) * i // (PEAK_CANDIDATES - 1) for i in range(PEAK_CANDIDATES)})
     candidates = [_plan_of(trace, costs, forced), _plan_of(trace, costs, set(range(len(trace))))]
-    candidates += [solve(trace, budget, cost, exact, offload) for budget in budgets]
+    candidates += [solve(trace, budget, cost, exact, offload, pack) for budget in budgets]
     best: tuple[float, int, Plan] | None = None
     peaks: dict[tuple[Decision, ...], int] = {}  # candidates often repeat a plan: partition each once
     for plan in candidates:
@@ -434,7 +504,7 @@ def solve_peak(trace: Trace, peak_bytes: int, cost: str, exact: bool, offload: b
     if best is None:
         raise InfeasiblePeak(min(peaks.values()))
     _, peak, plan = best
-    bound = solve(trace, min(peak_bytes, high), cost, exact, offload).lower_bound
+    bound = solve(trace, min(peak_bytes, high), cost, exact, offload, pack).lower_bound
     return dataclasses.replace(
         plan, lower_bound=min(plan.cost, bound), seconds=time.perf_counter() - started, peak_bytes=peak
     )

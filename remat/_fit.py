@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import _step
-from ._accounting import account, saved_calls
+from ._accounting import account, account_for
 from ._api import DEFAULT_CACHE_SIZE
 from ._apply import NOTHING, CheckpointedForward, InstalledForward, Which, checkpoint_selected, uncheckpoint_modules
 from ._cache import LRUCache, tensor_key
@@ -205,7 +205,8 @@ BYTE_BUDGETS = 16  # as `budget(peak_bytes=...)` spreads them: see NOTE [plannin
 
 def candidates(trace: Trace, regions: Any, cost: str, exact: bool) -> list[_Candidate]:
     """The plans `fit` chooses among for one block's trace, each once (the first label it was found by).
-    The first is saving nothing, the probe step's plan."""
+    The first is saving nothing, the probe step's plan. None packs (`remat.PACK`): its step peak is not
+    yet checked against the probe's measurement (docs/storage.md)."""
     from . import policies
     from ._budget import call_costs, minimum_bytes, replay_cost
 
@@ -216,7 +217,7 @@ def candidates(trace: Trace, regions: Any, cost: str, exact: bool) -> list[_Cand
     def add(label: str, planned: Sequence[Decision]) -> None:
         decisions = decide_nested(_Fixed(tuple(planned)), trace, regions)  # as the block will run them
         if decisions not in found:
-            replay = replay_cost(account(trace, saved_calls(decisions)), costs)
+            replay = replay_cost(account_for(trace, decisions), costs)
             found[decisions] = _Candidate(label, decisions, replay, peak_of(trace, decisions))
 
     builtins = {
@@ -227,10 +228,10 @@ def candidates(trace: Trace, regions: Any, cost: str, exact: bool) -> list[_Cand
     }
     for label, policy in builtins.items():
         add(label, decide(policy, trace))
-    budgets = [policies.budget(fraction=f, cost=cost, exact=exact) for f in FRACTIONS]
+    budgets = [policies.budget(fraction=f, cost=cost, exact=exact, pack=False) for f in FRACTIONS]
     low, high = minimum_bytes(trace), account(trace, range(len(trace))).saved_bytes
     budgets += [
-        policies.budget(max_bytes=low + (high - low) * i // (BYTE_BUDGETS - 1), cost=cost, exact=exact)
+        policies.budget(max_bytes=low + (high - low) * i // (BYTE_BUDGETS - 1), cost=cost, exact=exact, pack=False)
         for i in range(BYTE_BUDGETS)
     ]
     for budget in budgets:

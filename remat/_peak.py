@@ -19,7 +19,7 @@ from ._calls import Decision, Trace
 from ._joint import JointGraph
 from ._measure import storage_key, storage_nbytes, tensors_in
 from ._partition import Programs, partition
-from ._programs import device_of
+from ._programs import TRANSIENT, device_of
 from .report import Peak
 
 __all__ = ["predict_peak"]
@@ -108,7 +108,7 @@ def _walk(graph: fx.Graph, free_storages: set[Any], values: Mapping[fx.Node, Any
             if storage not in live and storage not in free_storages:
                 live[storage] = nbytes
                 total += nbytes
-        peak = max(peak, total)
+        peak = max(peak, total + node.meta.get(TRANSIENT, 0))
         # Values whose last use this was, and values nobody uses, are freed now (FX's code does so).
         done = [used for used in node.all_input_nodes if last_use.get(used) is node and used not in outputs]
         if node not in last_use and node not in outputs:

@@ -34,7 +34,10 @@ from ._torch import (
     vmap_levels,
 )
 
-__all__ = ["PureForward", "backward_program", "device_of", "forward_program", "views_of_inputs"]
+__all__ = ["TRANSIENT", "PureForward", "backward_program", "device_of", "forward_program", "views_of_inputs"]
+
+# The meta key of the bytes a node takes on the device besides its inputs and its result, at once (`_peak`).
+TRANSIENT = "remat_transient_bytes"
 
 aten = torch.ops.aten
 
@@ -98,6 +101,8 @@ def forward_program(
         form = storage.stored_form(node.meta.get("val"))
         if form is not None:  # what it takes on the device (see `_peak`)
             forms[node].meta["val"] = form
+        if storage.store_bytes is not None and isinstance(node.meta.get("val"), torch.Tensor):
+            forms[node].meta[TRANSIENT] = storage.store_bytes(node.meta["val"])
     graph.output(
         (
             *(env[node] for node in returned),
@@ -580,6 +585,8 @@ def _emitter(
                 (form, device_of(node), *storage.static_args(node)),
             )
             loaded.meta["val"] = node.meta["val"]
+            if storage.load_bytes is not None:
+                loaded.meta[TRANSIENT] = storage.load_bytes(node.meta["val"])
             return loaded
         started = graph.call_function(storage.start_load, (form, device_of(node)))  # type: ignore[arg-type]
         started.meta["val"] = node.meta["val"]  # the device memory it takes (see `_peak`)

@@ -50,6 +50,8 @@ class Storage:
         load_args: a kept node -> the static arguments its loads take after the device (None: none).
         holds: whether a kept node's value can be stored so (None: every value); a value it cannot
             hold stays on its device as it is.
+        store_bytes, load_bytes: a value's tensor -> the most bytes storing or loading it takes on the
+            device besides the value and the result, at once (None: none), for the peak prediction.
         ahead: how many loads backward starts ahead of the one it waits for.
         form: a value's tensor -> its stored form's, for shapes and dtypes only (None: the same).
         seconds: (device, bytes) -> the seconds storing (or loading) that many bytes takes one way on
@@ -69,6 +71,8 @@ class Storage:
     seconds: Callable[[Device, float], float] | None = None
     load_args: Callable[[Any], tuple[Any, ...]] | None = None
     holds: Callable[[Any], bool] | None = None
+    store_bytes: Callable[[Any], int] | None = None
+    load_bytes: Callable[[Any], int] | None = None
 
     def can_hold(self, node: Any) -> bool:
         """Whether `node`'s value (an fx node of a trace) can be stored so."""
@@ -129,6 +133,8 @@ BITS = Storage(
     seconds=lambda device, nbytes: nbytes * 9 / 8 / device.bandwidth,
     load_args=_bits.load_args,
     holds=_bits.packable,
+    store_bytes=_bits.packing_bytes,
+    load_bytes=_bits.unpacking_bytes,
 )
 
 STORAGES: tuple[Storage, ...] = (DEVICE, HOST, BITS)

@@ -527,6 +527,7 @@ class Budget(Policy):
     exact: bool
     peak_bytes: int | None = None
     offload: bool = False
+    pack: bool = True
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
         return self.solve(trace).decisions
@@ -548,7 +549,7 @@ class Budget(Policy):
         assert trace.dataflow is not None
         if self.peak_bytes is not None:
             try:
-                return solve_peak(trace, self.peak_bytes, self.cost, self.exact, self.offload)
+                return solve_peak(trace, self.peak_bytes, self.cost, self.exact, self.offload, self.pack)
             except InfeasiblePeak as error:
                 raise ValueError(
                     f"remat.policies.{self!r}: no plan found peaks as low as {format_bytes(self.peak_bytes)} "
@@ -561,12 +562,13 @@ class Budget(Policy):
             everything = account(trace, range(len(trace))).saved_bytes
             budget = math.floor(self.fraction * everything)  # type: ignore[operator]
         try:
-            return solve(trace, budget, self.cost, self.exact, self.offload)
+            return solve(trace, budget, self.cost, self.exact, self.offload, self.pack)
         except InfeasibleBudget as error:
             raise ValueError(
                 f"remat.policies.{self!r}: no decisions keep as few as {format_bytes(budget)} ({budget:,} bytes) "
                 f"for this trace; the fewest any keep is {format_bytes(error.minimum)} ({error.minimum:,} bytes: "
-                "generator states of replayed random calls, and inputs the function overwrites). Raise the "
+                "generator states of replayed random calls, inputs the function overwrites, values kept as bits). "
+                "Raise the "
                 "budget to at least that."
             ) from None
 
@@ -583,7 +585,8 @@ class Budget(Policy):
         else:
             limit = f"fraction={self.fraction!r}"
         cost = "" if self.cost == "flops" else f", cost={self.cost!r}"
-        return f"budget({limit}{cost}{', exact=True' if self.exact else ''}{', offload=True' if self.offload else ''})"
+        options = f"{', exact=True' if self.exact else ''}{', offload=True' if self.offload else ''}"
+        return f"budget({limit}{cost}{options}{'' if self.pack else ', pack=False'})"
 
 
 def budget(
@@ -594,10 +597,11 @@ def budget(
     cost: str = "flops",
     exact: bool = False,
     offload: bool = False,
+    pack: bool = True,
 ) -> Budget:
     """Replay as little as possible while keeping at most a budget of bytes (a planner).
 
-    For each trace, chooses SAVE or RECOMPUTE for every call to minimize the replay
+    For each trace, chooses SAVE, PACK or RECOMPUTE for every call to minimize the replay
     cost, subject to the bytes kept between forward and backward (activations and
     generator states, exactly as `remat.report` counts them) staying within the
     budget. The budget is `max_bytes`, or a `fraction` of what `save_everything`
@@ -627,6 +631,10 @@ def budget(
             after its producer (in forward, and before its consumer in backward) does not
             hide; copies queue on one link. Needs `cost="roofline:<device>"`, so that replays
             and copies are both in seconds. The device bytes stay within the budget.
+        pack: also choose PACK where it helps: keep booleans and dropout's masks as bits,
+            exactly (docs/storage.md), where the bytes that frees buy fewer replays than the
+            packing costs (with `cost="roofline:<device>"`, its memory-bound passes; with
+            FLOPs, nothing). `pack=False` keeps every kept value as it is.
 
     Needs highspy, HiGHS's Python binding (`pip install highspy`, or `remat[planner]`).
 
@@ -665,5 +673,11 @@ def budget(
             "cost='roofline:<device>' (such as 'roofline:h100'), whose host bandwidth times the copies."
         )
     return Budget(
-        max_bytes, None if fraction is None else float(fraction), cost, bool(exact), peak_bytes, bool(offload)
+        max_bytes,
+        None if fraction is None else float(fraction),
+        cost,
+        bool(exact),
+        peak_bytes,
+        bool(offload),
+        bool(pack),
     )

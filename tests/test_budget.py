@@ -229,11 +229,17 @@ def test_a_budget_below_every_plan_says_the_minimum() -> None:
     x = torch.randn(10_000, dtype=DTYPE, requires_grad=True)
     trace = remat.trace(fn, x)
     state = trace.dataflow.rng_state_nbytes  # type: ignore[union-attr]
-    minimum = max(state)  # replay the dropout: its generator state beats keeping its 10,000-byte mask
+    # Replay the dropout: its generator state beats keeping its mask as it is (10,000 elements)...
+    minimum = max(state)
     with pytest.raises(ValueError, match=rf"the fewest any keep is .*\({minimum:,} bytes.*Raise the budget"):
-        remat.checkpoint(fn, policy=policies.budget(max_bytes=100))(x)
-    report = remat.report(fn, x, policy=policies.budget(max_bytes=minimum))
+        remat.checkpoint(fn, policy=policies.budget(max_bytes=100, pack=False))(x)
+    report = remat.report(fn, x, policy=policies.budget(max_bytes=minimum, pack=False))
     assert report.saved_bytes == minimum
+    # ...but not keeping it as bits (NOTE [values kept as bits]).
+    with pytest.raises(ValueError, match=r"the fewest any keep is .*\(1,250 bytes.*Raise the budget"):
+        remat.checkpoint(fn, policy=policies.budget(max_bytes=100))(x)
+    report = remat.report(fn, x, policy=policies.budget(max_bytes=1250))
+    assert report.saved_bytes == 1250 and [row.storage for row in report.rows if row.saved] == ["bits"]
 
 
 @pytest.mark.parametrize(
