@@ -12,7 +12,16 @@ from torch import fx
 
 from ._torch import dense_without_overlap
 
-__all__ = ["load_args", "pack", "packable", "packed_like", "packing_bytes", "unpack", "unpacking_bytes"]
+__all__ = [
+    "load_args",
+    "pack",
+    "packable",
+    "packed_like",
+    "packed_nbytes",
+    "packing_bytes",
+    "unpack",
+    "unpacking_bytes",
+]
 
 aten = torch.ops.aten
 
@@ -69,6 +78,11 @@ def load_args(node: fx.Node) -> tuple[Any, ...]:
     value = node.meta["val"]
     remake = () if value.dtype is torch.bool or node.target in _BERNOULLI else (node.target, node.args[1])
     return (value.numel(), tuple(value.shape), tuple(value.stride()), value.dtype, *remake)
+
+
+def packed_nbytes(value: torch.Tensor) -> int:
+    """Bytes of the packed form of `value` (a fake tensor of a trace, or a functorch wrapper of one)."""
+    return _packed_bytes(value.numel())
 
 
 def packed_like(value: torch.Tensor) -> torch.Tensor:

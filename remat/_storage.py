@@ -10,7 +10,7 @@ from typing import Any
 
 from . import _bits, _offload
 from ._calls import Decision
-from ._measure import storage_nbytes
+from ._cuda_allocator import allocated_nbytes
 from .costs import Device
 
 __all__ = ["BITS", "DEVICE", "HOST", "STORAGES", "Storage", "program_functions", "storage_of"]
@@ -54,6 +54,7 @@ class Storage:
             device besides the value and the result, at once (None: none), for the peak prediction.
         ahead: how many loads backward starts ahead of the one it waits for.
         form: a value's tensor -> its stored form's, for shapes and dtypes only (None: the same).
+        form_nbytes: a value's tensor -> its stored form's bytes (with `form`).
         seconds: (device, bytes) -> the seconds storing (or loading) that many bytes takes one way on
             the device's cost model, on a stream of its own (None: nothing moves).
     """
@@ -68,6 +69,7 @@ class Storage:
     load_now: Callable[..., Any] | None = None
     ahead: int = 0
     form: Callable[[Any], Any] | None = None
+    form_nbytes: Callable[[Any], int] | None = None
     seconds: Callable[[Device, float], float] | None = None
     load_args: Callable[[Any], tuple[Any, ...]] | None = None
     holds: Callable[[Any], bool] | None = None
@@ -91,7 +93,9 @@ class Storage:
         forward and backward."""
         if not self.on_device:
             return 0
-        return nbytes if self.form is None or value is None else storage_nbytes(self.form(value))
+        if self.form_nbytes is None or value is None:
+            return nbytes
+        return allocated_nbytes(self.form_nbytes(value), value.device)
 
     def stored_form(self, value: Any) -> Any:
         """What the stored form of `value` (a fake tensor of a trace) is on its device, for the peak
@@ -129,6 +133,7 @@ BITS = Storage(
     finish_load=_bits.unpack,
     load_now=_bits.unpack,
     form=_bits.packed_like,
+    form_nbytes=_bits.packed_nbytes,
     # Memory-bound: the value read and its bits written, then read and the value written again.
     seconds=lambda device, nbytes: nbytes * 9 / 8 / device.bandwidth,
     load_args=_bits.load_args,
