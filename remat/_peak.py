@@ -59,6 +59,13 @@ def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
         for placeholder, kept in zip(placeholders, programs.kept, strict=False)
         if not kept.rng_state and kept.storage.on_device
     }
+    # A generator state is freed once its replay has read it, as a kept value is.
+    states_of = {
+        placeholder: torch.empty(_rng.state_nbytes(device_of(kept.node)), dtype=torch.uint8, device="meta")
+        for placeholder, kept in zip(placeholders, programs.kept, strict=False)
+        if kept.rng_state
+    }
+    handed_over.update(states_of)
     for placeholder, tangent in zip(placeholders[len(programs.kept) :], joint.tangents, strict=False):
         handed_over[placeholder] = tangent.meta.get("val")
     tangents = {storage_key(t) for node in joint.tangents for t in tensors_in(node.meta.get("val"))}  # the caller's
@@ -74,12 +81,10 @@ def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
                 copied += nbytes
             seen.add(storage)
     backward_peak = max(backward_peak, sum(at_end.values()) + copied)
-    # Generator states (a few KiB each) are counted as kept from forward to the end of backward.
-    states = sum(_rng.state_nbytes(device_of(kept.node)) for kept in programs.kept if kept.rng_state)
+    # Generator states (a few KiB each) count from the forward's start (an upper bound) to their replay.
+    states = sum(t.untyped_storage().nbytes() for t in states_of.values())
     return Peak(
-        forward=forward_peak + states,
-        after_forward=sum(after.values()) + states,
-        backward=held_bytes + backward_peak + states,
+        forward=forward_peak + states, after_forward=sum(after.values()) + states, backward=held_bytes + backward_peak
     )
 
 

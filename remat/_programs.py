@@ -605,6 +605,8 @@ def _emitter(
                 kwargs,
             )
             copy.meta = dict(node.meta)
+            # The generator's state as found, held while the call replays: NOTE [replaying random calls].
+            copy.meta[TRANSIENT] = _rng.state_nbytes(device_of(node))
         elif node.target is aten.detach.default and not stops_gradient(node):
             copy = env[node.args[0]]  # type: ignore[index]  # autograd's own detach of a saved value
         elif node.target is aten.copy.default:  # no derivative of its own, in either mode
