@@ -117,6 +117,25 @@ def assume_gpu(gpu: str | tuple[int, int]) -> Iterator[Gpu]:
 Mask = torch.Tensor | None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Attention:
+    """One call of `F.scaled_dot_product_attention`: its arguments, as the kernels' conditions and
+    launchers read them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Mask = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q, self.k, self.v
+
+
 def sdpa_backend(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -128,7 +147,11 @@ def sdpa_backend(
     gpu: Gpu | None = None,
 ) -> str:
     """The kernel SDPA runs on `gpu` for these arguments: "flash", "efficient", "math" or "cudnn"."""
-    gpu = gpu or assumed_gpu()
+    call = _Attention(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa=enable_gqa)
+    return _backend(call, gpu or assumed_gpu())
+
+
+def _backend(call: _Attention, gpu: Gpu) -> str:
     conditions = {
         "flash": (torch.backends.cuda.flash_sdp_enabled, _flash_conditions),
         "efficient": (torch.backends.cuda.mem_efficient_sdp_enabled, _efficient_conditions),
@@ -139,18 +162,17 @@ def sdpa_backend(
         if backend not in conditions:
             continue
         enabled, failed = conditions[backend]
-        if enabled() and not failed(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, gpu):
+        if enabled() and not failed(call, gpu):
             return backend
     return "math"  # (SDPA raises "no available kernel" here; the math kernel says so in its own words)
 
 
-def _no_conditions(*arguments: Any) -> list[str]:
+def _no_conditions(call: _Attention, gpu: Gpu) -> list[str]:
     return []
 
 
-def _common_conditions(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa_allowed: bool, enable_gqa: bool
-) -> list[str]:
+def _common_conditions(call: _Attention, gqa_allowed: bool) -> list[str]:
+    q, k, v = call.tensors
     failed = []
     if any(t.dim() != 4 or t.is_nested for t in (q, k, v)):
         failed.append("query, key and value are not all 4-dimensional dense tensors")
@@ -158,7 +180,7 @@ def _common_conditions(
     if not (q.size(0) == k.size(0) == v.size(0)):
         failed.append("batch sizes differ")
     if k.size(1) != v.size(1) or (
-        q.size(1) != k.size(1) and not (gqa_allowed and enable_gqa and q.size(1) % k.size(1) == 0)
+        q.size(1) != k.size(1) and not (gqa_allowed and call.enable_gqa and q.size(1) % k.size(1) == 0)
     ):
         failed.append("numbers of heads differ")
     if any(t.size(2) == 0 or t.size(3) == 0 for t in (q, k, v)):
@@ -178,23 +200,15 @@ def _half_precision_from_sm80(kernel: str, q: torch.Tensor, gpu: Gpu) -> list[st
     return failed
 
 
-def _flash_conditions(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Mask,
-    dropout_p: float,
-    is_causal: bool,
-    enable_gqa: bool,
-    gpu: Gpu,
-) -> list[str]:
-    failed = _common_conditions(q, k, v, gqa_allowed=True, enable_gqa=enable_gqa)
+def _flash_conditions(call: _Attention, gpu: Gpu) -> list[str]:
+    q, k, v = call.tensors
+    failed = _common_conditions(call, gqa_allowed=True)
     failed += _half_precision_from_sm80("flash attention", q, gpu)
-    if mask is not None:
+    if call.mask is not None:
         failed.append("flash attention takes no mask")
     if not (q.size(-1) == k.size(-1) == v.size(-1)) or q.size(-1) > 256:
         failed.append("flash attention needs one head dimension of at most 256")
-    if is_causal and q.size(-2) != k.size(-2):
+    if call.is_causal and q.size(-2) != k.size(-2):
         failed.append("flash attention's causal mask needs equal sequence lengths")
     if (
         gpu.capability in ((8, 6), (8, 9))
@@ -206,17 +220,9 @@ def _flash_conditions(
     return failed
 
 
-def _efficient_conditions(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Mask,
-    dropout_p: float,
-    is_causal: bool,
-    enable_gqa: bool,
-    gpu: Gpu,
-) -> list[str]:
-    failed = _common_conditions(q, k, v, gqa_allowed=False, enable_gqa=enable_gqa)
+def _efficient_conditions(call: _Attention, gpu: Gpu) -> list[str]:
+    q, k, v = call.tensors
+    failed = _common_conditions(call, gqa_allowed=False)
     if gpu.capability < (5, 0):
         failed.append(f"memory-efficient attention needs sm50 or newer ({gpu})")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or (
@@ -228,17 +234,9 @@ def _efficient_conditions(
     return failed
 
 
-def _cudnn_conditions(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Mask,
-    dropout_p: float,
-    is_causal: bool,
-    enable_gqa: bool,
-    gpu: Gpu,
-) -> list[str]:
-    failed = _common_conditions(q, k, v, gqa_allowed=False, enable_gqa=enable_gqa)
+def _cudnn_conditions(call: _Attention, gpu: Gpu) -> list[str]:
+    q, k, v = call.tensors
+    failed = _common_conditions(call, gqa_allowed=False)
     failed += _half_precision_from_sm80("cuDNN attention", q, gpu)
     if not (q.size(-1) == k.size(-1) == v.size(-1)) or q.size(-1) % 8 or q.size(-1) > 128:
         failed.append("cuDNN attention needs one head dimension, a multiple of 8 of at most 128")
@@ -266,72 +264,38 @@ def _aligned_bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch
     return mask.expand(q.size(0), q.size(1), q.size(2), k.size(2))
 
 
-def _run_flash(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Mask,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-) -> torch.Tensor:
+def _run_flash(call: _Attention) -> torch.Tensor:
+    q, k, v = call.tensors
     head = q.size(-1)
-    scale = scale if scale is not None else 1.0 / math.sqrt(head)
+    scale = call.scale if call.scale is not None else 1.0 / math.sqrt(head)
     if head % 8:
         q, k, v = (F.pad(t, (0, 8 - head % 8)) for t in (q, k, v))
-    out = _OPS["flash"](q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    out = _OPS["flash"](q, k, v, call.dropout_p, call.is_causal, False, scale=scale)[0]
     return out[..., :head] if head % 8 else out
 
 
-def _run_efficient(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Mask,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-) -> torch.Tensor:
-    bias = _additive(mask, q.dtype)
+def _run_efficient(call: _Attention) -> torch.Tensor:
+    q, k, v = call.tensors
+    bias = _additive(call.mask, q.dtype)
     if bias is not None:
         bias = _aligned_bias(bias, q, k)
     return _OPS["efficient"](  # type: ignore[no-any-return]
-        q, k, v, bias, _computes_logsumexp((q, k, v)), dropout_p, is_causal, scale=scale
+        q, k, v, bias, _computes_logsumexp(call.tensors), call.dropout_p, call.is_causal, scale=call.scale
     )[0]
 
 
-def _run_cudnn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Mask,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-) -> torch.Tensor:
-    bias = _additive(mask, q.dtype)
+def _run_cudnn(call: _Attention) -> torch.Tensor:
+    q, k, v = call.tensors
+    bias = _additive(call.mask, q.dtype)
     if bias is not None:
         bias = bias.expand(q.size(0), q.size(1), q.size(2), k.size(2))
     return _OPS["cudnn"](  # type: ignore[no-any-return]
-        q, k, v, bias, _computes_logsumexp((q, k, v)), dropout_p, is_causal, False, scale=scale
+        q, k, v, bias, _computes_logsumexp(call.tensors), call.dropout_p, call.is_causal, False, scale=call.scale
     )[0]
 
 
 _OPS = SDPA_CHOOSES_BELOW_THE_DISPATCHER.table
 _RUN = {"flash": _run_flash, "efficient": _run_efficient, "cudnn": _run_cudnn}
-
-
-def _sdpa_arguments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> tuple[Any, ...]:
-    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
 class _AttentionAsOnTheGpu(TorchFunctionMode):
@@ -340,12 +304,20 @@ class _AttentionAsOnTheGpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(*args, **kwargs)
-            if all(isinstance(t, torch.Tensor) and t.is_cuda for t in (q, k, v)):
-                backend = sdpa_backend(q, k, v, mask, dropout_p, is_causal, enable_gqa)
+            call = _Attention(*args, **_renamed(kwargs))
+            if all(isinstance(t, torch.Tensor) and t.is_cuda for t in call.tensors):
+                backend = _backend(call, assumed_gpu())
                 if backend in _RUN:
-                    return _RUN[backend](q, k, v, mask, dropout_p, is_causal, scale)
+                    return _RUN[backend](call)
         return func(*args, **kwargs)
+
+
+# SDPA's keyword names -> `_Attention`'s, which follow its positions.
+_KEYWORDS = {"query": "q", "key": "k", "value": "v", "attn_mask": "mask"}
+
+
+def _renamed(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {_KEYWORDS.get(name, name): value for name, value in kwargs.items()}
 
 
 def attention_as_on_the_gpu(tensors: Sequence[Any]) -> contextlib.AbstractContextManager[Any]:
