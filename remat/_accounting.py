@@ -52,6 +52,12 @@ class Accounting:
         return tuple(sorted(self.kept_by_call))
 
 
+def recomputation_reads(graph: ValueGraph, recomputed: Collection[int]) -> set[Value]:
+    """The kept values that recomputing `recomputed` to differentiate again reads as they were kept: those of
+    calls it does not recompute as well."""
+    return {v for c in recomputed for v in graph.reads[c] if v[0] not in recomputed}
+
+
 def account(trace: Trace, saved: Collection[int], stored: Mapping[int, Storage] | None = None) -> Accounting:
     """What saving exactly the calls `saved` of `trace` (and recomputing the others) keeps and replays.
 
@@ -65,6 +71,7 @@ def account(trace: Trace, saved: Collection[int], stored: Mapping[int, Storage] 
     resolved = rules_of(graph, inputs=False).resolve(saved)
     rng_state_bytes = sum(graph.rng_state_nbytes[c] for c in resolved.states)
     replay_reads = {v for c in resolved.replayed for v in graph.reads[c]}
+    read_again = replay_reads | recomputation_reads(graph, resolved.recomputed)
     backward_reads = set(graph.backward_reads)
     by_call: dict[int, set[Value]] = {}
     for value in resolved.kept:
@@ -72,7 +79,7 @@ def account(trace: Trace, saved: Collection[int], stored: Mapping[int, Storage] 
     elsewhere = {
         v: stored[v[0]]
         for v in resolved.kept
-        if v[0] in stored and v not in graph.returned and stored[v[0]].can_hold(graph.nodes[v])
+        if v[0] in stored and v not in graph.returned and stored[v[0]].can_hold(graph.nodes[v], v in read_again)
     }
 
     def as_kept(v: Value) -> int:  # its bytes where it is kept: a stored form on the device counts as it is

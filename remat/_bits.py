@@ -1,11 +1,14 @@
-"""Kept values stored as bits, exactly: booleans, and masks of Bernoulli draws scaled by a number (dropout's on
-the CPU). See NOTE [values kept as bits].
+"""Kept values stored as bits, exactly: booleans, masks of Bernoulli draws scaled by a number (dropout's on the
+CPU), and values backward reads only through one test per element (a ReLU's output). See NOTE [values kept as
+bits].
 """
 
 from __future__ import annotations
 
+import math
 import operator
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -13,14 +16,18 @@ from torch import fx
 from ._torch import dense_without_overlap
 
 __all__ = [
+    "TESTED",
     "load_args",
     "pack",
     "packable",
     "packed_like",
     "packed_nbytes",
     "packing_bytes",
+    "store_args",
+    "read_through_a_test",
     "unpack",
     "unpacking_bytes",
+    "whole",
 ]
 
 aten = torch.ops.aten
@@ -39,6 +46,69 @@ aten = torch.ops.aten
 # order and read back into its layout; a value that is not dense (a broadcast
 # mask), or whose bits would not take fewer bytes than its memory, is kept as
 # it is.
+#
+# A value that every gradient formula reading it reads only through one test
+# per element (`_TESTS`: a ReLU's output, which `threshold_backward` reads as
+# `result <= 0`) is kept as the bits of that test, and comes back as a stand-in
+# the formula tests alike: the bit times the number the test passes for (a set
+# bit: that number; a clear bit: NaN, as IEEE's 0 * inf, which fails every
+# comparison), so gradients are bit for bit those of eager with NaN and
+# infinities too. The stand-in is not the value: where a replay, or a
+# recomputation to differentiate again, reads the value itself, it is kept as
+# it is (`whole`). Which formulas read a value is a fact of the joint graph,
+# recorded on the value's node (`TESTED`) when its value graph is read.
+
+TESTED = "remat_tested"  # node meta: (formula, bounds) of the one test backward's formulas read a value through
+
+
+class _Test(NamedTuple):
+    """How a gradient formula reads one of its arguments through a test per element (NOTE [values kept as
+    bits]): the formula's decomposition, as torch writes it, names the test."""
+
+    position: int  # of the value among the formula's arguments
+    bounds: slice  # the formula's arguments the test compares with (numbers)
+    holds: Callable[..., torch.Tensor]  # (value, *bounds) -> where the test holds
+    passes: float  # a number the test holds for, whatever the bounds (none are NaN)
+
+
+_TESTS = {
+    # where(self <= threshold, 0, grad): ReLU (self is its output), `F.threshold` (its input)
+    aten.threshold_backward.default: _Test(1, slice(2, 3), lambda v, t: v <= t, -math.inf),
+    # Not `hardtanh_backward` (`F.hardtanh`, `F.relu6`): the CPU's kernel passes a NaN's gradient in its scalar
+    # loop and drops it in its vectorized one, by where the element falls; only a NaN itself reads alike.
+    # where(self > 0, grad, grad * slope): `F.leaky_relu` (self is its input, or its output in place)
+    aten.leaky_relu_backward.default: _Test(1, slice(0, 0), lambda v: v > 0, math.inf),
+}
+
+
+def read_through_a_test(node: fx.Node, forward: Collection[fx.Node], shows: Callable[[fx.Node], bool]) -> Any:
+    """The (formula, bounds) of the one test through which the gradient formulas read `node`'s value, the
+    nodes not in `forward` that read it or its views (`shows(n)`: whether n shows its first argument's
+    memory); None if they read more of it, or none reads it."""
+    found = set()
+    showing, seen = [node], {node}
+    while showing:
+        shown = showing.pop()
+        for reader in shown.users:
+            if reader in seen:
+                continue
+            seen.add(reader)
+            if shows(reader) and reader.args[0] is shown and shown not in reader.args[1:]:
+                showing.append(reader)
+                continue
+            if reader in forward:  # forward reads the value itself, stored or not
+                continue
+            test = _TESTS.get(reader.target)  # type: ignore[call-overload]
+            if test is None or reader.kwargs or len(reader.args) <= test.position:
+                return None
+            others = [a for i, a in enumerate(reader.args) if i != test.position]
+            bounds = reader.args[test.bounds]
+            numbers = all(isinstance(b, int | float) and not isinstance(b, bool) and b == b for b in bounds)
+            if reader.args[test.position] is not shown or shown in others or not numbers:
+                return None
+            found.add((reader.target, tuple(bounds)))
+    return found.pop() if len(found) == 1 else None
+
 
 _BERNOULLI = frozenset({aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor})
 _SCALINGS = frozenset({aten.div.Scalar, aten.mul.Scalar})
@@ -55,14 +125,22 @@ def _scaled_draws(node: fx.Node) -> bool:
     return positive and isinstance(draws, fx.Node) and draws.target in _BERNOULLI and not node.kwargs
 
 
+def _tested(node: fx.Node, value: torch.Tensor) -> bool:
+    """Whether `node`'s value is kept as the bits of the test backward reads it through."""
+    return value.is_floating_point() and TESTED in node.meta and not _scaled(node, value)
+
+
+def _scaled(node: fx.Node, value: torch.Tensor) -> bool:
+    # One output of a multi-output call (CUDA's dropout mask) can only be a boolean here.
+    return node.target is not operator.getitem and value.is_floating_point() and _scaled_draws(node)
+
+
 def packable(node: fx.Node) -> bool:
     """Whether `node`'s value can be kept as bits exactly, in fewer bytes (NOTE [values kept as bits])."""
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
         return False
-    # One output of a multi-output call (CUDA's dropout mask) can only be a boolean here.
-    scaled = node.target is not operator.getitem and value.is_floating_point() and _scaled_draws(node)
-    if not (value.dtype is torch.bool or scaled):
+    if not (value.dtype is torch.bool or _scaled(node, value) or _tested(node, value)):
         return False
     if not all(isinstance(n, int) for n in (*value.shape, *value.stride())):
         return False
@@ -73,10 +151,26 @@ def _packed_bytes(numel: int) -> int:
     return -(-numel // 8)
 
 
+def whole(node: fx.Node) -> bool:
+    """Whether what `unpack` gives back for `node`'s packable value is the value itself (else a stand-in that
+    only backward's formulas read alike)."""
+    return not _tested(node, node.meta["val"])
+
+
+def store_args(node: fx.Node) -> tuple[Any, ...]:
+    """The static arguments `pack` takes after the value, for `node`'s value: the test, where it has one."""
+    return node.meta[TESTED] if _tested(node, node.meta["val"]) else ()
+
+
 def load_args(node: fx.Node) -> tuple[Any, ...]:
     """The static arguments `unpack` takes after the device, for `node`'s value."""
     value = node.meta["val"]
-    remake = () if value.dtype is torch.bool or node.target in _BERNOULLI else (node.target, node.args[1])
+    if _tested(node, value):  # a set bit times the number the test passes for, a clear one NaN (0 * inf)
+        remake: tuple[Any, ...] = (aten.mul.Scalar, _TESTS[node.meta[TESTED][0]].passes)
+    elif value.dtype is torch.bool or node.target in _BERNOULLI:
+        remake = ()
+    else:
+        remake = (node.target, node.args[1])
     return (value.numel(), tuple(value.shape), tuple(value.stride()), value.dtype, *remake)
 
 
@@ -90,10 +184,15 @@ def packed_like(value: torch.Tensor) -> torch.Tensor:
     return value.new_empty((_packed_bytes(value.numel()),), dtype=torch.uint8)
 
 
-def pack(value: torch.Tensor) -> torch.Tensor:
-    """`value`'s elements as bits (nonzero: 1), eight to a byte, in its logical order. Column by column, so
-    that what it takes besides the value is at most `packing_bytes`."""
-    flat = (value if value.dtype is torch.bool else value != 0).reshape(-1)
+def pack(value: torch.Tensor, formula: Any = None, bounds: tuple[Any, ...] = ()) -> torch.Tensor:
+    """`value`'s elements as bits (nonzero, or where the test `formula` reads it through holds: 1), eight to a
+    byte, in its logical order. Column by column, so that what it takes besides the value is at most
+    `packing_bytes`."""
+    if formula is not None:
+        bits = _TESTS[formula].holds(value, *bounds)
+    else:
+        bits = value if value.dtype is torch.bool else value != 0
+    flat = bits.reshape(-1)
     numel = flat.numel()
     whole = numel - numel % 8
     rows = flat[:whole].view(-1, 8)
@@ -124,7 +223,7 @@ def unpack(
     by: Any = None,
 ) -> torch.Tensor:
     """The value `pack` packed, in its layout: a boolean, Bernoulli draws, or draws run through `op` with
-    `by` again (NOTE [values kept as bits]). What it takes besides its result is at most
+    `by` again (a tested value's stand-in: NOTE [values kept as bits]). What it takes besides its result is at most
     `unpacking_bytes`."""
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     bits = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:numel].view(shape)

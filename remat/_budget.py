@@ -68,7 +68,9 @@ __all__ = [
 # copy time e_f + e_b is added to the replay cost, both in seconds.
 #
 # With packing allowed, a kept value that bits hold exactly (NOTE [values kept as
-# bits]) may be kept packed (y_v = 1, y_v <= k_v, or <= d_v with offload): the
+# bits]) may be kept packed (y_v = 1, y_v <= k_v, or <= d_v with offload; for a
+# value that comes back as a stand-in, y_v + r_c <= 1 and y_v + p_c - p_u <= 1 for
+# each call c reading it, u making it, which would need the value itself): the
 # budget counts its packed bytes (bytes_v k_v - shrink_v y_v), and the objective
 # adds the memory-bound passes that pack and unpack it (seconds on the roofline's
 # device; with FLOPs, none: a tie the 1e-9 breaks, so a plan packs only where the
@@ -133,6 +135,7 @@ class Packing:
     shrink: Mapping[Value, int]  # bytes freed
     cost: Mapping[Value, float]  # in the cost unit: seconds on the roofline's device, 0 with FLOPs
     device: Device | None
+    stand_ins: frozenset[Value] = frozenset()  # come back as stand-ins, which no replay may read
 
     @staticmethod
     def of(trace: Trace, cost: str) -> Packing:
@@ -148,7 +151,8 @@ class Packing:
             if freed > 0:
                 shrink[value] = freed
                 costs[value] = 0.0 if device is None else 2 * BITS.move_seconds(device, nbytes)
-        return Packing(shrink, costs, device)
+        stand_ins = frozenset(v for v in shrink if not BITS.can_hold(graph.nodes[v], read_again=True))
+        return Packing(shrink, costs, device, stand_ins)
 
     def cost_of(self, accounting: Accounting) -> float:
         """The packing and unpacking `accounting`'s decisions do, in the cost unit."""
@@ -275,6 +279,15 @@ class _Program:
             self.size += 1
             self._row({j: 1, self._device_index[value] if self.link is not None else kept: -1}, 0)
             self.budget_row[j] = -float(freed)
+            if value in packing.stand_ins:  # no replay reads it, nor a recomputation as it was kept
+                recomputed = self._column.get(Atom(RECOMPUTED, value[0]))
+                for c in (c for c, reads in enumerate(self.graph.reads) if value in reads):
+                    self._row({j: 1, self._column[Atom(REPLAYED, c)]: 1}, 1)
+                    if Atom(RECOMPUTED, c) in self._column:
+                        row = {j: 1.0, self._column[Atom(RECOMPUTED, c)]: 1.0}
+                        if recomputed is not None:
+                            row[recomputed] = -1.0
+                        self._row(row, 1)
 
     def decisions(self, solution: np.ndarray) -> tuple[Decision, ...]:
         """The decisions of a solution: SAVE, PACK or OFFLOAD (saved, and packed or offloaded) or

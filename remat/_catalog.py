@@ -450,6 +450,10 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     "rsqrt": (1, lambda x, y, c: (x * x + 1.0).rsqrt()),
     "clamp": (1, lambda x, y, c: x.clamp(-1.0, 1.0)),
     "leaky_where": (1, lambda x, y, c: torch.where(x > 0, x, 0.1 * x)),
+    # backward reads these through one test per element (NOTE [values kept as bits])
+    "leaky_relu": (1, lambda x, y, c: F.leaky_relu(x, 0.2)),
+    "relu6": (1, lambda x, y, c: F.relu6(x * 4.0)),
+    "threshold": (1, lambda x, y, c: F.threshold(x, 0.25, -2.0)),
     "masked_fill": (1, lambda x, y, c: x.masked_fill(x < -1.0, 0.0)),
     # pointwise binary
     "mul": (2, lambda x, y, c: x * y),

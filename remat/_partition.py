@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from . import _quirks, _rng
-from ._accounting import saved_calls
+from ._accounting import recomputation_reads, saved_calls
 from ._applications import application_of
 from ._calls import Decision
 from ._capture import history_of
@@ -171,7 +171,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             kept.append(Kept(node, KeptInput(primal_index[node])))
         elif node in position:
             kept.append(Kept(node, KeptOutput(position[node])))
-    stored = _stored_elsewhere(joint, decisions, activations)
+    stored = _stored_elsewhere(joint, decisions, activations, _read_again(joint, split))
     kept += [Kept(node, KeptActivation(k, stored.get(node, DEVICE))) for k, node in enumerate(activations)]
     n = len(activations)
     kept += [Kept(node, KeptGeneratorState(n + k)) for k, node in enumerate(random_states)]
@@ -224,7 +224,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             joint,
             returned,
             activations,
-            split.constants,
+            split.constants | _stored_without_derivative(stored),
             len(random_states),
             varying(joint, forward_mode=True, through_draws=True) if forward_mode else None,
         ),
@@ -296,8 +296,15 @@ def _inputs_to_differentiate_again(joint: JointGraph, split: _Split, kept: Seque
     return list(reached)
 
 
+def _read_again(joint: JointGraph, split: _Split) -> set[fx.Node]:
+    """The nodes of the values that replays, and recomputations to differentiate again, read."""
+    graph = joint.values
+    values = {v for c in split.replayed for v in graph.reads[c]} | recomputation_reads(graph, split.recomputed)
+    return {graph.nodes[v] for v in values}
+
+
 def _stored_elsewhere(
-    joint: JointGraph, decisions: Sequence[Decision], activations: Sequence[fx.Node]
+    joint: JointGraph, decisions: Sequence[Decision], activations: Sequence[fx.Node], read_again: set[fx.Node]
 ) -> dict[fx.Node, Storage]:
     """The activations kept elsewhere than on their device as they are, in order, with their storage: the
     values of calls whose decision keeps them so, that the forward does not return anyway (the caller
@@ -306,7 +313,7 @@ def _stored_elsewhere(
     stored = {}
     for a in activations:
         storage = storages.get(a.args[0] if a.target is operator.getitem else a)  # type: ignore[arg-type]
-        if storage is not None and storage is not DEVICE and storage.can_hold(a):
+        if storage is not None and storage is not DEVICE and storage.can_hold(a, a in read_again):
             stored[a] = storage
     return stored
 
@@ -377,6 +384,18 @@ _NOT_APPLIED_AGAIN = (
     "are not values the trace can place): its first derivatives are exact, but a second derivative through "
     "its outputs would not be. Take second derivatives outside remat.checkpoint"
 )
+
+
+def _stored_without_derivative(stored: dict[fx.Node, Storage]) -> set[fx.Node]:
+    """The kept values whose stored form carries no derivative (bits), which the Function returns: no tangent
+    or gradient reaches them (a value that comes back as a stand-in is one whose derivative no gradient
+    formula reads: NOTE [values kept as bits])."""
+    found = set()
+    for node, storage in stored.items():
+        form = storage.stored_form(node.meta.get("val"))
+        if isinstance(form, torch.Tensor) and not form.is_floating_point():
+            found.add(node)
+    return found
 
 
 def _non_differentiable(

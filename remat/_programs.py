@@ -97,7 +97,10 @@ def forward_program(
     forms = {}
     for node, storage in stored.items():
         with graph.inserting_after(env[node]):
-            forms[node] = graph.call_function(storage.store, (env[node],))  # type: ignore[arg-type]
+            forms[node] = graph.call_function(
+                storage.store,  # type: ignore[arg-type]
+                (env[node], *storage.store_static_args(node)),
+            )
         form = storage.stored_form(node.meta.get("val"))
         if form is not None:  # what it takes on the device (see `_peak`)
             forms[node].meta["val"] = form

@@ -50,6 +50,10 @@ class Storage:
         load_args: a kept node -> the static arguments its loads take after the device (None: none).
         holds: whether a kept node's value can be stored so (None: every value); a value it cannot
             hold stays on its device as it is.
+        whole: whether a kept node's value comes back as itself (None: every value), not as a stand-in
+            that only the gradient formulas read alike; a value that a replay, or a recomputation to
+            differentiate again, reads stays on its device as it is where it would not.
+        store_args: a kept node -> the static arguments its store takes after the value (None: none).
         store_bytes, load_bytes: a value's tensor -> the most bytes storing or loading it takes on the
             device besides the value and the result, at once (None: none), for the peak prediction.
         ahead: how many loads backward starts ahead of the one it waits for.
@@ -75,10 +79,19 @@ class Storage:
     holds: Callable[[Any], bool] | None = None
     store_bytes: Callable[[Any], int] | None = None
     load_bytes: Callable[[Any], int] | None = None
+    whole: Callable[[Any], bool] | None = None
+    store_args: Callable[[Any], tuple[Any, ...]] | None = None
 
-    def can_hold(self, node: Any) -> bool:
-        """Whether `node`'s value (an fx node of a trace) can be stored so."""
-        return self.holds is None or self.holds(node)
+    def can_hold(self, node: Any, read_again: bool = False) -> bool:
+        """Whether `node`'s value (an fx node of a trace) can be stored so; `read_again`: a replay, or a
+        recomputation to differentiate again, reads it."""
+        if self.holds is not None and not self.holds(node):
+            return False
+        return not read_again or self.whole is None or self.whole(node)
+
+    def store_static_args(self, node: Any) -> tuple[Any, ...]:
+        """What its store of `node`'s value takes after the value."""
+        return () if self.store_args is None else self.store_args(node)
 
     def static_args(self, node: Any) -> tuple[Any, ...]:
         """What its loads of `node`'s value take after the device."""
@@ -137,7 +150,9 @@ BITS = Storage(
     # Memory-bound: the value read and its bits written, then read and the value written again.
     seconds=lambda device, nbytes: nbytes * 9 / 8 / device.bandwidth,
     load_args=_bits.load_args,
+    store_args=_bits.store_args,
     holds=_bits.packable,
+    whole=_bits.whole,
     store_bytes=_bits.packing_bytes,
     load_bytes=_bits.unpacking_bytes,
 )

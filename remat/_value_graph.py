@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx
 
-from . import _quirks, _rng
+from . import _bits, _quirks, _rng
 from ._calls import Call, Dataflow, Trace, Value
 from ._capture import history_of
 from ._facts import application_of, differentiable_outputs, fill_of
@@ -435,6 +435,8 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
         shown[node] = found
         return found
 
+    backward_nodes = backward_nodes_of(joint)
+    _record_tests(joint, nodes)
     reads, as_they_are = [], []
     for node in joint.call_nodes:
         any_value = reads_any_value(node)
@@ -454,9 +456,7 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
     return ValueGraph(
         reads=tuple(reads),
         read_as_they_are=tuple(as_they_are),
-        backward_reads=_distinct(
-            v for n in needed_by_backward(joint, backward_nodes_of(joint)) for v in values_shown(n)
-        ),
+        backward_reads=_distinct(v for n in needed_by_backward(joint, backward_nodes) for v in values_shown(n)),
         varying=frozenset(v for v, node in nodes.items() if node in with_derivative),
         varying_forward_mode=frozenset(v for v, node in nodes.items() if node in with_tangent),
         returned=frozenset(v for v, node in nodes.items() if node in returned_set and v[0] >= 0),
@@ -472,6 +472,18 @@ def value_graph_of(joint: JointGraph) -> ValueGraph:
         reapplied=_reapplied(joint, call_index, values_shown) if recomputes else (),
         nodes=nodes,
     )
+
+
+def _record_tests(joint: JointGraph, nodes: Mapping[Value, fx.Node]) -> None:
+    """Record on the node of each call's value that the gradient formulas read only through one test per
+    element which test that is (`_bits.TESTED`: NOTE [values kept as bits])."""
+    for value, node in nodes.items():
+        if value[0] >= 0:
+            test = _bits.read_through_a_test(node, joint.forward_nodes, is_free)
+            if test is None:
+                node.meta.pop(_bits.TESTED, None)
+            else:
+                node.meta[_bits.TESTED] = test
 
 
 def _reapplied(

@@ -67,6 +67,117 @@ def test_packing_composes_with_torch_func(name: str) -> None:
     assert_checkpoint_equivalent(fn, x, policy=policies.pack_everything, transforms=TRANSFORMS)
 
 
+# Values that backward reads only through one test per element (NOTE [values kept as bits]), by a dropout after
+# the activation (which reads the mask, not its input), and the op whose value is packed.
+def _relu(x: torch.Tensor) -> torch.Tensor:
+    return F.dropout(F.relu(x.sin() * 3), 0.2, training=True).exp()
+
+
+def _leaky_relu(x: torch.Tensor) -> torch.Tensor:
+    return F.dropout(F.leaky_relu(x.sin() * 3, 0.1), 0.2, training=True).exp()
+
+
+def _relu6(x: torch.Tensor) -> torch.Tensor:
+    return F.dropout(F.relu6(x.sin() * 8), 0.2, training=True).exp()
+
+
+def _threshold(x: torch.Tensor) -> torch.Tensor:
+    return F.dropout(F.threshold(x.sin() * 3, 0.5, -1.0), 0.2, training=True).exp()
+
+
+TESTED: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
+    "relu (its output)": (_relu, "aten.relu.default"),
+    "leaky_relu (its input)": (_leaky_relu, "aten.mul.Tensor"),
+    "threshold (its input)": (_threshold, "aten.mul.Tensor"),
+}
+
+
+def _with_nans_and_infinities(x: torch.Tensor) -> torch.Tensor:
+    """`x` with NaN, infinities, zeros of both signs and the tests' bounds (0.5 / 3) where `sin(x) * k` meets
+    them: every way a test's comparison can go."""
+    x = x.detach().clone()
+    x.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 0.0])
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(TESTED))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_a_value_read_through_a_test_is_kept_as_its_bits(name: str, dtype: torch.dtype) -> None:
+    fn, packed_op = TESTED[name]
+    x = _with_nans_and_infinities(torch.randn(24, 40, dtype=dtype)).requires_grad_()
+    assert_checkpoint_equivalent(fn, x, policy=policies.pack_everything, rtol=0, atol=0)
+    saved = remat.report(fn, x, policy=policies.save_everything)
+    packed = remat.report(fn, x, policy=policies.pack_everything)
+    (row,) = [r for r in packed.rows if r.call.name == packed_op and r.saved_bytes]
+    (unpacked,) = [r for r in saved.rows if r.call.name == packed_op and r.saved_bytes]
+    assert row.storage == "bits" and row.saved_bytes == 24 * 40 // 8
+    assert unpacked.saved_bytes == 24 * 40 * x.element_size()
+
+
+@pytest.mark.parametrize("name", sorted(TESTED))
+def test_a_value_read_through_a_test_composes_with_torch_func(name: str) -> None:
+    fn, _ = TESTED[name]
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, policy=policies.pack_everything, transforms=TRANSFORMS)
+
+
+def test_the_stand_in_passes_each_test_as_the_value_does() -> None:
+    # What the gradient formulas compute from a stand-in equals what they compute from the value, for every
+    # kind of number and bound, NaN and infinities included.
+    from remat import _bits
+
+    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 0.5, -0.5, 6.0, 1e-30, -1e30]
+    value = torch.tensor(special + torch.randn(20).tolist(), dtype=torch.float64)
+    grad = torch.arange(1.0, value.numel() + 1, dtype=torch.float64)
+    aten = torch.ops.aten
+    for formula, bounds, run in [
+        (aten.threshold_backward.default, (0,), lambda v: aten.threshold_backward(grad, v, 0)),
+        (aten.threshold_backward.default, (0.5,), lambda v: aten.threshold_backward(grad, v, 0.5)),
+        (aten.threshold_backward.default, (-float("inf"),), lambda v: aten.threshold_backward(grad, v, -float("inf"))),
+        (aten.leaky_relu_backward.default, (), lambda v: aten.leaky_relu_backward(grad, v, 0.01, False)),
+    ]:
+        packed = _bits.pack(value, formula, bounds)
+        node = torch.fx.Graph().placeholder("v")
+        node.meta.update(val=value, **{_bits.TESTED: (formula, bounds)})
+        stand_in = _bits.unpack(packed, value.device, *_bits.load_args(node))
+        assert not torch.equal(stand_in, value)
+        assert torch.equal(run(stand_in), run(value)), (formula, bounds)
+
+
+def test_relu6s_input_is_kept_as_it_is() -> None:
+    # `hardtanh_backward` reads its input through a test, but the CPU's kernel passes a NaN's gradient in its
+    # scalar loop and drops it in its vectorized loop: one bit per element cannot bring that back.
+    x = _with_nans_and_infinities(torch.randn(24, 40)).requires_grad_()
+    report = remat.report(_relu6, x, policy=policies.pack_everything)
+    (row,) = [r for r in report.rows if r.call.name == "aten.mul.Tensor" and r.saved_bytes]
+    assert row.storage == "device" and row.saved_bytes == 24 * 40 * 4
+    assert_checkpoint_equivalent(_relu6, x, policy=policies.pack_everything, rtol=0, atol=0)
+
+
+def test_a_value_read_in_full_elsewhere_is_kept_as_it_is() -> None:
+    # The next layer's weight gradient reads the ReLU's output itself: nothing to pack.
+    def mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.relu(x.sin()) @ w
+
+    x, w = torch.randn(32, 16, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    report = remat.report(mlp, x, w, policy=policies.pack_everything)
+    (row,) = [r for r in report.rows if r.call.name == "aten.relu.default"]
+    assert row.saved_bytes == 32 * 16 * 4 and row.storage == "device"
+
+
+def test_a_value_a_replay_reads_is_kept_as_it_is() -> None:
+    # Replaying the dropout's product (for the exp after it) reads the ReLU's output itself, not the stand-in;
+    # where the exp is kept, nothing replays it, and the ReLU's output is packed.
+    aten = torch.ops.aten
+    x = torch.randn(24, 40, dtype=torch.float64, requires_grad=True)
+    for also, storage in ((), "device"), ((aten.exp.default,), "bits"):
+        policy = policies.pack(policies.save_ops(aten.relu.default, aten.div.Scalar, *also))
+        (row,) = [r for r in remat.report(_relu, x, policy=policy).rows if r.call.name == "aten.relu.default"]
+        assert row.storage == storage and row.read_by == ({"backward", "replay"} if not also else {"backward"})
+        assert row.saved_bytes == (24 * 40 * 8 if not also else 24 * 40 // 8)
+        assert_checkpoint_equivalent(_relu, x, policy=policy, transforms=TRANSFORMS)
+
+
 def test_what_packing_would_not_shrink_is_kept_as_it_is() -> None:
     # One boolean takes a byte, and so would its bit.
     def fn(x: torch.Tensor) -> torch.Tensor:
@@ -168,3 +279,28 @@ def test_fit_does_not_pack_yet() -> None:
     plan = remat.fit(model, _DropoutMLP, x, peak_bytes=target, loss=square_loss)
     assert not any(remat.PACK in block.decisions for block in plan.blocks)
     assert any(remat.RECOMPUTE in block.decisions for block in plan.blocks)
+
+
+class _ReluMLP(torch.nn.Module):
+    def __init__(self, d: int = 32, hidden: int = 128):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.dropout(F.relu(self.up(x)), 0.2, training=True))
+
+
+def test_the_byte_budget_packs_a_relus_output_where_nothing_replays_it() -> None:
+    x = torch.randn(256, 32)
+    trace = remat.trace(_ReluMLP(), x)
+    everything = remat.report(_ReluMLP(), x, policy=policies.save_everything).saved_bytes
+    budget = everything // 2
+    plan = policies.budget(max_bytes=budget).solve(trace)
+    assert plan.cost == 0 < policies.budget(max_bytes=budget, pack=False).solve(trace).cost
+    report = remat.report(_ReluMLP(), x, policy=policies.budget(max_bytes=budget))
+    (relu,) = [row for row in report.rows if row.call.name == "aten.relu.default"]
+    assert relu.storage == "bits" and report.saved_bytes == plan.saved_bytes <= budget
+    model = _ReluMLP().double()
+    x64 = torch.randn(64, 32, dtype=torch.float64, requires_grad=True)
+    policy = policies.budget(max_bytes=remat.report(model, x64, policy=policies.save_everything).saved_bytes // 2)
+    assert_checkpoint_equivalent(model, x64, policy=policy, rtol=0, atol=0)
