@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx
 
+from ._cuda_allocator import allocated_nbytes
 from ._torch import dense_without_overlap
 
 __all__ = [
@@ -206,10 +207,13 @@ def pack(value: torch.Tensor, formula: Any = None, bounds: tuple[Any, ...] = ())
 
 
 def packing_bytes(value: torch.Tensor) -> int:
-    """At most the bytes `pack(value)` takes besides `value` and its result, at once: a boolean of it (for a
-    float), its copy in logical order (for a layout that is not), and the columns being combined."""
-    numel = value.numel()
-    return numel * (value.dtype is not torch.bool) + numel * (not value.is_contiguous()) + 4 * _packed_bytes(numel)
+    """At most the bytes `pack(value)` takes besides `value` and its result, at once, as `value`'s device
+    allocates them: a boolean of it (for a float), its copy in logical order (for a layout that is not), the
+    columns being combined, and the shifts of a last partial byte."""
+    numel, on = value.numel(), value.device
+    tested = allocated_nbytes(numel, on) * (value.dtype is not torch.bool)
+    in_order = allocated_nbytes(numel, on) * (not value.is_contiguous())
+    return tested + in_order + 4 * allocated_nbytes(_packed_bytes(numel), on) + allocated_nbytes(8, on)
 
 
 def unpack(
@@ -237,6 +241,9 @@ def unpack(
 
 
 def unpacking_bytes(value: torch.Tensor) -> int:
-    """At most the bytes `unpack` takes besides its result (`value`'s size) at once: the bits, a byte each
-    (twice, as they are shifted out), and the value before its op or its layout."""
-    return 2 * 8 * _packed_bytes(value.numel()) + value.numel() * value.element_size()
+    """At most the bytes `unpack` takes besides its result (`value`'s size) at once, as `value`'s device
+    allocates them: the eight shifts, and the bits, a byte each, twice (shifted, then masked), or the value
+    before its op or its layout, while the result is made."""
+    on = value.device
+    bits = allocated_nbytes(8 * _packed_bytes(value.numel()), on)
+    return allocated_nbytes(8, on) + max(2 * bits, allocated_nbytes(value.numel() * value.element_size(), on))

@@ -28,6 +28,7 @@ from ._engine import SavedTensors, engine_runs_on, walked_backward
 from ._gpu import attention_as_on_the_gpu
 from ._measure import storage_nbytes
 from ._peak import peak_of
+from ._storage import BITS
 from .report import Peak
 
 __all__ = ["BlockPlan", "Fit", "StepReport", "fit"]
@@ -203,22 +204,29 @@ FRACTIONS = tuple(k / 10 for k in range(1, 10))
 BYTE_BUDGETS = 16  # as `budget(peak_bytes=...)` spreads them: see NOTE [planning for a peak]
 
 
-def candidates(trace: Trace, regions: Any, cost: str, exact: bool) -> list[_Candidate]:
+def candidates(trace: Trace, regions: Any, cost: str, exact: bool, pack: bool = True) -> list[_Candidate]:
     """The plans `fit` chooses among for one block's trace, each once (the first label it was found by).
-    The first is saving nothing, the probe step's plan. None packs (`remat.PACK`): its step peak is not
-    yet checked against the probe's measurement (docs/storage.md)."""
+    The first is saving nothing, the probe step's plan. With `pack`, the budget planner's plans pack
+    (`remat.PACK`) where the bytes that frees buy fewer replays, and their cost counts the packing."""
     from . import policies
-    from ._budget import call_costs, minimum_bytes, replay_cost
+    from ._budget import Packing, call_costs, minimum_bytes, replay_cost
 
     assert trace.joint is not None, "a block's trace carries its graph, for peak predictions"
     costs = call_costs(trace, cost)
+    packing = Packing.of(trace, cost)
+    # Among plans of one replay cost, the one that packs less (with FLOPs, packing costs nothing).
+    tie = 1e-9 * (sum(costs) or 1.0)
     found: dict[tuple[Decision, ...], _Candidate] = {}
 
     def add(label: str, planned: Sequence[Decision]) -> None:
         decisions = decide_nested(_Fixed(tuple(planned)), trace, regions)  # as the block will run them
         if decisions not in found:
-            replay = replay_cost(account_for(trace, decisions), costs)
-            found[decisions] = _Candidate(label, decisions, replay, peak_of(trace, decisions))
+            accounting = account_for(trace, decisions)
+            packed = sum(1 for kept in accounting.kept_by_call.values() if kept.storage is BITS and kept.stored_nbytes)
+            replay = replay_cost(accounting, costs) + packing.cost_of(accounting) + tie * packed
+            # As the probe step measures it: NOTE [generator states in the peak].
+            peak = peak_of(trace, decisions, generator_states=False)
+            found[decisions] = _Candidate(label, decisions, replay, peak)
 
     builtins = {
         "save_nothing": policies.save_nothing,
@@ -228,10 +236,10 @@ def candidates(trace: Trace, regions: Any, cost: str, exact: bool) -> list[_Cand
     }
     for label, policy in builtins.items():
         add(label, decide(policy, trace))
-    budgets = [policies.budget(fraction=f, cost=cost, exact=exact, pack=False) for f in FRACTIONS]
-    low, high = minimum_bytes(trace), account(trace, range(len(trace))).saved_bytes
+    budgets = [policies.budget(fraction=f, cost=cost, exact=exact, pack=pack) for f in FRACTIONS]
+    low, high = minimum_bytes(trace, packing=packing if pack else None), account(trace, range(len(trace))).saved_bytes
     budgets += [
-        policies.budget(max_bytes=low + (high - low) * i // (BYTE_BUDGETS - 1), cost=cost, exact=exact, pack=False)
+        policies.budget(max_bytes=low + (high - low) * i // (BYTE_BUDGETS - 1), cost=cost, exact=exact, pack=pack)
         for i in range(BYTE_BUDGETS)
     ]
     for budget in budgets:
@@ -480,6 +488,7 @@ def fit(
     cost: str = "flops",
     exact: bool = False,
     device: str | torch.device | None = None,
+    pack: bool = True,
 ) -> Fit:
     """Checkpoint the blocks of `model` that `which` selects, in place, with decisions chosen for the whole
     training step, so that its peak stays within `peak_bytes`, replaying as little as possible.
@@ -516,6 +525,8 @@ def fit(
             device: the probe step runs on fake tensors of that device, with the kernels it would choose
             (attention's, say), and the plan holds once the model is materialized there. See NOTE
             [planning on the meta device].
+        pack: whether plans may keep values as bits where that is exact (`remat.PACK`, docs/storage.md),
+            where the bytes it frees buy fewer replays.
 
     Returns:
         A `remat.Fit`: the predicted peak, the plan of each block call, the step report.
@@ -535,10 +546,10 @@ def fit(
     >>> [block.name for block in plan.blocks]
     ['0', '1', '2', '3']
     """
-    _check_arguments(model, peak_bytes, loss, kwargs, optimizer, cost, exact)
+    _check_arguments(model, peak_bytes, loss, kwargs, optimizer, cost, exact, pack)
     target_device = _target_device(model, device)
     checkpoint_selected(model, which, _Planned, DEFAULT_CACHE_SIZE, False, "remat.fit")
-    planner = _Planner(model, peak_bytes, loss or _default_loss, optimizer, cost, exact, target_device)
+    planner = _Planner(model, peak_bytes, loss or _default_loss, optimizer, cost, exact, target_device, pack)
     model.__dict__["forward"] = _FittedForward(model, planner)
     try:
         return planner.fit(args, dict(kwargs or {}))
@@ -559,9 +570,10 @@ class _Planner:
         cost: str,
         exact: bool,
         device: torch.device | None,
+        pack: bool,
     ):
         self.model, self.target, self.loss, self.optimizer = model, target, loss, optimizer
-        self.cost, self.exact = cost, exact
+        self.cost, self.exact, self.pack = cost, exact, pack
         self.device = device  # the target of a model on meta (None: where it is)
         self.fits: LRUCache[Fit] = LRUCache(DEFAULT_CACHE_SIZE)
 
@@ -624,7 +636,7 @@ def _signature(args: Sequence[Any], kwargs: dict[str, Any], device: torch.device
 
 
 def _check_arguments(
-    model: Any, peak_bytes: Any, loss: Any, kwargs: Any, optimizer: Any, cost: Any, exact: Any
+    model: Any, peak_bytes: Any, loss: Any, kwargs: Any, optimizer: Any, cost: Any, exact: Any, pack: Any
 ) -> None:
     from . import policies
 
@@ -638,8 +650,9 @@ def _check_arguments(
         )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"remat.fit: `optimizer` must be a torch.optim.Optimizer, but got {optimizer!r}.")
-    if not isinstance(exact, bool):
-        raise TypeError(f"remat.fit: `exact` must be True or False, but got {exact!r}.")
+    for name, value in (("exact", exact), ("pack", pack)):
+        if not isinstance(value, bool):
+            raise TypeError(f"remat.fit: `{name}` must be True or False, but got {value!r}.")
     try:
         policies.budget(max_bytes=0, cost=cost)
     except ValueError as error:
@@ -860,7 +873,7 @@ def _plan(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> Fit
         if key not in keys:
             keys[key] = len(groups)
             if id(call.trace) not in options:
-                options[id(call.trace)] = tuple(candidates(call.trace, call.regions, cost, exact))
+                options[id(call.trace)] = tuple(candidates(call.trace, call.regions, cost, exact, planner.pack))
             groups.append(_Group(call.name, policy, call.trace, options[id(call.trace)]))
         group_of.append(keys[key])
     rows = _rows(timeline, group_of, groups)

@@ -19,7 +19,7 @@ from ._calls import Decision, Trace
 from ._joint import JointGraph
 from ._measure import storage_key, storage_nbytes, tensors_in
 from ._partition import Programs, partition
-from ._programs import TRANSIENT, device_of
+from ._programs import HELD_STATE, TRANSIENT, device_of
 from .report import Peak
 
 __all__ = ["predict_peak"]
@@ -39,9 +39,21 @@ __all__ = ["predict_peak"]
 # caller's own (a loss, say). Sizes that depend on data count at their bound:
 # see NOTE [data-dependent sizes count at their bound].
 
+# NOTE [generator states in the peak]
+# To replay a random call, the programs keep the state its generator was in
+# (NOTE [replaying random calls]), and a replay holds the generator's state as
+# found while it runs. `remat.report`'s peak counts them: they are memory of the
+# process (5 KiB each, for the CPU's generator). But torch makes them outside
+# the dispatcher, so no allocator-side measure sees them: not MemTracker, not
+# `remat.fit`'s probe step; and a CUDA generator's state is 16 bytes of host
+# memory, none of the GPU's. `fit` predicts its plans as its probe step measures
+# (`generator_states=False`), so that a plan's prediction and the probe's
+# measurement count alike.
 
-def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
-    """The peak bytes of running `programs`' forward, then its backward."""
+
+def predict_peak(joint: JointGraph, programs: Programs, generator_states: bool = True) -> Peak:
+    """The peak bytes of running `programs`' forward, then its backward; without `generator_states`, as an
+    allocator counts them (NOTE [generator states in the peak])."""
     inputs = {storage_key(t) for p in joint.primals for t in tensors_in(p.meta.get("val"))}
     forward = programs.forward
     forward_peak, after = _walk(forward.graph, inputs, _placeholder_values(forward.graph, joint.primals))
@@ -63,14 +75,14 @@ def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
     states_of = {
         placeholder: torch.empty(_rng.state_nbytes(device_of(kept.node)), dtype=torch.uint8, device="meta")
         for placeholder, kept in zip(placeholders, programs.kept, strict=False)
-        if kept.rng_state
+        if kept.rng_state and generator_states
     }
     handed_over.update(states_of)
     for placeholder, tangent in zip(placeholders[len(programs.kept) :], joint.tangents, strict=False):
         handed_over[placeholder] = tangent.meta.get("val")
     tangents = {storage_key(t) for node in joint.tangents for t in tensors_in(node.meta.get("val"))}  # the caller's
     free = inputs | held | tangents
-    backward_peak, at_end = _walk(backward.graph, free, handed_over)
+    backward_peak, at_end = _walk(backward.graph, free, handed_over, generator_states)
     # A gradient that is the caller's memory (a tangent passed through), or a second gradient in one
     # storage, is copied when autograd stores it in `.grad`: then all the gradients are alive.
     seen: set[Any] = set()
@@ -88,8 +100,11 @@ def predict_peak(joint: JointGraph, programs: Programs) -> Peak:
     )
 
 
-def _walk(graph: fx.Graph, free_storages: set[Any], values: Mapping[fx.Node, Any]) -> tuple[int, dict[Any, int]]:
-    """(peak bytes, storages live at the end -> bytes) of running `graph` once.
+def _walk(
+    graph: fx.Graph, free_storages: set[Any], values: Mapping[fx.Node, Any], generator_states: bool = True
+) -> tuple[int, dict[Any, int]]:
+    """(peak bytes, storages live at the end -> bytes) of running `graph` once (with the generator states
+    replays hold while they run, or without).
 
     Storages in `free_storages` cost nothing here (inputs, memory held by others). A placeholder
     with a value in `values` is memory handed over to the program, freed at its last use.
@@ -113,7 +128,7 @@ def _walk(graph: fx.Graph, free_storages: set[Any], values: Mapping[fx.Node, Any
             if storage not in live and storage not in free_storages:
                 live[storage] = nbytes
                 total += nbytes
-        peak = max(peak, total + node.meta.get(TRANSIENT, 0))
+        peak = max(peak, total + node.meta.get(TRANSIENT, 0) + generator_states * node.meta.get(HELD_STATE, 0))
         # Values whose last use this was, and values nobody uses, are freed now (FX's code does so).
         done = [used for used in node.all_input_nodes if last_use.get(used) is node and used not in outputs]
         if node not in last_use and node not in outputs:
@@ -149,9 +164,9 @@ def _output_node(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
 
 
-def peak_of(trace: Trace, decisions: Sequence[Decision]) -> Peak:
+def peak_of(trace: Trace, decisions: Sequence[Decision], generator_states: bool = True) -> Peak:
     """The predicted peak of running the function `trace` was traced from under `decisions` (for
     planners): its joint graph partitioned, then `predict_peak`."""
     if trace.joint is None:
         raise ValueError("remat: this trace was made of hand-picked calls: it has no graph to predict a peak from.")
-    return predict_peak(trace.joint, partition(trace.joint, decisions))
+    return predict_peak(trace.joint, partition(trace.joint, decisions), generator_states)

@@ -34,10 +34,19 @@ from ._torch import (
     vmap_levels,
 )
 
-__all__ = ["TRANSIENT", "PureForward", "backward_program", "device_of", "forward_program", "views_of_inputs"]
+__all__ = [
+    "HELD_STATE",
+    "TRANSIENT",
+    "PureForward",
+    "backward_program",
+    "device_of",
+    "forward_program",
+    "views_of_inputs",
+]
 
 # The meta key of the bytes a node takes on the device besides its inputs and its result, at once (`_peak`).
 TRANSIENT = "remat_transient_bytes"
+HELD_STATE = "remat_held_state_bytes"  # a replay's generator state as found, besides TRANSIENT
 
 aten = torch.ops.aten
 
@@ -609,7 +618,7 @@ def _emitter(
             )
             copy.meta = dict(node.meta)
             # The generator's state as found, held while the call replays: NOTE [replaying random calls].
-            copy.meta[TRANSIENT] = _rng.state_nbytes(device_of(node))
+            copy.meta[HELD_STATE] = _rng.state_nbytes(device_of(node))
         elif node.target is aten.detach.default and not stops_gradient(node):
             copy = env[node.args[0]]  # type: ignore[index]  # autograd's own detach of a saved value
         elif node.target is aten.copy.default:  # no derivative of its own, in either mode

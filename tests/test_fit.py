@@ -311,6 +311,7 @@ def test_the_report_answers_what_activations_cost() -> None:
         ({"peak_bytes": 10**9, "kwargs": [1]}, TypeError, "`kwargs` must be a dict"),
         ({"peak_bytes": 10**9, "cost": "seconds"}, ValueError, "remat.fit: `cost` must be"),
         ({"peak_bytes": 10**9, "exact": 1}, TypeError, "`exact` must be True or False"),
+        ({"peak_bytes": 10**9, "pack": "yes"}, TypeError, "`pack` must be True or False"),
         ({"peak_bytes": 10**9, "loss": lambda out: out}, ValueError, "must give a scalar tensor"),
     ],
 )

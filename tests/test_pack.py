@@ -266,21 +266,6 @@ def test_the_byte_budget_packs_where_the_bytes_buy_fewer_replays() -> None:
     assert remat.PACK not in policies.budget(fraction=1.0).solve(trace).decisions
 
 
-def test_fit_does_not_pack_yet() -> None:
-    # Where the byte budget would pack (above), fit plans without: its step's peak under PACK is not yet
-    # checked against the probe's measurement.
-    from test_fit import eager_and_lowest, square_loss
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[_DropoutMLP() for _ in range(2)])
-    x = torch.randn(256, 32)
-    eager, lowest = eager_and_lowest(model, _DropoutMLP, x)
-    target = int(lowest + 0.3 * (eager - lowest))
-    plan = remat.fit(model, _DropoutMLP, x, peak_bytes=target, loss=square_loss)
-    assert not any(remat.PACK in block.decisions for block in plan.blocks)
-    assert any(remat.RECOMPUTE in block.decisions for block in plan.blocks)
-
-
 class _ReluMLP(torch.nn.Module):
     def __init__(self, d: int = 32, hidden: int = 128):
         super().__init__()
@@ -304,3 +289,24 @@ def test_the_byte_budget_packs_a_relus_output_where_nothing_replays_it() -> None
     x64 = torch.randn(64, 32, dtype=torch.float64, requires_grad=True)
     policy = policies.budget(max_bytes=remat.report(model, x64, policy=policies.save_everything).saved_bytes // 2)
     assert_checkpoint_equivalent(model, x64, policy=policy, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block", [_DropoutMLP, _ReluMLP], ids=["tanh", "relu"])
+@pytest.mark.parametrize("share", [0.05, 0.3, pytest.param(0.7, marks=pytest.mark.slow)])
+def test_fit_packs_where_it_replays_less_and_holds_its_target(block: type[torch.nn.Module], share: float) -> None:
+    from test_fit import eager_and_lowest, measured_peak, square_loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[block() for _ in range(2)])
+    x = torch.randn(256, 32)
+    eager, lowest = eager_and_lowest(model, block, x)
+    target = int(lowest + share * (eager - lowest))
+    unpacked = remat.fit(model, block, x, peak_bytes=target, loss=square_loss, pack=False)
+    remat.uncheckpoint_modules(model)
+    plan = remat.fit(model, block, x, peak_bytes=target, loss=square_loss)
+    measured = measured_peak(model, x)
+    assert measured <= target and plan.predicted_peak <= target
+    assert abs(plan.predicted_peak - measured) <= 0.05 * measured
+    assert any(remat.PACK in b.decisions for b in plan.blocks)
+    assert plan.replay_cost < unpacked.replay_cost
+    assert not any(remat.PACK in b.decisions for b in unpacked.blocks)
