@@ -28,6 +28,8 @@ BENCHMARKS = {
     "planner": "benchmarks.planner",
     "compiled": "benchmarks.compiled",
     "offload": "benchmarks.offload",
+    "fp8-scales": "benchmarks.fp8_scales",
+    "lossy-training": "benchmarks.lossy_training",
     "startup": "benchmarks.startup",
     "models": "benchmarks.models",
     "torch-func": "benchmarks.transform_table",

@@ -14,7 +14,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, cast
 import optree
 import torch
 
-from . import _rng, _step
+from . import _lossy, _rng, _step
 from ._accounting import account_for
 from ._cache import CacheInfo, LRUCache, SignatureKey, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
@@ -32,7 +32,7 @@ from ._peak import predict_peak
 from ._pytree import FlatArgs, flatten_args
 from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure_of
 from ._specialize import ValuesChanged
-from ._torch import HigherOrderOperator, functorch_active, grad_transform_active
+from ._torch import FakeTensor, HigherOrderOperator, functorch_active, grad_transform_active, is_functorch_wrapped
 from ._value_graph import with_value_graph
 from .policies import save_nothing
 from .report import Report, ReportRow
@@ -391,6 +391,38 @@ def _joint_of(
     return with_value_graph(joint_graph_of(fn, flat, find_module_roots(fn))), None, None
 
 
+def _compression_errors(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], policy: Any, joint: JointGraph
+) -> dict[int, float]:
+    """The largest error the kept values of each compressed call come back with (NOTE [values kept lossy]),
+    by call index: the function's forward, checkpointed with `policy`, run once on the arguments, putting
+    back the generators and the buffers of the modules it reaches; none where the arguments are not real
+    tensors."""
+    leaves: list[Any] = optree.tree_leaves((args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    if any(t.is_meta or isinstance(t, FakeTensor) or is_functorch_wrapped(t) for t in tensors):
+        return {}
+    target = getattr(fn, "checkpointed", fn)
+    target = target.__wrapped__ if isinstance(target, Checkpointed) else target
+    buffers = list({id(b): b for module in find_module_roots(target).modules for b in module.buffers()}.values())
+    before = [b.clone() for b in buffers]
+    put_back = _rng.snapshot()
+    try:
+        with _lossy.recording_errors() as errors, torch.enable_grad():
+            Checkpointed(target, policy, 1)(*args, **kwargs)
+    finally:
+        put_back()
+        with torch.no_grad():
+            for buffer, value in zip(buffers, before, strict=True):
+                buffer.copy_(value)
+    call_of = {node.name: value[0] for value, node in joint.values.nodes.items() if value[0] >= 0}
+    by_call: dict[int, float] = {}
+    for name, error in errors.items():
+        call = call_of[name]
+        by_call[call] = max(by_call.get(call, 0.0), error)
+    return by_call
+
+
 def trace(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Trace:
     """Trace `fn` at these arguments and return its forward op calls.
 
@@ -439,6 +471,8 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
         decisions = decide_nested(policy, joint.trace, joint.regions)
         programs = partition(joint, decisions)
     accounting = account_for(joint.trace, decisions)
+    compressed = any(not kept.storage.exact and kept.stored_nbytes for kept in accounting.kept_by_call.values())
+    errors = _compression_errors(fn, args, kwargs, policy, joint) if compressed else {}
     rows = []
     for call in joint.trace:
         kept = accounting.kept_by_call.get(call.index)
@@ -453,6 +487,7 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: 
                 read_by=kept.read_by if kept else frozenset(),
                 offloaded=kept is not None and kept.offloaded,
                 storage="" if kept is None else kept.storage.name if kept.stored_nbytes else "device",
+                error=errors.get(call.index),
             )
         )
     return Report(

@@ -27,9 +27,15 @@ class Decision(enum.Enum):
     elsewhere; `RECOMPUTE` keeps nothing and replays the call in backward if
     something backward needs depends on it.
 
-    Combined (`|`, `&` of policies), `SAVE` ranks above `PACK`, which ranks
-    above `OFFLOAD`, which ranks above `RECOMPUTE`: `p | q` takes the higher
-    decision of the two, `p & q` the lower.
+    `FLOAT16`, `BFLOAT16` and `FP8` keep float32 values (and, for `FP8`,
+    bfloat16 values) that only gradient formulas read in that narrower format,
+    approximately: the gradients then differ from eager's by the rounding
+    (docs/storage.md). No planner chooses them; a policy asks for them
+    (`remat.policies.compress`).
+
+    Combined (`|`, `&` of policies), the decisions rank `SAVE`, `PACK`,
+    `OFFLOAD`, `FLOAT16`, `BFLOAT16`, `FP8`, `RECOMPUTE`, highest first:
+    `p | q` takes the higher decision of the two, `p & q` the lower.
 
     >>> import remat
     >>> remat.Decision.SAVE is remat.SAVE, remat.Decision.PACK is remat.PACK
@@ -40,14 +46,22 @@ class Decision(enum.Enum):
     RECOMPUTE = "recompute"
     OFFLOAD = "offload"
     PACK = "pack"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FP8 = "fp8"
 
     @property
     def keeps(self) -> bool:
-        """Whether backward reads the call's outputs as forward made them (SAVE, PACK or OFFLOAD)."""
+        """Whether the call's outputs are kept for backward (every decision but RECOMPUTE)."""
         return self is not Decision.RECOMPUTE
 
     def __repr__(self) -> str:
-        return f"remat.{self.name}"
+        # The exact decisions are also names of the package itself (`remat.SAVE`); the lossy ones are not.
+        return (
+            f"remat.{self.name}"
+            if self.value in ("save", "recompute", "offload", "pack")
+            else f"remat.Decision.{self.name}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,7 +171,7 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
             kept.append(Kept(node, KeptInput(primal_index[node])))
         elif node in position:
             kept.append(Kept(node, KeptOutput(position[node])))
-    stored = _stored_elsewhere(joint, decisions, activations, _read_again(joint, split))
+    stored = _stored_elsewhere(joint, decisions, activations, _read_again(joint, split), forward_mode)
     kept += [Kept(node, KeptActivation(k, stored.get(node, DEVICE))) for k, node in enumerate(activations)]
     n = len(activations)
     kept += [Kept(node, KeptGeneratorState(n + k)) for k, node in enumerate(random_states)]
@@ -304,16 +304,23 @@ def _read_again(joint: JointGraph, split: _Split) -> set[fx.Node]:
 
 
 def _stored_elsewhere(
-    joint: JointGraph, decisions: Sequence[Decision], activations: Sequence[fx.Node], read_again: set[fx.Node]
+    joint: JointGraph,
+    decisions: Sequence[Decision],
+    activations: Sequence[fx.Node],
+    read_again: set[fx.Node],
+    forward_mode: bool,
 ) -> dict[fx.Node, Storage]:
     """The activations kept elsewhere than on their device as they are, in order, with their storage: the
     values of calls whose decision keeps them so, that the forward does not return anyway (the caller
-    holds those on the device). See NOTE [kinds of storage]."""
+    holds those on the device). Traced for forward mode, only exactly (NOTE [values kept lossy]). See
+    NOTE [kinds of storage]."""
     storages = {node: storage_of(d) for node, d in zip(joint.call_nodes, decisions, strict=True)}
     stored = {}
     for a in activations:
         storage = storages.get(a.args[0] if a.target is operator.getitem else a)  # type: ignore[arg-type]
-        if storage is not None and storage is not DEVICE and storage.can_hold(a, a in read_again):
+        if storage is None or storage is DEVICE or (forward_mode and not storage.exact):
+            continue
+        if storage.can_hold(a, a in read_again):
             stored[a] = storage
     return stored
 
@@ -387,13 +394,15 @@ _NOT_APPLIED_AGAIN = (
 
 
 def _stored_without_derivative(stored: dict[fx.Node, Storage]) -> set[fx.Node]:
-    """The kept values whose stored form carries no derivative (bits), which the Function returns: no tangent
-    or gradient reaches them (a value that comes back as a stand-in is one whose derivative no gradient
-    formula reads: NOTE [values kept as bits])."""
+    """The kept values whose stored form carries no derivative (bits; a stand-in or a narrowed value, which
+    only the gradient formulas read: NOTE [values kept as bits], NOTE [values kept lossy]), which the Function
+    returns: no tangent or gradient reaches them."""
     found = set()
     for node, storage in stored.items():
         form = storage.stored_form(node.meta.get("val"))
-        if isinstance(form, torch.Tensor) and not form.is_floating_point():
+        if not storage.can_hold(node, read_again=True) or (
+            isinstance(form, torch.Tensor) and not form.is_floating_point()
+        ):
             found.add(node)
     return found
 

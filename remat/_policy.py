@@ -12,7 +12,7 @@ from typing import Any, Union
 from ._calls import Call, Decision, Trace
 from ._decide import decide, decide_call
 
-__all__ = ["Policy", "PolicyLike", "offload", "pack", "save_all_of", "save_any_of", "save_unless"]
+__all__ = ["Policy", "PolicyLike", "compress", "offload", "pack", "save_all_of", "save_any_of", "save_unless"]
 
 PolicyLike = Union[Callable[[Call], Decision | bool], "Policy", None]
 
@@ -48,8 +48,18 @@ class Policy:
         return _Not(self)
 
 
-# SAVE > PACK > OFFLOAD > RECOMPUTE: `|` takes the higher of two decisions, `&` the lower.
-_RANK = {Decision.RECOMPUTE: 0, Decision.OFFLOAD: 1, Decision.PACK: 2, Decision.SAVE: 3}
+# SAVE > PACK > OFFLOAD > FLOAT16 > BFLOAT16 > FP8 > RECOMPUTE, exact before approximate: `|` takes the higher
+# of two decisions, `&` the lower.
+_ORDER = (
+    Decision.RECOMPUTE,
+    Decision.FP8,
+    Decision.BFLOAT16,
+    Decision.FLOAT16,
+    Decision.OFFLOAD,
+    Decision.PACK,
+    Decision.SAVE,
+)
+_RANK = {decision: rank for rank, decision in enumerate(_ORDER)}
 
 
 def _combine(decisions: Iterable[Decision], require_all: bool) -> Decision:
@@ -106,10 +116,9 @@ def save_all_of(*policies: PolicyLike) -> Policy:
 
 
 _OPPOSITE = {
+    **{decision: decision for decision in Decision},  # kept elsewhere or otherwise stays so
     Decision.SAVE: Decision.RECOMPUTE,
     Decision.RECOMPUTE: Decision.SAVE,
-    Decision.OFFLOAD: Decision.OFFLOAD,
-    Decision.PACK: Decision.PACK,
 }
 
 
@@ -154,6 +163,8 @@ class _KeptAs(Policy):
         return self.decision if decide_call(self.policy, call).keeps else Decision.RECOMPUTE
 
     def __repr__(self) -> str:
+        if self.decision in _FORMATS.values():
+            return f"compress({self.policy!r}, {self.decision.value!r})"
         return f"{self.decision.value}({self.policy!r})"
 
 
@@ -184,3 +195,26 @@ def pack(policy: PolicyLike) -> Policy:
     (remat.PACK, remat.PACK, remat.PACK, remat.PACK)
     """
     return _KeptAs(policy, Decision.PACK)
+
+
+_FORMATS = {"float16": Decision.FLOAT16, "bfloat16": Decision.BFLOAT16, "fp8": Decision.FP8}
+
+
+def compress(policy: PolicyLike, format: str) -> Policy:
+    """Keep what `policy` keeps in a narrower `format`, approximately, where only gradient formulas read it.
+
+    `format` is `"float16"` or `"bfloat16"` (float32 values) or `"fp8"` (e4m3 with a scale per row, for
+    float32 and bfloat16 values). The gradients that read a compressed value differ from eager's by its
+    rounding; `remat.report` shows the largest error each introduced on its batch. A value that a replay
+    reads, or that is not of those dtypes, is kept as `SAVE` keeps it. See docs/storage.md.
+
+    >>> import torch, remat
+    >>> from remat.policies import compress, save_everything
+    >>> compress(save_everything, "fp8").plan(remat.trace(lambda x: x.sin().exp().sum(), torch.ones(64, 64)))
+    (remat.FP8, remat.FP8, remat.FP8)
+    """
+    if format not in _FORMATS:
+        raise ValueError(
+            f"remat.policies.compress: `format` must be one of {', '.join(map(repr, _FORMATS))}, but got {format!r}."
+        )
+    return _KeptAs(policy, _FORMATS[format])

@@ -8,12 +8,24 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from . import _bits, _offload
+from . import _bits, _lossy, _offload
 from ._calls import Decision
 from ._cuda_allocator import allocated_nbytes
 from .costs import Device
 
-__all__ = ["BITS", "DEVICE", "HOST", "STORAGES", "Storage", "program_functions", "storage_of"]
+__all__ = [
+    "BFLOAT16",
+    "BITS",
+    "DEVICE",
+    "FLOAT16",
+    "FP8",
+    "HOST",
+    "STORAGES",
+    "Storage",
+    "exact",
+    "program_functions",
+    "storage_of",
+]
 
 
 # NOTE [kinds of storage]
@@ -67,7 +79,7 @@ class Storage:
     decision: Decision
     exact: bool = True
     on_device: bool = True
-    store: Callable[[Any], Any] | None = None
+    store: Callable[..., Any] | None = None
     start_load: Callable[[Any, Any], Any] | None = None
     finish_load: Callable[..., Any] | None = None
     load_now: Callable[..., Any] | None = None
@@ -157,7 +169,35 @@ BITS = Storage(
     load_bytes=_bits.unpacking_bytes,
 )
 
-STORAGES: tuple[Storage, ...] = (DEVICE, HOST, BITS)
+
+def _narrowed(narrowing: _lossy.Narrowing, decision: Decision) -> Storage:
+    """The storage of a narrower format (NOTE [values kept lossy]): approximate, read only by the gradient
+    formulas (`whole`: no replay reads it)."""
+    return Storage(
+        narrowing.name,
+        decision,
+        exact=False,
+        store=narrowing.store,
+        finish_load=narrowing.load,
+        load_now=narrowing.load,
+        form=narrowing.form,
+        form_nbytes=narrowing.form_nbytes,
+        # Memory-bound: the value read and its narrow form written, then read and the value written again.
+        seconds=lambda device, nbytes: 2 * nbytes / device.bandwidth,
+        load_args=narrowing.load_args,
+        store_args=narrowing.store_args,
+        holds=narrowing.holds,
+        whole=lambda node: False,
+        store_bytes=narrowing.store_bytes,
+        load_bytes=narrowing.load_bytes,
+    )
+
+
+FLOAT16 = _narrowed(_lossy.FLOAT16, Decision.FLOAT16)
+BFLOAT16 = _narrowed(_lossy.BFLOAT16, Decision.BFLOAT16)
+FP8 = _narrowed(_lossy.FP8, Decision.FP8)
+
+STORAGES: tuple[Storage, ...] = (DEVICE, HOST, BITS, FLOAT16, BFLOAT16, FP8)
 
 _BY_DECISION = {storage.decision: storage for storage in STORAGES}
 
@@ -165,6 +205,12 @@ _BY_DECISION = {storage.decision: storage for storage in STORAGES}
 def storage_of(decision: Decision) -> Storage | None:
     """Where `decision` keeps a call's values (None: it keeps none, it replays the call)."""
     return _BY_DECISION.get(decision)
+
+
+def exact(decision: Decision) -> bool:
+    """Whether backward reads what `decision` keeps exactly as forward made it (or replays it)."""
+    storage = storage_of(decision)
+    return storage is None or storage.exact
 
 
 def program_functions() -> tuple[Callable[..., Any], ...]:

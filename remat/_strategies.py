@@ -25,6 +25,7 @@ from ._catalog import (
     Constants,
 )
 from ._check_transforms import _BATCHED, _UNDER_FUNC_JVP, TRANSFORMS, _tensor_leaves
+from ._storage import exact
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,7 +378,7 @@ def policies(trace: Trace, *, save_calls: bool = True, offload: bool = False) ->
     if importlib.util.find_spec("highspy") is not None:  # the planner's solver
         choices.append(st.just(_policies.budget(fraction=1.0)))  # a smaller budget may be infeasible
     if offload:
-        three_way = st.lists(st.sampled_from(list(Decision)), min_size=n, max_size=n).map(tuple)
+        three_way = st.lists(st.sampled_from([d for d in Decision if exact(d)]), min_size=n, max_size=n).map(tuple)
         choices += [st.builds(_PerCallDecisions, three_way), st.just(_policies.offload_dots)]
     return st.one_of(*choices)
 

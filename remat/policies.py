@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._accounting import account
 from ._calls import Call, Decision, Trace, format_bytes, op_name
-from ._policy import Policy, offload, pack, save_all_of, save_any_of, save_unless
+from ._policy import Policy, compress, offload, pack, save_all_of, save_any_of, save_unless
 from ._policy import offload as _offload_policy  # `offload` is also an argument name below
 from ._sac import from_sac
 from ._torch import HigherOrderOperator, OpOverload, OpOverloadPacket
@@ -37,6 +37,7 @@ __all__ = [
     "Budget",
     "Policy",
     "budget",
+    "compress",
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
     "from_sac",

@@ -58,7 +58,11 @@ class ReportRow:
             OFFLOADed; the function's own outputs stay on the device, where the caller
             holds them).
         storage: where its kept outputs live until backward: `"device"` as they are,
-            `"host"` (offloaded), `"bits"` (packed); empty where nothing is kept.
+            `"host"` (offloaded), `"bits"` (packed), `"float16"`, `"bfloat16"` or `"fp8"`
+            (compressed, approximately); empty where nothing is kept.
+        error: for compressed outputs, the largest absolute difference between a kept value and
+            what backward reads of it, on the report's arguments (None: not compressed, or the
+            arguments are not real tensors).
     """
 
     call: Call
@@ -70,6 +74,7 @@ class ReportRow:
     read_by: frozenset[str] = frozenset()
     offloaded: bool = False
     storage: str = ""
+    error: float | None = None
 
     @property
     def replay_flops(self) -> int:
@@ -93,6 +98,7 @@ class ReportRow:
             "saved_bytes": self.saved_bytes,
             "offloaded": self.offloaded,
             "storage": self.storage,
+            "error": self.error,
             "read_by": sorted(self.read_by),
             "replayed": self.replayed,
             "replay_flops": self.replay_flops,
@@ -210,7 +216,7 @@ class Report:
                 str(row.call.index),
                 row.call.name,
                 row.decision.name + (" (unused)" if row.saves_nothing else ""),
-                (format_bytes(row.saved_bytes) + (f" ({row.storage})" if row.storage not in ("", "device") else ""))
+                (format_bytes(row.saved_bytes) + _storage_label(row))
                 if row.saved
                 else "rng state"
                 if row.rng_state_kept
@@ -258,3 +264,9 @@ class Report:
                 "none of their outputs; saving them keeps nothing"
             )
         return "\n".join(lines)
+
+
+def _storage_label(row: ReportRow) -> str:
+    if row.storage in ("", "device"):
+        return ""
+    return f" ({row.storage}{'' if row.error is None else f', error {row.error:.3g}'})"

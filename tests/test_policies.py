@@ -75,8 +75,11 @@ def test_decision_names():
     assert remat.SAVE is not remat.RECOMPUTE
     assert repr(remat.SAVE) == "remat.SAVE"
     assert repr(remat.RECOMPUTE) == "remat.RECOMPUTE"
-    assert set(remat.Decision) == {remat.SAVE, remat.RECOMPUTE, remat.OFFLOAD, remat.PACK}
+    exact = {remat.SAVE, remat.RECOMPUTE, remat.OFFLOAD, remat.PACK}
+    lossy = {remat.Decision.FLOAT16, remat.Decision.BFLOAT16, remat.Decision.FP8}
+    assert set(remat.Decision) == exact | lossy
     assert repr(remat.PACK) == "remat.PACK"
+    assert repr(remat.Decision.FP8) == "remat.Decision.FP8" and not hasattr(remat, "FP8")
 
 
 # --- constant policies ----------------------------------------------------------------------------

@@ -17,7 +17,9 @@ from remat._storage import BITS, DEVICE, HOST, Storage, storage_of
 def test_each_decision_names_its_storage() -> None:
     assert storage_of(remat.SAVE) is DEVICE and storage_of(remat.OFFLOAD) is HOST and storage_of(remat.PACK) is BITS
     assert storage_of(remat.RECOMPUTE) is None
-    assert [s.name for s in _storage.STORAGES] == ["device", "host", "bits"]
+    assert [s.name for s in _storage.STORAGES] == ["device", "host", "bits", "float16", "bfloat16", "fp8"]
+    assert [s.exact for s in _storage.STORAGES] == [True, True, True, False, False, False]
+    assert all(storage_of(s.decision) is s for s in _storage.STORAGES)
     assert DEVICE.device_bytes(100) == 100 and DEVICE.host_bytes(100) == 0
     assert HOST.device_bytes(100) == 0 and HOST.host_bytes(100) == 100 and HOST.ahead > 0
     h100 = remat.costs.DEVICES["h100"]
