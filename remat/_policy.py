@@ -211,7 +211,7 @@ def compress(policy: PolicyLike, format: str) -> Policy:
     >>> import torch, remat
     >>> from remat.policies import compress, save_everything
     >>> compress(save_everything, "fp8").plan(remat.trace(lambda x: x.sin().exp().sum(), torch.ones(64, 64)))
-    (remat.FP8, remat.FP8, remat.FP8)
+    (remat.Decision.FP8, remat.Decision.FP8, remat.Decision.FP8)
     """
     if format not in _FORMATS:
         raise ValueError(

@@ -206,3 +206,24 @@ def test_under_forward_mode_values_are_kept_as_they_are() -> None:
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
     (grad,) = torch.autograd.grad(checkpointed(x, w.requires_grad_()).sum(), w)  # first order: narrowed
     assert not torch.equal(grad, torch.autograd.grad(fn(x, w).sum(), w)[0])
+
+
+@pytest.mark.parametrize("how", ["compiled programs", "autocast"], ids=["compile", "autocast"])
+def test_compression_composes(how: str) -> None:
+    # Compiled, the programs store and load through the same functions, run eagerly between them: the
+    # gradients are those of the uncompiled checkpoint. Under autocast, bfloat16 values are kept in FP8.
+    inputs = _inputs()
+    policy = policies.compress(policies.save_everything, "fp8")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "autocast")
+    with autocast:
+        expected = _grads(remat.checkpoint(_mlp, policy=policy) if how != "autocast" else _mlp, inputs)[1]
+        compiled = remat.checkpoint(_mlp, policy=policy, compile="aot_eager" if how != "autocast" else False)
+        got = _grads(compiled, inputs)[1]
+        report = remat.report(_mlp, *inputs, policy=policy)
+    torch._dynamo.reset()
+    if how == "autocast":
+        assert any(row.storage == "fp8" and row.call.outputs[0].dtype is torch.bfloat16 for row in report.rows)
+        for g, e in zip(got, expected, strict=True):
+            assert (g - e).abs().max() <= 8 * ROUNDING["fp8"] * e.abs().max()
+    else:
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))

@@ -192,8 +192,71 @@ def test_an_in_place_collective_is_a_trace_error_that_names_the_functional_one(
     _assert_ran_on_every_rank(outcomes, "in-place collective")
 
 
+class _DropoutBlock(nn.Module):
+    """A ReLU MLP with dropout after the ReLU: the ReLU's output and the dropout's mask are packable."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.dropout(torch.relu(self.up(x)), 0.2, self.training))
+
+
+# Kept values in another storage than the device as they are: (policy, dtype, the storage a block keeps in).
+STORED = {
+    "pack": (policies.pack_everything, torch.float64, "bits"),
+    "fp8": (policies.compress(policies.save_everything, "fp8"), torch.float32, "fp8"),
+}
+
+
+def _train_stored(rank: int, wrapper: str, storage: str) -> None:
+    """Packed values give the wrapped model's losses and gradients exactly; FP8 ones its first loss exactly
+    (forward reads the values themselves) and gradients within FP8's rounding."""
+    policy, dtype, kind = STORED[storage]
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_DropoutBlock() for _ in range(2)]).to(dtype)
+    checkpointed = copy.deepcopy(plain)
+    remat.checkpoint_modules(checkpointed, _DropoutBlock, policy=policy)
+    example = torch.randn(2, 8, 32, dtype=dtype, requires_grad=True)
+    assert any(row.storage == kind for row in remat.report(checkpointed[0], example).rows)
+    runs = []
+    for model in (_wrap(plain, wrapper), _wrap(checkpointed, wrapper)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        generator = torch.Generator().manual_seed(rank)
+        torch.manual_seed(1 + rank)  # the same dropout masks in both runs
+        losses, grads = [], []
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            loss = model(torch.randn(2, 8, 32, dtype=dtype, generator=generator)).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            grads.append([_full(p.grad).clone() for p in model.parameters()])
+            optimizer.step()
+        runs.append((losses, grads))
+    (plain_losses, plain_grads), (losses, grads) = runs
+    assert losses[0] == plain_losses[0]
+    for step in range(STEPS):
+        for actual, expected in zip(grads[step], plain_grads[step], strict=True):
+            if kind == "bits":
+                assert torch.equal(actual, expected)
+            else:
+                torch.testing.assert_close(actual, expected, rtol=0.1, atol=0.02 * expected.abs().max().item())
+    if kind == "bits":
+        assert losses == plain_losses
+    else:
+        torch.testing.assert_close(losses, plain_losses, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("storage", list(STORED))
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_packed_and_compressed_values_under_the_wrapper(outcomes: dict[Any, str], wrapper: str, storage: str) -> None:
+    _assert_ran_on_every_rank(outcomes, f"{wrapper}-{storage}")
+
+
 CASES: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
     **{f"{w}-{p}": (_train, (w, p)) for w in WRAPPERS for p in POLICIES},
+    **{f"{w}-{s}": (_train_stored, (w, s)) for w in WRAPPERS for s in STORED},
     "collectives": (_collective_case, ()),
     "in-place collective": (_in_place_collective_case, ()),
 }

@@ -310,3 +310,49 @@ def test_fit_packs_where_it_replays_less_and_holds_its_target(block: type[torch.
     assert any(remat.PACK in b.decisions for b in plan.blocks)
     assert plan.replay_cost < unpacked.replay_cost
     assert not any(remat.PACK in b.decisions for b in unpacked.blocks)
+
+
+class _Cube(torch.autograd.Function):
+    """A custom Function between the packed values: its forward keeps its input itself."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * grad
+
+
+def _with_a_custom_function(x: torch.Tensor) -> torch.Tensor:
+    return F.dropout(_Cube.apply(F.relu(x.sin())), 0.3, training=True).exp()
+
+
+def _gradients(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, autocast: bool = False
+) -> list[torch.Tensor]:
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = fn(x)
+    (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    return [out.detach(), grad]
+
+
+@pytest.mark.parametrize(
+    "how", ["autocast", "compiled programs", "custom Function"], ids=["autocast", "compile", "function"]
+)
+def test_packing_composes(how: str) -> None:
+    fn = _with_a_custom_function if how == "custom Function" else _relu
+    x = torch.randn(16, 32)
+    checkpointed = remat.checkpoint(
+        fn, policy=policies.pack_everything, compile="aot_eager" if how == "compiled programs" else False
+    )
+    expected = _gradients(fn, x, autocast=how == "autocast")
+    got = _gradients(checkpointed, x, autocast=how == "autocast")
+    torch._dynamo.reset()
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    report = remat.report(fn, x.requires_grad_(), policy=policies.pack_everything)
+    assert any(row.storage == "bits" for row in report.rows)
