@@ -30,6 +30,7 @@ BENCHMARKS = {
     "offload": "benchmarks.offload",
     "fp8-scales": "benchmarks.fp8_scales",
     "lossy-training": "benchmarks.lossy_training",
+    "compression": "benchmarks.compression",
     "startup": "benchmarks.startup",
     "models": "benchmarks.models",
     "torch-func": "benchmarks.transform_table",

@@ -353,6 +353,30 @@ def test_fit_benchmark_keeps_every_plan_within_its_target_and_renders_the_compar
         assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_compression_benchmark_packs_within_each_target_and_says_where_it_saves_nothing(tmp_path: Path) -> None:
+    pytest.importorskip("highspy")
+    from benchmarks import compression
+
+    out = tmp_path / "compression-cpu.json"
+    compression.main(["--small", "--targets", "2", "--repeats", "1", "--batches", "2", "3", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [case["name"] for case in result["cases"]] == ["gpt-dropout", "relu-mlp"]
+    for case in result["cases"]:
+        fitted = [row for row in case["rows"] if row["method"].startswith("fit")]
+        assert len(fitted) == 4  # two targets, with and without packing
+        for row in fitted:
+            assert row["peak_bytes"] <= row["target_bytes"]
+            assert abs(row["predicted_peak_bytes"] - row["peak_bytes"]) <= 0.05 * row["peak_bytes"]
+            assert (row["packed_calls"] > 0) == (row["method"] == "fit")
+        kinds = case["bytes"]
+        assert kinds["packed_bytes"] < kinds["kept_bytes"]
+        assert "dropout masks (Bernoulli draws, scaled)" in kinds["freed_by_kind"]
+    relu = result["cases"][1]["bytes"]["freed_by_kind"]
+    assert relu["read through a test (ReLU's output)"] > 0
+    assert result["convolution"]["packed_bytes"] == result["convolution"]["kept_bytes"]  # nothing to pack
+    assert "| fit |" in out.with_suffix(".md").read_text()
+
+
 def test_the_gpu_script_runs_its_stages_at_a_toy_size_on_the_cpu(tmp_path: Path) -> None:
     # `benchmarks/gpu.sh` runs as-is where a GPU is lent; its dry run keeps it from rotting in between.
     pytest.importorskip("highspy")
