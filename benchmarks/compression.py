@@ -34,9 +34,9 @@ from torch import nn
 import remat
 from remat import policies
 
-from .fit import MIB, Case, Row, measure_peak, time_rows
+from .fit import MIB, Case, LanguageModel, Row, best_within, measure_peak, time_rows
 from .harness import environment
-from .workloads import Embedding, Head, ResidualConv
+from .workloads import ResidualConv
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -77,20 +77,6 @@ class ReluBlock(nn.Module):
         return x + self.down(F.dropout(F.relu(self.up(self.norm(x))), self.p, self.training))
 
 
-class LanguageModel(nn.Module):
-    def __init__(self, blocks: Sequence[nn.Module], dim: int, vocab: int, length: int):
-        super().__init__()
-        self.embedding = Embedding(vocab, length, dim)
-        self.blocks = nn.ModuleList(blocks)
-        self.head = Head(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        h = self.embedding(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h, targets)
-
-
 def _tokens(vocab: int, length: int) -> Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]]:
     def make(size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
         tokens = torch.randint(vocab, (size, length + 1), generator=torch.Generator().manual_seed(size))
@@ -102,7 +88,7 @@ def _tokens(vocab: int, length: int) -> Callable[[int], tuple[tuple[Any, ...], d
 def gpt_dropout(small: bool) -> Case:
     layers, dim, heads, vocab, length, batch = (2, 32, 4, 64, 16, 2) if small else (4, 128, 4, 256, 128, 4)
     torch.manual_seed(0)
-    model = LanguageModel([DropoutBlock(dim, heads) for _ in range(layers)], dim, vocab, length)
+    model = LanguageModel(layers, dim, heads, vocab, length, lambda: DropoutBlock(dim, heads))
     description = f"{layers}-layer GPT-2-shaped model with attention and residual dropout 0.1, d={dim}, T={length}"
     return Case("gpt-dropout", description, model, DropoutBlock, _tokens(vocab, length), batch, lambda loss: loss)
 
@@ -110,7 +96,7 @@ def gpt_dropout(small: bool) -> Case:
 def relu_mlp(small: bool) -> Case:
     layers, dim, vocab, length, batch = (2, 32, 64, 16, 2) if small else (4, 256, 256, 128, 4)
     torch.manual_seed(0)
-    model = LanguageModel([ReluBlock(dim) for _ in range(layers)], dim, vocab, length)
+    model = LanguageModel(layers, dim, 1, vocab, length, lambda: ReluBlock(dim))
     description = f"{layers} ReLU MLP blocks (ReLU, dropout 0.1, linear), d={dim}, hidden {4 * dim}, T={length}"
     return Case("relu-mlp", description, model, ReluBlock, _tokens(vocab, length), batch, lambda loss: loss)
 
@@ -238,23 +224,9 @@ def largest_batch(case: Case, repeats: int, batches: Sequence[int], log: Callabl
     ]
     results = []
     for row in rows:
-        best: dict[str, Any] | None = None
-        largest = None
-        for size in batches:
-            args, kwargs = case.batch(size)
-            try:
-                peak = measure_peak(case, row, args, kwargs, cpu)
-            except ValueError:  # no plan within the memory at this batch
-                break
-            if peak > memory:
-                break
-            largest = size
-            time_rows(case, [row], args, kwargs, cpu, repeats)
-            throughput = size / row.measured["step_s"]
-            if best is None or throughput > best["samples_per_s"]:
-                best = {"batch": size, "peak_bytes": peak, "samples_per_s": throughput}
-        log(f"  within eager's batch-{batches[0]} peak, {row.method}: largest batch {largest}, best {best}")
-        results.append({"method": row.method, "largest_batch": largest, **(best or {"batch": None})})
+        result = best_within(case, row, memory, batches, cpu, repeats)
+        log(f"  within eager's batch-{batches[0]} peak: {result}")
+        results.append(result)
     return {"memory_bytes": memory, "batches": list(batches), "rows": results}
 
 

@@ -70,12 +70,15 @@ FRACTIONS = (0.25, 0.5, 0.75)
 
 
 class LanguageModel(nn.Module):
-    """GPT-2-shaped: embeddings, `layers` blocks, a head with the cross-entropy loss."""
+    """GPT-2-shaped: embeddings, `layers` blocks (`block()`, by default GPT-2's), a head with the cross-entropy
+    loss."""
 
-    def __init__(self, layers: int, dim: int, heads: int, vocab: int, length: int):
+    def __init__(
+        self, layers: int, dim: int, heads: int, vocab: int, length: int, block: Callable[[], nn.Module] | None = None
+    ):
         super().__init__()
         self.embedding = Embedding(vocab, length, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList((block or (lambda: Block(dim, heads)))() for _ in range(layers))
         self.head = Head(dim, vocab)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -399,29 +402,33 @@ def largest_batch(
     rows.append(_whole(case, memory))
     results = []
     for row in rows:
-        best: dict[str, Any] | None = None
-        largest = None
-        for size in batches:
-            args, kwargs = case.batch(size)
-            try:
-                peak = measure_peak(case, row, args, kwargs, device)
-            except ValueError:  # a planner that finds no plan within the memory at this batch
-                break
-            if peak > memory:
-                break
-            largest = size
-            time_rows(case, [row], args, kwargs, device, repeats)
-            throughput = size / row.measured["step_s"]
-            if best is None or throughput > best["samples_per_s"]:
-                best = {
-                    "batch": size,
-                    "peak_bytes": peak,
-                    "samples_per_s": throughput,
-                    "spread": row.measured["spread"],
-                }
-        log(f"  {row.method}: {best}")
-        results.append({"method": row.method, "largest_batch": largest, **(best or {"batch": None})})
+        result = best_within(case, row, memory, batches, device, repeats)
+        log(f"  {row.method}: {result}")
+        results.append(result)
     return {"memory_bytes": memory, "batches": list(batches), "rows": results}
+
+
+def best_within(
+    case: Case, row: Row, memory: int, batches: Sequence[int], device: torch.device, repeats: int
+) -> dict[str, Any]:
+    """`row`'s largest batch of `batches` (in increasing order) whose measured peak is within `memory`, and
+    its best samples per second among those."""
+    best: dict[str, Any] | None = None
+    largest = None
+    for size in batches:
+        args, kwargs = case.batch(size)
+        try:
+            peak = measure_peak(case, row, args, kwargs, device)
+        except ValueError:  # a planner that finds no plan within the memory at this batch
+            break
+        if peak > memory:
+            break
+        largest = size
+        time_rows(case, [row], args, kwargs, device, repeats)
+        throughput = size / row.measured["step_s"]
+        if best is None or throughput > best["samples_per_s"]:
+            best = {"batch": size, "peak_bytes": peak, "samples_per_s": throughput, "spread": row.measured["spread"]}
+    return {"method": row.method, "largest_batch": largest, **(best or {"batch": None})}
 
 
 # --- under torch.compile --------------------------------------------------------------------------

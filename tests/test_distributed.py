@@ -107,25 +107,31 @@ def _full(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
 
 
+def _steps(model: nn.Module, rank: int, dtype: torch.dtype) -> tuple[list[float], list[list[torch.Tensor]]]:
+    """STEPS steps of SGD on the rank's batches: each step's loss and full gradients. The generator is
+    seeded first, so that two runs draw the same dropout masks."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(rank)
+    torch.manual_seed(1 + rank)
+    losses, grads = [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(torch.randn(2, 8, 32, dtype=dtype, generator=generator)).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([_full(p.grad).clone() for p in model.parameters()])
+        optimizer.step()
+    return losses, grads
+
+
 def _train(rank: int, wrapper: str, policy_name: str) -> None:
     torch.manual_seed(0)
     plain = nn.Sequential(*[models.GPT2Block(seed=i) for i in range(2)]).to(DTYPE)
     checkpointed = copy.deepcopy(plain)
     remat.checkpoint_modules(checkpointed, models.GPT2Block, policy=POLICIES[policy_name])
-    runs = []
-    for model in (_wrap(plain, wrapper), _wrap(checkpointed, wrapper)):
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        generator = torch.Generator().manual_seed(rank)
-        losses, grads = [], []
-        for _ in range(STEPS):
-            optimizer.zero_grad()
-            loss = model(torch.randn(2, 8, 32, dtype=DTYPE, generator=generator)).square().mean()
-            loss.backward()
-            losses.append(loss.item())
-            grads.append([_full(p.grad).clone() for p in model.parameters()])
-            optimizer.step()
-        runs.append((losses, grads))
-    (plain_losses, plain_grads), (losses, grads) = runs
+    (plain_losses, plain_grads), (losses, grads) = (
+        _steps(_wrap(model, wrapper), rank, DTYPE) for model in (plain, checkpointed)
+    )
     # remat really ran inside the wrapper: every block was traced, and later steps hit its cache.
     for block in checkpointed:
         info = block.forward.cache_info()
@@ -220,21 +226,9 @@ def _train_stored(rank: int, wrapper: str, storage: str) -> None:
     remat.checkpoint_modules(checkpointed, _DropoutBlock, policy=policy)
     example = torch.randn(2, 8, 32, dtype=dtype, requires_grad=True)
     assert any(row.storage == kind for row in remat.report(checkpointed[0], example).rows)
-    runs = []
-    for model in (_wrap(plain, wrapper), _wrap(checkpointed, wrapper)):
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        generator = torch.Generator().manual_seed(rank)
-        torch.manual_seed(1 + rank)  # the same dropout masks in both runs
-        losses, grads = [], []
-        for _ in range(STEPS):
-            optimizer.zero_grad()
-            loss = model(torch.randn(2, 8, 32, dtype=dtype, generator=generator)).square().mean()
-            loss.backward()
-            losses.append(loss.item())
-            grads.append([_full(p.grad).clone() for p in model.parameters()])
-            optimizer.step()
-        runs.append((losses, grads))
-    (plain_losses, plain_grads), (losses, grads) = runs
+    (plain_losses, plain_grads), (losses, grads) = (
+        _steps(_wrap(model, wrapper), rank, dtype) for model in (plain, checkpointed)
+    )
     assert losses[0] == plain_losses[0]
     for step in range(STEPS):
         for actual, expected in zip(grads[step], plain_grads[step], strict=True):
