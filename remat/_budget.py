@@ -19,7 +19,7 @@ from ._calls import Decision, Trace, Value
 from ._decide import is_collective
 from ._peak import peak_of
 from ._rules import COPIED, KEPT, RECOMPUTED, REPLAYED, SAVED, STATE, Atom, rules_of
-from ._storage import BITS, HOST
+from ._storage import BITS, HOST, Storage
 from ._value_graph import ValueGraph
 from .costs import Device, estimate_seconds, resolve_device
 
@@ -67,15 +67,18 @@ __all__ = [
 # the backward's compute of the calls after j (twice their forward). The exposed
 # copy time e_f + e_b is added to the replay cost, both in seconds.
 #
-# With packing allowed, a kept value that bits hold exactly (NOTE [values kept as
-# bits]) may be kept packed (y_v = 1, y_v <= k_v, or <= d_v with offload; for a
-# value that comes back as a stand-in, y_v + r_c <= 1 and y_v + p_c - p_u <= 1 for
-# each call c reading it, u making it, which would need the value itself): the
-# budget counts its packed bytes (bytes_v k_v - shrink_v y_v), and the objective
-# adds the memory-bound passes that pack and unpack it (seconds on the roofline's
-# device; with FLOPs, none: a tie the 1e-9 breaks, so a plan packs only where the
-# bytes it frees buy fewer replays). A call with a packed value is PACK, which
-# packs every such value it keeps: never more bytes than the program counts.
+# With storages of fewer device bytes allowed (bits, where that is exact: NOTE
+# [values kept as bits]; a narrower format, where the user allows it: NOTE [values
+# kept lossy]), a kept value that storage S holds may be kept so (y_vS = 1,
+# y_vS <= k_v, or <= d_v with offload; for a value that comes back as a stand-in
+# or rounded, y_vS + r_c <= 1 and y_vS + p_c - p_u <= 1 for each call c reading
+# it, u making it, which would need the value itself): the budget counts its
+# stored bytes (bytes_v k_v - shrink_vS y_vS), and the objective adds the
+# memory-bound passes that store and load it (seconds on the roofline's device;
+# with FLOPs, none: a tie the 1e-9 breaks, so a plan shrinks only where the bytes
+# it frees buy fewer replays). A call's decision names one storage (with several:
+# y_vS <= u_cS, sum over S of u_cS <= 1), which keeps every value of the call it
+# holds so: never more bytes than the program counts.
 #
 # The exact mode solves it with HiGHS's branch and bound; the fast mode solves its
 # LP relaxation, rounds the saves, and repairs the result with `_accounting.account`, whose
@@ -129,37 +132,42 @@ class HostLink:
 
 
 @dataclasses.dataclass(frozen=True)
-class Packing:
-    """What keeping each packable value as bits frees and costs (NOTE [the budget problem])."""
+class Shrinking:
+    """What keeping each kept value in a storage of fewer device bytes (bits, a narrower format) frees and
+    costs (NOTE [the budget problem]), by (value, storage)."""
 
-    shrink: Mapping[Value, int]  # bytes freed
-    cost: Mapping[Value, float]  # in the cost unit: seconds on the roofline's device, 0 with FLOPs
+    shrink: Mapping[tuple[Value, Storage], int]  # bytes freed
+    cost: Mapping[tuple[Value, Storage], float]  # in the cost unit: seconds on the roofline's device, 0 with FLOPs
     device: Device | None
-    stand_ins: frozenset[Value] = frozenset()  # come back as stand-ins, which no replay may read
+    stand_ins: frozenset[tuple[Value, Storage]] = frozenset()  # come back as stand-ins, which no replay may read
+    storages: tuple[Storage, ...] = ()
 
     @staticmethod
-    def of(trace: Trace, cost: str) -> Packing:
+    def of(trace: Trace, cost: str, storages: Sequence[Storage] = (BITS,)) -> Shrinking:
         graph = trace.values
         assert graph is not None
         device = None if cost == "flops" else resolve_device(cost.removeprefix("roofline:"))
         shrink, costs = {}, {}
         for value, node in graph.nodes.items():
-            if value[0] < 0 or value in graph.returned or not BITS.can_hold(node):
+            if value[0] < 0 or value in graph.returned:
                 continue
-            nbytes = graph.nbytes[value]
-            freed = nbytes - BITS.device_bytes(nbytes, node.meta.get("val"))
-            if freed > 0:
-                shrink[value] = freed
-                costs[value] = 0.0 if device is None else 2 * BITS.move_seconds(device, nbytes)
-        stand_ins = frozenset(v for v in shrink if not BITS.can_hold(graph.nodes[v], read_again=True))
-        return Packing(shrink, costs, device, stand_ins)
+            for storage in storages:
+                if not storage.can_hold(node):
+                    continue
+                nbytes = graph.nbytes[value]
+                freed = nbytes - storage.device_bytes(nbytes, node.meta.get("val"))
+                if freed > 0:
+                    shrink[value, storage] = freed
+                    costs[value, storage] = 0.0 if device is None else 2 * storage.move_seconds(device, nbytes)
+        stand_ins = frozenset(k for k in shrink if not k[1].can_hold(graph.nodes[k[0]], read_again=True))
+        return Shrinking(shrink, costs, device, stand_ins, tuple(storages))
 
     def cost_of(self, accounting: Accounting) -> float:
-        """The packing and unpacking `accounting`'s decisions do, in the cost unit."""
+        """The storing and loading `accounting`'s decisions do in these storages, in the cost unit."""
         if self.device is None:
             return 0.0
-        packed = (kept for kept in accounting.kept_by_call.values() if kept.storage is BITS and kept.stored_nbytes)
-        return sum(2 * BITS.move_seconds(self.device, kept.stored_nbytes) for kept in packed)
+        shrunk = (k for k in accounting.kept_by_call.values() if k.storage in self.storages and k.stored_nbytes)
+        return sum(2 * kept.storage.move_seconds(self.device, kept.stored_nbytes) for kept in shrunk)
 
 
 def call_costs(trace: Trace, cost: str) -> list[float]:
@@ -180,7 +188,7 @@ class _Program:
         costs: Sequence[float],
         forced: frozenset[int] = frozenset(),
         link: HostLink | None = None,
-        packing: Packing | None = None,
+        shrinking: Shrinking | None = None,
     ):
         n = len(costs)
         self.n = n
@@ -205,9 +213,9 @@ class _Program:
         self.link = link
         if link is not None:
             self._offload(link)
-        self._packed_index: dict[Value, int] = {}
-        if packing is not None:
-            self._pack(packing)
+        self._shrunk_index: dict[tuple[Value, Storage], int] = {}
+        if shrinking is not None:
+            self._shrink(shrinking)
         scale = max(costs, default=0.0) or 1.0
         # Replay cost first; among equal costs, fewer saves (a tiny tie-break, well below any real cost).
         self.objective = np.zeros(self.size)
@@ -216,8 +224,8 @@ class _Program:
         if link is not None:  # exposed copy time, in the same seconds; offload only where it helps
             self.objective[self._exposed : self._exposed + 2] = 1 / scale
             self.objective[self._o(0) : self._o(0) + n] = 1e-9
-        for value, j in self._packed_index.items():  # pack only where it helps
-            self.objective[j] = packing.cost[value] / scale + 1e-9  # type: ignore[union-attr]
+        for key, j in self._shrunk_index.items():  # shrink only where it helps
+            self.objective[j] = shrinking.cost[key] / scale + 1e-9  # type: ignore[union-attr]
         self.scale = scale
 
     # The columns of each variable.
@@ -269,17 +277,18 @@ class _Program:
                 self._row({self._queued + j: 1, e: -1}, backward_factor * after)
             after += link.compute[j]
 
-    def _pack(self, packing: Packing) -> None:
-        """Variables and rows of packing: see NOTE [the budget problem]."""
-        for value, freed in packing.shrink.items():
+    def _shrink(self, shrinking: Shrinking) -> None:
+        """Variables and rows of keeping values in fewer bytes: see NOTE [the budget problem]."""
+        chosen: dict[tuple[int, Storage], int] = {}  # (call, storage) -> u_{c,S}, where storages compete
+        for (value, storage), freed in shrinking.shrink.items():
             kept = self._column.get(Atom(KEPT, value))
             if kept is None:
                 continue
-            j = self._packed_index[value] = self.size
+            j = self._shrunk_index[value, storage] = self.size
             self.size += 1
             self._row({j: 1, self._device_index[value] if self.link is not None else kept: -1}, 0)
             self.budget_row[j] = -float(freed)
-            if value in packing.stand_ins:  # no replay reads it, nor a recomputation as it was kept
+            if (value, storage) in shrinking.stand_ins:  # no replay reads it, nor a recomputation as it was kept
                 recomputed = self._column.get(Atom(RECOMPUTED, value[0]))
                 for c in (c for c, reads in enumerate(self.graph.reads) if value in reads):
                     self._row({j: 1, self._column[Atom(REPLAYED, c)]: 1}, 1)
@@ -288,18 +297,25 @@ class _Program:
                         if recomputed is not None:
                             row[recomputed] = -1.0
                         self._row(row, 1)
+            if len(shrinking.storages) > 1:  # a call's decision names one storage
+                if (value[0], storage) not in chosen:
+                    chosen[value[0], storage] = self.size
+                    self.size += 1
+                self._row({j: 1, chosen[value[0], storage]: -1}, 0)
+        for c in {c for c, _ in chosen}:
+            self._row({u: 1 for (call, _), u in chosen.items() if call == c}, 1)
 
     def decisions(self, solution: np.ndarray) -> tuple[Decision, ...]:
-        """The decisions of a solution: SAVE, PACK or OFFLOAD (saved, and packed or offloaded) or
-        RECOMPUTE per call."""
-        packed = {value[0] for value, j in self._packed_index.items() if solution[j] > 0.5}
+        """The decisions of a solution: SAVE, OFFLOAD, or the decision of the storage its kept values shrink
+        into (PACK, a narrower format), or RECOMPUTE, per call."""
+        shrunk = {value[0]: storage for (value, storage), j in self._shrunk_index.items() if solution[j] > 0.5}
 
         def decision(c: int) -> Decision:
             if solution[self._s(c)] <= 0.5:
                 return Decision.RECOMPUTE
             if self.link is not None and solution[self._o(c)] > 0.5:
                 return Decision.OFFLOAD
-            return Decision.PACK if c in packed else Decision.SAVE
+            return shrunk[c].decision if c in shrunk else Decision.SAVE
 
         return tuple(decision(c) for c in range(self.n))
 
@@ -334,7 +350,9 @@ class _Program:
 FAST_TIME_LIMIT = 0.5
 
 
-def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = False, pack: bool = False) -> Plan:
+def solve(
+    trace: Trace, budget: int, cost: str, exact: bool, offload: bool = False, shrink: Sequence[Storage] = ()
+) -> Plan:
     """The cheapest decisions for `trace` whose kept bytes (on the device) are at most `budget`.
 
     Exact: branch and bound to optimality. Fast: branch and bound for at most
@@ -342,15 +360,16 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
     its bound starting from the LP relaxation's; if that finds nothing, the LP relaxation (a
     lower bound on the optimum) rounded and repaired (without offloading). With `offload`, a
     kept call may be kept in host memory, at the copy time the roofline `cost` device's host
-    link leaves exposed. With `pack`, a kept value that bits hold exactly may be kept packed.
+    link leaves exposed. A kept value that a storage of `shrink` holds in fewer device bytes (bits,
+    exactly; a narrower format) may be kept so.
     """
     assert trace.values is not None
     started = time.perf_counter()
     costs = call_costs(trace, cost)
     link = HostLink.of(trace, cost) if offload else None
-    packing = Packing.of(trace, cost) if pack else None
+    shrinking = Shrinking.of(trace, cost, shrink) if shrink else None
     forced = frozenset(call.index for call in trace if is_collective(call))
-    program = _Program(trace.values, costs, forced, link, packing)
+    program = _Program(trace.values, costs, forced, link, shrinking)
     candidates: list[tuple[Decision, ...]] = []
     solution: np.ndarray | None
     if not len(trace):  # nothing to decide (a function of views only); HiGHS refuses empty programs
@@ -362,7 +381,7 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
         if solution is None:  # out of time, or infeasible: the relaxation tells which
             relaxed, relaxed_bound = program.solve(budget, integral=False)
             if relaxed is None:
-                raise InfeasibleBudget(minimum_bytes(trace, link, packing))
+                raise InfeasibleBudget(minimum_bytes(trace, link, shrinking))
             bound = max(bound, relaxed_bound)
             deadline = time.perf_counter() + FAST_TIME_LIMIT
             saved = set(forced) | _round_and_repair(trace, costs, relaxed[: program.n], budget, deadline)
@@ -372,15 +391,15 @@ def solve(trace: Trace, budget: int, cost: str, exact: bool, offload: bool = Fal
     # Offloading where the device has room is a tie the objective breaks by 1e-9, below the solver's
     # tolerance: each plan on the device wins a tie with the same plan offloaded.
     candidates += [_on_device(d) for d in candidates if Decision.OFFLOAD in d]
-    candidates += [_unpacked(d) for d in candidates if Decision.PACK in d]  # likewise for packing
+    candidates += [_unshrunk(d) for d in candidates if set(d) & {s.decision for s in shrink}]  # likewise
     scored = []
     for decisions in candidates:
         accounting = account_for(trace, decisions)
         if accounting.saved_bytes <= budget:
-            total = replay_cost(accounting, costs, link) + (packing.cost_of(accounting) if packing else 0.0)
+            total = replay_cost(accounting, costs, link) + (shrinking.cost_of(accounting) if shrinking else 0.0)
             scored.append((total, sum(d.keeps for d in decisions), len(stored_calls(decisions)), decisions, accounting))
     if not scored:
-        raise InfeasibleBudget(minimum_bytes(trace, link, packing))
+        raise InfeasibleBudget(minimum_bytes(trace, link, shrinking))
     total, _, _, decisions, accounting = min(scored, key=lambda score: score[:3])
     return Plan(
         decisions=decisions,
@@ -396,8 +415,8 @@ def _on_device(decisions: tuple[Decision, ...]) -> tuple[Decision, ...]:
     return tuple(Decision.SAVE if d is Decision.OFFLOAD else d for d in decisions)
 
 
-def _unpacked(decisions: tuple[Decision, ...]) -> tuple[Decision, ...]:
-    return tuple(Decision.SAVE if d is Decision.PACK else d for d in decisions)
+def _unshrunk(decisions: tuple[Decision, ...]) -> tuple[Decision, ...]:
+    return tuple(d if d in (Decision.RECOMPUTE, Decision.OFFLOAD) else Decision.SAVE for d in decisions)
 
 
 def _saving(saved: set[int], n: int) -> tuple[Decision, ...]:
@@ -452,14 +471,14 @@ def replay_cost(accounting: Accounting, costs: Sequence[float], link: HostLink |
     return replay + link.exposed_seconds(host)
 
 
-def minimum_bytes(trace: Trace, link: HostLink | None = None, packing: Packing | None = None) -> int:
+def minimum_bytes(trace: Trace, link: HostLink | None = None, shrinking: Shrinking | None = None) -> int:
     """The fewest device bytes any decisions for `trace` keep (offloading too, given a host `link`;
-    packing too, given `packing`)."""
+    in fewer bytes too, given `shrinking`)."""
     assert trace.values is not None
     forced = frozenset(call.index for call in trace if is_collective(call))
     if not len(trace):
         return account(trace, set()).saved_bytes
-    program = _Program(trace.values, [0.0] * len(trace), forced, link, packing)
+    program = _Program(trace.values, [0.0] * len(trace), forced, link, shrinking)
     objective = np.zeros(program.size)
     for j, a in program.budget_row.items():
         objective[j] = a
@@ -492,7 +511,7 @@ PEAK_CANDIDATES = 16  # byte budgets tried, evenly spaced
 
 
 def solve_peak(
-    trace: Trace, peak_bytes: int, cost: str, exact: bool, offload: bool = False, pack: bool = False
+    trace: Trace, peak_bytes: int, cost: str, exact: bool, offload: bool = False, shrink: Sequence[Storage] = ()
 ) -> Plan:
     """The cheapest of the byte-budget planner's plans, and of saving everything and saving nothing,
     whose predicted peak is at most `peak_bytes`."""
@@ -501,11 +520,11 @@ def solve_peak(
     costs = call_costs(trace, cost)
     forced = {call.index for call in trace if is_collective(call)}
     link = HostLink.of(trace, cost) if offload else None
-    packing = Packing.of(trace, cost) if pack else None
-    low, high = minimum_bytes(trace, link, packing), account(trace, range(len(trace))).saved_bytes
+    shrinking = Shrinking.of(trace, cost, shrink) if shrink else None
+    low, high = minimum_bytes(trace, link, shrinking), account(trace, range(len(trace))).saved_bytes
     budgets = sorted({low + (high - low) * i // (PEAK_CANDIDATES - 1) for i in range(PEAK_CANDIDATES)})
     candidates = [_plan_of(trace, costs, forced), _plan_of(trace, costs, set(range(len(trace))))]
-    candidates += [solve(trace, budget, cost, exact, offload, pack) for budget in budgets]
+    candidates += [solve(trace, budget, cost, exact, offload, shrink) for budget in budgets]
     best: tuple[float, int, Plan] | None = None
     peaks: dict[tuple[Decision, ...], int] = {}  # candidates often repeat a plan: partition each once
     for plan in candidates:
@@ -517,7 +536,7 @@ def solve_peak(
     if best is None:
         raise InfeasiblePeak(min(peaks.values()))
     _, peak, plan = best
-    bound = solve(trace, min(peak_bytes, high), cost, exact, offload, pack).lower_bound
+    bound = solve(trace, min(peak_bytes, high), cost, exact, offload, shrink).lower_bound
     return dataclasses.replace(
         plan, lower_bound=min(plan.cost, bound), seconds=time.perf_counter() - started, peak_bytes=peak
     )

@@ -28,7 +28,6 @@ from ._engine import SavedTensors, engine_runs_on, walked_backward
 from ._gpu import attention_as_on_the_gpu
 from ._measure import storage_nbytes
 from ._peak import peak_of
-from ._storage import BITS
 from .report import Peak
 
 __all__ = ["BlockPlan", "Fit", "StepReport", "fit"]
@@ -204,17 +203,21 @@ FRACTIONS = tuple(k / 10 for k in range(1, 10))
 BYTE_BUDGETS = 16  # as `budget(peak_bytes=...)` spreads them: see NOTE [planning for a peak]
 
 
-def candidates(trace: Trace, regions: Any, cost: str, exact: bool, pack: bool = True) -> list[_Candidate]:
+def candidates(
+    trace: Trace, regions: Any, cost: str, exact: bool, pack: bool = True, compress: str | None = None
+) -> list[_Candidate]:
     """The plans `fit` chooses among for one block's trace, each once (the first label it was found by).
-    The first is saving nothing, the probe step's plan. With `pack`, the budget planner's plans pack
-    (`remat.PACK`) where the bytes that frees buy fewer replays, and their cost counts the packing."""
+    The first is saving nothing, the probe step's plan. With `pack` (and `compress`), the budget planner's
+    plans keep values as bits (`remat.PACK`; and in the narrower format) where the bytes that frees buy
+    fewer replays, and their cost counts the storing and loading."""
     from . import policies
-    from ._budget import Packing, call_costs, minimum_bytes, replay_cost
+    from ._budget import Shrinking, call_costs, minimum_bytes, replay_cost
 
     assert trace.joint is not None, "a block's trace carries its graph, for peak predictions"
     costs = call_costs(trace, cost)
-    packing = Packing.of(trace, cost)
-    # Among plans of one replay cost, the one that packs less (with FLOPs, packing costs nothing).
+    shrink = policies.budget(fraction=1.0, pack=pack, compress=compress).shrink
+    shrinking = Shrinking.of(trace, cost, shrink)
+    # Among plans of one replay cost, the one that shrinks less (with FLOPs, storing costs nothing).
     tie = 1e-9 * (sum(costs) or 1.0)
     found: dict[tuple[Decision, ...], _Candidate] = {}
 
@@ -222,8 +225,10 @@ def candidates(trace: Trace, regions: Any, cost: str, exact: bool, pack: bool = 
         decisions = decide_nested(_Fixed(tuple(planned)), trace, regions)  # as the block will run them
         if decisions not in found:
             accounting = account_for(trace, decisions)
-            packed = sum(1 for kept in accounting.kept_by_call.values() if kept.storage is BITS and kept.stored_nbytes)
-            replay = replay_cost(accounting, costs) + packing.cost_of(accounting) + tie * packed
+            shrunk = sum(
+                1 for kept in accounting.kept_by_call.values() if kept.storage in shrink and kept.stored_nbytes
+            )
+            replay = replay_cost(accounting, costs) + shrinking.cost_of(accounting) + tie * shrunk
             # As the probe step measures it: NOTE [generator states in the peak].
             peak = peak_of(trace, decisions, generator_states=False)
             found[decisions] = _Candidate(label, decisions, replay, peak)
@@ -236,10 +241,12 @@ def candidates(trace: Trace, regions: Any, cost: str, exact: bool, pack: bool = 
     }
     for label, policy in builtins.items():
         add(label, decide(policy, trace))
-    budgets = [policies.budget(fraction=f, cost=cost, exact=exact, pack=pack) for f in FRACTIONS]
-    low, high = minimum_bytes(trace, packing=packing if pack else None), account(trace, range(len(trace))).saved_bytes
+    options = {"cost": cost, "exact": exact, "pack": pack, "compress": compress}
+    budgets = [policies.budget(fraction=f, **options) for f in FRACTIONS]  # type: ignore[arg-type]
+    low = minimum_bytes(trace, shrinking=shrinking if shrink else None)
+    high = account(trace, range(len(trace))).saved_bytes
     budgets += [
-        policies.budget(max_bytes=low + (high - low) * i // (BYTE_BUDGETS - 1), cost=cost, exact=exact, pack=pack)
+        policies.budget(max_bytes=low + (high - low) * i // (BYTE_BUDGETS - 1), **options)  # type: ignore[arg-type]
         for i in range(BYTE_BUDGETS)
     ]
     for budget in budgets:
@@ -489,6 +496,7 @@ def fit(
     exact: bool = False,
     device: str | torch.device | None = None,
     pack: bool = True,
+    compress: str | None = None,
 ) -> Fit:
     """Checkpoint the blocks of `model` that `which` selects, in place, with decisions chosen for the whole
     training step, so that its peak stays within `peak_bytes`, replaying as little as possible.
@@ -527,6 +535,9 @@ def fit(
             [planning on the meta device].
         pack: whether plans may keep values as bits where that is exact (`remat.PACK`, docs/storage.md),
             where the bytes it frees buy fewer replays.
+        compress: a narrower format plans may also keep values in, approximately, where that frees bytes
+            that buy fewer replays: `"float16"`, `"bfloat16"` or `"fp8"` (`remat.policies.compress`); None
+            (the default): never.
 
     Returns:
         A `remat.Fit`: the predicted peak, the plan of each block call, the step report.
@@ -546,10 +557,10 @@ def fit(
     >>> [block.name for block in plan.blocks]
     ['0', '1', '2', '3']
     """
-    _check_arguments(model, peak_bytes, loss, kwargs, optimizer, cost, exact, pack)
+    _check_arguments(model, peak_bytes, loss, kwargs, optimizer, cost, exact, pack, compress)
     target_device = _target_device(model, device)
     checkpoint_selected(model, which, _Planned, DEFAULT_CACHE_SIZE, False, "remat.fit")
-    planner = _Planner(model, peak_bytes, loss or _default_loss, optimizer, cost, exact, target_device, pack)
+    planner = _Planner(model, peak_bytes, loss or _default_loss, optimizer, cost, exact, target_device, pack, compress)
     model.__dict__["forward"] = _FittedForward(model, planner)
     try:
         return planner.fit(args, dict(kwargs or {}))
@@ -571,9 +582,10 @@ class _Planner:
         exact: bool,
         device: torch.device | None,
         pack: bool,
+        compress: str | None,
     ):
         self.model, self.target, self.loss, self.optimizer = model, target, loss, optimizer
-        self.cost, self.exact, self.pack = cost, exact, pack
+        self.cost, self.exact, self.pack, self.compress = cost, exact, pack, compress
         self.device = device  # the target of a model on meta (None: where it is)
         self.fits: LRUCache[Fit] = LRUCache(DEFAULT_CACHE_SIZE)
 
@@ -636,7 +648,15 @@ def _signature(args: Sequence[Any], kwargs: dict[str, Any], device: torch.device
 
 
 def _check_arguments(
-    model: Any, peak_bytes: Any, loss: Any, kwargs: Any, optimizer: Any, cost: Any, exact: Any, pack: Any
+    model: Any,
+    peak_bytes: Any,
+    loss: Any,
+    kwargs: Any,
+    optimizer: Any,
+    cost: Any,
+    exact: Any,
+    pack: Any,
+    compress: Any,
 ) -> None:
     from . import policies
 
@@ -654,7 +674,7 @@ def _check_arguments(
         if not isinstance(value, bool):
             raise TypeError(f"remat.fit: `{name}` must be True or False, but got {value!r}.")
     try:
-        policies.budget(max_bytes=0, cost=cost)
+        policies.budget(max_bytes=0, cost=cost, compress=compress)
     except ValueError as error:
         raise ValueError(str(error).replace("remat.policies.budget", "remat.fit")) from None
 
@@ -873,7 +893,9 @@ def _plan(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> Fit
         if key not in keys:
             keys[key] = len(groups)
             if id(call.trace) not in options:
-                options[id(call.trace)] = tuple(candidates(call.trace, call.regions, cost, exact, planner.pack))
+                options[id(call.trace)] = tuple(
+                    candidates(call.trace, call.regions, cost, exact, planner.pack, planner.compress)
+                )
             groups.append(_Group(call.name, policy, call.trace, options[id(call.trace)]))
         group_of.append(keys[key])
     rows = _rows(timeline, group_of, groups)

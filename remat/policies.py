@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._accounting import account
 from ._calls import Call, Decision, Trace, format_bytes, op_name
-from ._policy import Policy, compress, offload, pack, save_all_of, save_any_of, save_unless
+from ._policy import _FORMATS, Policy, compress, offload, pack, save_all_of, save_any_of, save_unless
 from ._policy import offload as _offload_policy  # `offload` is also an argument name below
 from ._sac import from_sac
 from ._torch import HigherOrderOperator, OpOverload, OpOverloadPacket
@@ -529,6 +529,15 @@ class Budget(Policy):
     peak_bytes: int | None = None
     offload: bool = False
     pack: bool = True
+    compress: str | None = None
+
+    @property
+    def shrink(self) -> tuple[Any, ...]:
+        """The storages of fewer device bytes it may keep values in: bits, a narrower format."""
+        from ._storage import BITS, storage_of
+
+        formats = () if self.compress is None else (storage_of(_FORMATS[self.compress]),)
+        return (BITS,) * self.pack + formats
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
         return self.solve(trace).decisions
@@ -550,7 +559,7 @@ class Budget(Policy):
         assert trace.dataflow is not None
         if self.peak_bytes is not None:
             try:
-                return solve_peak(trace, self.peak_bytes, self.cost, self.exact, self.offload, self.pack)
+                return solve_peak(trace, self.peak_bytes, self.cost, self.exact, self.offload, self.shrink)
             except InfeasiblePeak as error:
                 raise ValueError(
                     f"remat.policies.{self!r}: no plan found peaks as low as {format_bytes(self.peak_bytes)} "
@@ -563,7 +572,7 @@ class Budget(Policy):
             everything = account(trace, range(len(trace))).saved_bytes
             budget = math.floor(self.fraction * everything)  # type: ignore[operator]
         try:
-            return solve(trace, budget, self.cost, self.exact, self.offload, self.pack)
+            return solve(trace, budget, self.cost, self.exact, self.offload, self.shrink)
         except InfeasibleBudget as error:
             raise ValueError(
                 f"remat.policies.{self!r}: no decisions keep as few as {format_bytes(budget)} ({budget:,} bytes) "
@@ -587,7 +596,10 @@ class Budget(Policy):
             limit = f"fraction={self.fraction!r}"
         cost = "" if self.cost == "flops" else f", cost={self.cost!r}"
         options = f"{', exact=True' if self.exact else ''}{', offload=True' if self.offload else ''}"
-        return f"budget({limit}{cost}{options}{'' if self.pack else ', pack=False'})"
+        options += (
+            f"{'' if self.pack else ', pack=False'}{'' if self.compress is None else f', compress={self.compress!r}'}"
+        )
+        return f"budget({limit}{cost}{options})"
 
 
 def budget(
@@ -599,6 +611,7 @@ def budget(
     exact: bool = False,
     offload: bool = False,
     pack: bool = True,
+    compress: str | None = None,
 ) -> Budget:
     """Replay as little as possible while keeping at most a budget of bytes (a planner).
 
@@ -636,6 +649,9 @@ def budget(
             exactly (docs/storage.md), where the bytes that frees buy fewer replays than the
             packing costs (with `cost="roofline:<device>"`, its memory-bound passes; with
             FLOPs, nothing). `pack=False` keeps every kept value as it is.
+        compress: also choose this narrower format, approximately, where it helps:
+            `"float16"`, `"bfloat16"` or `"fp8"` (as `remat.policies.compress` keeps values;
+            docs/storage.md). None (the default): never; no planner compresses unless asked.
 
     Needs highspy, HiGHS's Python binding (`pip install highspy`, or `remat[planner]`).
 
@@ -673,6 +689,11 @@ def budget(
             "remat.policies.budget: offload=True weighs copies against replays in seconds, so it needs "
             "cost='roofline:<device>' (such as 'roofline:h100'), whose host bandwidth times the copies."
         )
+    if compress is not None and compress not in _FORMATS:
+        raise ValueError(
+            f"remat.policies.budget: `compress` must be None or one of {', '.join(map(repr, _FORMATS))}, "
+            f"but got {compress!r}."
+        )
     return Budget(
         max_bytes,
         None if fraction is None else float(fraction),
@@ -681,4 +702,5 @@ def budget(
         peak_bytes,
         bool(offload),
         bool(pack),
+        compress,
     )

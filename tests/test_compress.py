@@ -227,3 +227,48 @@ def test_compression_composes(how: str) -> None:
             assert (g - e).abs().max() <= 8 * ROUNDING["fp8"] * e.abs().max()
     else:
         assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+class _MLPBlock(torch.nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.ln, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.dropout(F.gelu(self.up(self.ln(x))), 0.1, training=True))
+
+
+@pytest.mark.parametrize("format", ["bfloat16", "fp8"])
+def test_the_budget_compresses_only_when_allowed_where_it_buys_fewer_replays(format: str) -> None:
+    x = torch.randn(256, 32)
+    trace = remat.trace(_MLPBlock(), x)
+    budget = int(0.3 * remat.report(_MLPBlock(), x, policy=policies.save_everything).saved_bytes)
+    allowed = policies.budget(max_bytes=budget, compress=format)
+    plan, exact = allowed.solve(trace), policies.budget(max_bytes=budget).solve(trace)
+    assert remat.Decision[format.upper()] in plan.decisions and plan.cost < exact.cost
+    assert remat.Decision[format.upper()] not in exact.decisions
+    assert remat.report(_MLPBlock(), x, policy=allowed).saved_bytes == plan.saved_bytes <= budget
+    assert repr(allowed) == f"budget(max_bytes={budget}, compress={format!r})"
+    with pytest.raises(ValueError, match="`compress` must be None or one of 'float16', 'bfloat16', 'fp8'"):
+        policies.budget(fraction=0.5, compress="int4")
+
+
+def test_fit_compresses_only_when_allowed_and_holds_its_target() -> None:
+    from test_fit import eager_and_lowest, measured_peak, square_loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_MLPBlock() for _ in range(3)])
+    x = torch.randn(256, 32)
+    eager, lowest = eager_and_lowest(model, _MLPBlock, x)
+    target = int(lowest + 0.4 * (eager - lowest))
+    exact = remat.fit(model, _MLPBlock, x, peak_bytes=target, loss=square_loss)
+    assert not any(remat.Decision.FP8 in block.decisions for block in exact.blocks)
+    remat.uncheckpoint_modules(model)
+    plan = remat.fit(model, _MLPBlock, x, peak_bytes=target, loss=square_loss, compress="fp8")
+    measured = measured_peak(model, x)
+    assert measured <= target and abs(plan.predicted_peak - measured) <= 0.05 * measured
+    assert any(remat.Decision.FP8 in block.decisions for block in plan.blocks)
+    assert plan.replay_cost < exact.replay_cost
+    remat.uncheckpoint_modules(model)
+    with pytest.raises(ValueError, match=r"remat.fit: `compress` must be None or one of"):
+        remat.fit(model, _MLPBlock, x, peak_bytes=target, compress="int4")
