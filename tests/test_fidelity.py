@@ -545,6 +545,8 @@ BUILT_IN_POLICIES = [
     ("dots_saveable", policies.dots_saveable),
     ("dots_with_no_batch_dims_saveable", policies.dots_with_no_batch_dims_saveable),
     ("budget", policies.budget(fraction=0.5, cost="roofline:h100", offload=True)),
+    ("budget", policies.budget(fraction=0.5, compress="fp8")),
+    ("compress", policies.compress(policies.save_everything, "fp8")),
     ("from_sac", policies.from_sac(_sac_recompute_everything)),
     ("offload", policies.offload(policies.save_everything)),
     ("offload_dots", policies.offload_dots),
