@@ -75,8 +75,8 @@ __all__ = [
 # it, u making it, which would need the value itself): the budget counts its
 # stored bytes (bytes_v k_v - shrink_vS y_vS), and the objective adds the
 # memory-bound passes that store and load it (seconds on the roofline's device;
-# with FLOPs, none: a tie the 1e-9 breaks, so a plan shrinks only where the bytes
-# it frees buy fewer replays). A call's decision names one storage (with several:
+# with FLOPs, one per element per pass, as an elementwise call counts), so a
+# plan shrinks a value only where the replays the bytes buy cost more. A call's decision names one storage (with several:
 # y_vS <= u_cS, sum over S of u_cS <= 1), which keeps every value of the call it
 # holds so: never more bytes than the program counts.
 #
@@ -158,16 +158,30 @@ class Shrinking:
                 freed = nbytes - storage.device_bytes(nbytes, node.meta.get("val"))
                 if freed > 0:
                     shrink[value, storage] = freed
-                    costs[value, storage] = 0.0 if device is None else 2 * storage.move_seconds(device, nbytes)
+                    costs[value, storage] = storage_cost(storage, device, nbytes, node.meta.get("val"))
         stand_ins = frozenset(k for k in shrink if not k[1].can_hold(graph.nodes[k[0]], read_again=True))
         return Shrinking(shrink, costs, device, stand_ins, tuple(storages))
 
-    def cost_of(self, accounting: Accounting) -> float:
+    def cost_of(self, accounting: Accounting, trace: Trace) -> float:
         """The storing and loading `accounting`'s decisions do in these storages, in the cost unit."""
-        if self.device is None:
-            return 0.0
-        shrunk = (k for k in accounting.kept_by_call.values() if k.storage in self.storages and k.stored_nbytes)
-        return sum(2 * kept.storage.move_seconds(self.device, kept.stored_nbytes) for kept in shrunk)
+        graph = trace.values
+        assert graph is not None
+        total = 0.0
+        for call, kept in accounting.kept_by_call.items():
+            if kept.storage in self.storages and kept.stored_nbytes:
+                for value in (v for v in graph.nodes if v[0] == call and v not in graph.returned):
+                    node = graph.nodes[value]
+                    if kept.storage.can_hold(node):
+                        total += storage_cost(kept.storage, self.device, graph.nbytes[value], node.meta.get("val"))
+        return total
+
+
+def storage_cost(storage: Storage, device: Device | None, nbytes: int, value: Any) -> float:
+    """What storing and loading a value of `nbytes` costs: its memory-bound passes, in seconds on the
+    roofline's `device`, or, with FLOPs (`device` None), one FLOP per element per pass."""
+    if device is not None:
+        return 2 * storage.move_seconds(device, nbytes)
+    return float(storage.passes * (value.numel() if value is not None else nbytes))
 
 
 def call_costs(trace: Trace, cost: str) -> list[float]:
@@ -396,7 +410,7 @@ def solve(
     for decisions in candidates:
         accounting = account_for(trace, decisions)
         if accounting.saved_bytes <= budget:
-            total = replay_cost(accounting, costs, link) + (shrinking.cost_of(accounting) if shrinking else 0.0)
+            total = replay_cost(accounting, costs, link) + (shrinking.cost_of(accounting, trace) if shrinking else 0.0)
             scored.append((total, sum(d.keeps for d in decisions), len(stored_calls(decisions)), decisions, accounting))
     if not scored:
         raise InfeasibleBudget(minimum_bytes(trace, link, shrinking))

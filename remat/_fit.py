@@ -217,7 +217,7 @@ def candidates(
     costs = call_costs(trace, cost)
     shrink = policies.budget(fraction=1.0, pack=pack, compress=compress).shrink
     shrinking = Shrinking.of(trace, cost, shrink)
-    # Among plans of one replay cost, the one that shrinks less (with FLOPs, storing costs nothing).
+    # Among plans of one replay cost, the one that shrinks less.
     tie = 1e-9 * (sum(costs) or 1.0)
     found: dict[tuple[Decision, ...], _Candidate] = {}
 
@@ -228,7 +228,7 @@ def candidates(
             shrunk = sum(
                 1 for kept in accounting.kept_by_call.values() if kept.storage in shrink and kept.stored_nbytes
             )
-            replay = replay_cost(accounting, costs) + shrinking.cost_of(accounting) + tie * shrunk
+            replay = replay_cost(accounting, costs) + shrinking.cost_of(accounting, trace) + tie * shrunk
             # As the probe step measures it: NOTE [generator states in the peak].
             peak = peak_of(trace, decisions, generator_states=False)
             found[decisions] = _Candidate(label, decisions, replay, peak)

@@ -647,8 +647,9 @@ def budget(
             and copies are both in seconds. The device bytes stay within the budget.
         pack: also choose PACK where it helps: keep booleans and dropout's masks as bits,
             exactly (docs/storage.md), where the bytes that frees buy fewer replays than the
-            packing costs (with `cost="roofline:<device>"`, its memory-bound passes; with
-            FLOPs, nothing). `pack=False` keeps every kept value as it is.
+            packing costs: its memory-bound passes over the value (with `cost="roofline:<device>"`,
+            in seconds; with FLOPs, one per element per pass, as an elementwise call counts).
+            `pack=False` keeps every kept value as it is.
         compress: also choose this narrower format, approximately, where it helps:
             `"float16"`, `"bfloat16"` or `"fp8"` (as `remat.policies.compress` keeps values;
             docs/storage.md). None (the default): never; no planner compresses unless asked.

@@ -238,8 +238,8 @@ class _MLPBlock(torch.nn.Module):
         return x + self.down(F.dropout(F.gelu(self.up(self.ln(x))), 0.1, training=True))
 
 
-@pytest.mark.parametrize("format", ["bfloat16", "fp8"])
-def test_the_budget_compresses_only_when_allowed_where_it_buys_fewer_replays(format: str) -> None:
+def test_the_budget_compresses_only_when_allowed_where_it_buys_fewer_replays() -> None:
+    format = "fp8"
     x = torch.randn(256, 32)
     trace = remat.trace(_MLPBlock(), x)
     budget = int(0.3 * remat.report(_MLPBlock(), x, policy=policies.save_everything).saved_bytes)
@@ -260,7 +260,7 @@ def test_fit_compresses_only_when_allowed_and_holds_its_target() -> None:
     model = torch.nn.Sequential(*[_MLPBlock() for _ in range(3)])
     x = torch.randn(256, 32)
     eager, lowest = eager_and_lowest(model, _MLPBlock, x)
-    target = int(lowest + 0.4 * (eager - lowest))
+    target = int(lowest + 0.1 * (eager - lowest))
     exact = remat.fit(model, _MLPBlock, x, peak_bytes=target, loss=square_loss)
     assert not any(remat.Decision.FP8 in block.decisions for block in exact.blocks)
     remat.uncheckpoint_modules(model)

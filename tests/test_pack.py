@@ -251,19 +251,45 @@ class _DropoutMLP(torch.nn.Module):
         return x + F.dropout(self.down(F.dropout(torch.tanh(self.up(x)), 0.2, training=True)), 0.1, training=True)
 
 
+class _GatedBlock(torch.nn.Module):
+    """A gate computed by a matmul: backward reads the comparison (a boolean), which only the matmul remakes."""
+
+    def __init__(self, d: int = 32, hidden: int = 128):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(d, hidden), torch.nn.Linear(d, hidden)
+        self.down = torch.nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate(x)
+        return x + self.down(torch.where(gate > 0, self.up(x), 0.1 * gate))
+
+
+def _hard_gate(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return torch.where(x @ gate > 0, x @ up, 0.0) @ down
+
+
 def test_the_byte_budget_packs_where_the_bytes_buy_fewer_replays() -> None:
-    x = torch.randn(256, 32)
-    trace = remat.trace(_DropoutMLP(), x)
-    everything = remat.report(_DropoutMLP(), x, policy=policies.save_everything).saved_bytes
-    for share in (0.2, 0.3, 0.5):
-        budget = int(share * everything)
-        packed = policies.budget(max_bytes=budget).solve(trace)
-        unpacked = policies.budget(max_bytes=budget, pack=False).solve(trace)
-        assert remat.PACK in packed.decisions and remat.PACK not in unpacked.decisions
-        assert packed.cost < unpacked.cost
-        assert remat.report(_DropoutMLP(), x, policy=policies.budget(max_bytes=budget)).saved_bytes <= budget
-    # With nothing to gain, it keeps values as they are (packing is a tie the planner breaks against).
-    assert remat.PACK not in policies.budget(fraction=1.0).solve(trace).decisions
+    # Packing costs its passes over the value (one FLOP per element per pass under the FLOPs model): where a
+    # replay is cheap (a dropout mask, from its generator state) the planner replays; where the bytes it frees
+    # buy a matmul's replay (the gate's comparison, which only the matmul remakes), it packs.
+    args = [
+        torch.randn(256, 32),
+        torch.randn(32, 128),
+        *(torch.randn(*s, requires_grad=True) for s in [(32, 128), (128, 32)]),
+    ]
+    trace = remat.trace(_hard_gate, *args)
+    everything = remat.report(_hard_gate, *args, policy=policies.save_everything).saved_bytes
+    budget = int(0.1 * everything)
+    packed = policies.budget(max_bytes=budget).solve(trace)
+    unpacked = policies.budget(max_bytes=budget, pack=False).solve(trace)
+    assert remat.PACK in packed.decisions and remat.PACK not in unpacked.decisions
+    assert packed.cost < unpacked.cost
+    report = remat.report(_hard_gate, *args, policy=policies.budget(max_bytes=budget))
+    assert report.saved_bytes == packed.saved_bytes <= budget
+    # With room, and for the dropout MLP's masks, nothing is worth its passes.
+    assert remat.PACK not in policies.budget(fraction=0.5).solve(trace).decisions
+    dropout = remat.trace(_DropoutMLP(), torch.randn(256, 32))
+    assert remat.PACK not in policies.budget(fraction=0.3).solve(dropout).decisions
 
 
 class _ReluMLP(torch.nn.Module):
@@ -275,29 +301,29 @@ class _ReluMLP(torch.nn.Module):
         return x + self.down(F.dropout(F.relu(self.up(x)), 0.2, training=True))
 
 
-def test_the_byte_budget_packs_a_relus_output_where_nothing_replays_it() -> None:
+@pytest.mark.parametrize("block", [_ReluMLP, _GatedBlock], ids=["relu", "gated"])
+def test_the_budgets_packed_plans_keep_what_it_counts(block: type[torch.nn.Module]) -> None:
+    # Its rows for values that come back as stand-ins (no replay may read them) are the partition's rule: at
+    # every budget, the plan's bytes are what the programs keep, and its gradients are eager's.
     x = torch.randn(256, 32)
-    trace = remat.trace(_ReluMLP(), x)
-    everything = remat.report(_ReluMLP(), x, policy=policies.save_everything).saved_bytes
-    budget = everything // 2
-    plan = policies.budget(max_bytes=budget).solve(trace)
-    assert plan.cost == 0 < policies.budget(max_bytes=budget, pack=False).solve(trace).cost
-    report = remat.report(_ReluMLP(), x, policy=policies.budget(max_bytes=budget))
-    (relu,) = [row for row in report.rows if row.call.name == "aten.relu.default"]
-    assert relu.storage == "bits" and report.saved_bytes == plan.saved_bytes <= budget
-    model = _ReluMLP().double()
+    trace = remat.trace(block(), x)
+    everything = remat.report(block(), x, policy=policies.save_everything).saved_bytes
+    for share in (0.05, 0.1, 0.2, 0.4, 0.7):
+        policy = policies.budget(max_bytes=int(share * everything))
+        assert remat.report(block(), x, policy=policy).saved_bytes == policy.solve(trace).saved_bytes
+    model = block().double()
     x64 = torch.randn(64, 32, dtype=torch.float64, requires_grad=True)
-    policy = policies.budget(max_bytes=remat.report(model, x64, policy=policies.save_everything).saved_bytes // 2)
+    policy = policies.budget(max_bytes=remat.report(model, x64, policy=policies.save_everything).saved_bytes // 10)
     assert_checkpoint_equivalent(model, x64, policy=policy, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("block", [_DropoutMLP, _ReluMLP], ids=["tanh", "relu"])
-@pytest.mark.parametrize("share", [0.05, 0.3, pytest.param(0.7, marks=pytest.mark.slow)])
-def test_fit_packs_where_it_replays_less_and_holds_its_target(block: type[torch.nn.Module], share: float) -> None:
+def test_fit_packs_where_it_replays_less_and_holds_its_target() -> None:
+    share = 0.05
     from test_fit import eager_and_lowest, measured_peak, square_loss
 
+    block = _GatedBlock
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[block() for _ in range(2)])
+    model = torch.nn.Sequential(*[block() for _ in range(3)])
     x = torch.randn(256, 32)
     eager, lowest = eager_and_lowest(model, block, x)
     target = int(lowest + share * (eager - lowest))
