@@ -11,7 +11,7 @@ Two whole training steps (forward, loss, backward) whose kept values include wha
   weight gradient reads.
 
 For each: the bytes each kind of kept value takes as it is, packed and compressed, on one block's trace
-(`remat.report`); at targets spread from the lowest peak `fit` reaches to eager's, `fit(pack=False)` and
+(`remat.report`); every block keeping everything, as it is and packed (no replays either way); at targets spread from the lowest peak `fit` reaches to eager's, `fit(pack=False)` and
 `fit()` side by side: measured peak (MemTracker), predicted peak, replayed FLOPs and step time (medians of
 interleaved repeats); and, within eager's measured peak at batch 2, the largest batch and best throughput of
 eager, save-nothing blocks and both fits. A residual convolution block's report says what packing saves
@@ -155,10 +155,14 @@ def _eager(case: Case) -> Row:
     return Row("eager", model, list(model.parameters()))
 
 
-def _save_nothing(case: Case) -> Row:
+def _uniform(case: Case, name: str, policy: remat.Policy) -> Row:
     model = copy.deepcopy(case.model)
-    remat.checkpoint_modules(model, case.block, policy=policies.save_nothing)
-    return Row("save_nothing blocks", model, list(model.parameters()))
+    remat.checkpoint_modules(model, case.block, policy=policy)
+    return Row(f"{name} blocks", model, list(model.parameters()))
+
+
+def _save_nothing(case: Case) -> Row:
+    return _uniform(case, "save_nothing", policies.save_nothing)
 
 
 def _fitted(case: Case, target: int, args: Sequence[Any], kwargs: dict[str, Any], pack: bool) -> Row:
@@ -191,9 +195,14 @@ def run_case(
     kinds = bytes_by_kind(block, _block_input(case))
     log(f"  bytes: {kinds}")
     eager, lowest = _eager(case), _save_nothing(case)
-    for row in (eager, lowest):
+    # Keeping everything, as it is and packed: no replays either way.
+    kept = [
+        _uniform(case, "save_everything", policies.save_everything),
+        _uniform(case, "pack_everything", policies.pack_everything),
+    ]
+    rows = [eager, lowest, *kept]
+    for row in rows:
         row.measured["peak_bytes"] = measure_peak(case, row, args, kwargs, torch.device("cpu"))
-    rows = [eager, lowest]
     for target in _targets(lowest.measured["peak_bytes"], eager.measured["peak_bytes"], targets):
         for pack in (False, True):
             row = _fitted(case, target, args, kwargs, pack)
