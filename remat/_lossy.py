@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 from torch import fx
 
 from ._cuda_allocator import allocated_nbytes
-from ._torch import dense_without_overlap
+from ._torch import dense_without_overlap, is_functorch_wrapped
 
 __all__ = ["FP8_MAX", "Narrowing", "FLOAT16", "BFLOAT16", "FP8", "recording_errors"]
 
@@ -42,12 +43,28 @@ __all__ = ["FP8_MAX", "Narrowing", "FLOAT16", "BFLOAT16", "FP8", "recording_erro
 # narrowed value carries no derivative: where a function is traced for forward
 # mode, its values are kept as they are (`_partition`).
 #
+# FP8's stored form views bytes as other dtypes, which vmap cannot do before
+# torch 2.12: there, under torch.func's transforms, a value FP8 would hold is
+# kept as it is (the load finds it so), beyond what the peak prediction counts.
+#
 # Only dense values are narrowed, and only where it takes fewer bytes (a row of
 # fewer than 8 elements costs FP8 more in scales than it saves). A narrowed
 # value is loaded in its own layout. `recording_errors` records the largest
 # error each store introduced, for `remat.report`.
 
 FP8_MAX = 448.0  # e4m3's largest finite magnitude
+
+
+@functools.cache
+def transforms_view_dtypes() -> bool:
+    """Whether this torch's vmap views a tensor as another dtype (FP8's stored form needs it; 2.12 on)."""
+    try:
+        torch.vmap(lambda t: t.view(torch.uint8))(torch.zeros(1, 4))
+    except RuntimeError:
+        return False
+    return True
+
+
 _FP8 = torch.float8_e4m3fn
 
 _recording = threading.local()
@@ -111,6 +128,8 @@ class Narrowing:
         """`value` in this format (FP8: scales, then the scaled elements in logical order, as bytes)."""
         if not self.scaled:
             stored = value.to(_DTYPES[self.name])
+        elif is_functorch_wrapped(value) and not transforms_view_dtypes():
+            return value  # kept as it is: NOTE [values kept lossy]
         else:
             rows = value.reshape(_rows(value), -1)
             finite = rows.abs().nan_to_num(nan=0.0, posinf=0.0)
@@ -152,6 +171,8 @@ class Narrowing:
         """The value `store` stored, in its dtype and layout (rounded)."""
         if not self.scaled:
             value = stored.to(dtype)
+        elif stored.dtype is not torch.uint8:  # kept as it is (under vmap, before torch 2.12)
+            return stored
         else:
             rows = _rows_of(shape)
             scales = stored[: rows * 4].view(torch.float32).view(rows, 1)
