@@ -239,6 +239,10 @@ def candidates(
         "dots_saveable": policies.dots_saveable,
         "dots_with_no_batch_dims_saveable": policies.dots_with_no_batch_dims_saveable,
     }
+    if pack:  # the uniform plans it may use: never costlier than the best of them that fits
+        builtins["pack_everything"] = policies.pack_everything
+    if compress is not None:
+        builtins[f"compress(save_everything, {compress!r})"] = policies.compress(policies.save_everything, compress)
     for label, policy in builtins.items():
         add(label, decide(policy, trace))
     options = {"cost": cost, "exact": exact, "pack": pack, "compress": compress}

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import policies
-from ._accounting import account, saved_calls
+from ._accounting import account_for
 from ._api import trace as trace_of
 from ._calls import Decision, Trace, format_bytes
 from ._decide import is_collective
@@ -104,8 +104,13 @@ class Pareto:
 
 def _point(label: str, trace: Trace, saved: set[int], device: str) -> ParetoPoint:
     saved = saved | {call.index for call in trace if is_collective(call)}  # always saved
-    kept = account(trace, saved)
     decisions = [Decision.SAVE if c in saved else Decision.RECOMPUTE for c in range(len(trace))]
+    return _point_of(label, trace, decisions, device)
+
+
+def _point_of(label: str, trace: Trace, decisions: Sequence[Decision], device: str) -> ParetoPoint:
+    """The point of `decisions`, as the programs keep their values (packed, compressed, as they are)."""
+    kept = account_for(trace, decisions)
     return ParetoPoint(
         label,
         kept.saved_bytes,
@@ -121,6 +126,7 @@ def pareto(
     *args: Any,
     budgets: Sequence[int] | None = None,
     device: str = "h100",
+    compress: str | None = None,
     **kwargs: Any,
 ) -> Pareto:
     """The memory/recompute Pareto curve of `fn` at these arguments.
@@ -135,6 +141,8 @@ def pareto(
         budgets: byte budgets; by default 21, evenly spaced from what `save_nothing` keeps to
             what `save_everything` keeps.
         device: the device of the roofline time estimates (`remat.costs.DEVICES`).
+        compress: a narrower format the planner may also keep values in, approximately, as
+            `remat.policies.budget(..., compress=...)` (None: only exact storages).
         **kwargs: example keyword arguments.
 
     Returns:
@@ -153,8 +161,8 @@ def pareto(
         budgets = sorted({low + (high - low) * i // 20 for i in range(21)})
     curve = []
     for limit in budgets:
-        plan = policies.budget(max_bytes=int(limit), exact=True).solve(trace)
-        saved = saved_calls(plan.decisions)
-        curve.append(_point(f"budget(max_bytes={int(limit)})", trace, saved, device))
+        plan = policies.budget(max_bytes=int(limit), exact=True, compress=compress).solve(trace)
+        label = f"budget(max_bytes={int(limit)}{'' if compress is None else f', compress={compress!r}'})"
+        curve.append(_point_of(label, trace, plan.decisions, device))
     dots = {i for i, d in enumerate(policies.dots_saveable.plan(trace)) if d is Decision.SAVE}
     return Pareto(tuple(curve), (nothing, _point("dots_saveable", trace, dots, device), everything), device)

@@ -75,3 +75,28 @@ def test_to_dict_is_json_and_plot_draws_every_point(tmp_path) -> None:  # type: 
             figure.savefig(tmp_path / f"pareto-{time}-{peak}.png")
             assert (tmp_path / f"pareto-{time}-{peak}.png").stat().st_size > 1000
     assert "save_everything" in str(curve)
+
+
+def test_each_point_counts_its_plans_values_as_kept_and_compress_lowers_the_curve() -> None:
+    # A plan that packs (the gate's comparison, which only a matmul remakes) keeps its bits: each point's
+    # bytes are within its budget, as the programs keep them. Allowed FP8, the planner replays about as much
+    # at any budget, and far less at some.
+    def gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, (32,)) @ up)
+        return (torch.where(x @ gate > 0, hidden, 0.0) @ down).sum()
+
+    args = [
+        torch.randn(256, 32),
+        torch.randn(32, 128),
+        *(torch.randn(*s, requires_grad=True) for s in [(32, 128), (128, 32)]),
+    ]
+    exact = remat.pareto(gated, *args)
+    budgets = [int(point.label.removeprefix("budget(max_bytes=").removesuffix(")")) for point in exact.curve]
+    lossy = remat.pareto(gated, *args, budgets=budgets, compress="fp8")
+    assert all(point.saved_bytes <= budget for point, budget in zip(exact.curve, budgets, strict=True))
+    assert all(point.saved_bytes <= budget for point, budget in zip(lossy.curve, budgets, strict=True))
+    assert lossy.curve[0].label == f"budget(max_bytes={budgets[0]}, compress='fp8')"
+    pairs = list(zip(lossy.curve, exact.curve, strict=True))
+    # (Its cost counts FP8's passes too: at a budget, one more replayed FLOP may buy fewer passes.)
+    assert all(narrow.replay_flops <= kept.replay_flops + 1 for narrow, kept in pairs)
+    assert any(narrow.replay_flops < kept.replay_flops / 100 for narrow, kept in pairs)
