@@ -90,12 +90,11 @@ def read_through_a_test(node: fx.Node, forward: Collection[fx.Node], shows: Call
     showing, seen = [node], {node}
     while showing:
         shown = showing.pop()
-        for reader in shown.users:
-            if reader in seen:
-                continue
-            seen.add(reader)
+        for reader in shown.users:  # (a formula reading two views of the value fails for one of them)
             if shows(reader) and reader.args[0] is shown and shown not in reader.args[1:]:
-                showing.append(reader)
+                if reader not in seen:
+                    seen.add(reader)
+                    showing.append(reader)
                 continue
             if reader in forward:  # forward reads the value itself, stored or not
                 continue
