@@ -60,6 +60,7 @@ class _Candidate:
     decisions: tuple[Decision, ...]
     cost: float  # replay cost, in the `cost` model's unit
     peak: Peak  # predicted forward, after-forward and backward bytes
+    host_bytes: int = 0  # kept in host memory (offloaded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,9 @@ class BlockPlan:
         decisions: one per call of the block's trace.
         kept_bytes: bytes it keeps for its backward beyond what saving nothing keeps (its inputs and
             generator states), predicted.
-        replay_cost: what its backward replays, in `fit`'s cost model (FLOPs, or estimated seconds).
+        replay_cost: what its backward replays, in `fit`'s cost model (FLOPs, or estimated seconds), with
+            the copy time to and from host memory that compute does not hide (with `offload=True`).
+        host_bytes: bytes it keeps in host memory (offloaded) from its forward to its backward.
     """
 
     name: str
@@ -80,6 +83,7 @@ class BlockPlan:
     decisions: tuple[Decision, ...]
     kept_bytes: int
     replay_cost: float
+    host_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,9 +156,10 @@ class Fit:
     def __str__(self) -> str:
         rows = [f"remat.fit: predicted peak {format_bytes(self.predicted_peak)} of {format_bytes(self.peak_bytes)}"]
         for block in self.blocks:
+            host = f"  (host {format_bytes(block.host_bytes)})" if block.host_bytes else ""
+            replays = f"{block.replay_cost:,.0f}" if block.replay_cost >= 1 else f"{block.replay_cost:.3g}"
             rows.append(
-                f"  {block.name:<24} keeps {format_bytes(block.kept_bytes):>10}  replays {block.replay_cost:,.0f}  "
-                f"{block.label}"
+                f"  {block.name:<24} keeps {format_bytes(block.kept_bytes):>10}{host}  replays {replays}  {block.label}"
             )
         return "\n".join([*rows, str(self.report)])
 
@@ -204,19 +209,28 @@ BYTE_BUDGETS = 16  # as `budget(peak_bytes=...)` spreads them: see NOTE [plannin
 
 
 def candidates(
-    trace: Trace, regions: Any, cost: str, exact: bool, pack: bool = True, compress: str | None = None
+    trace: Trace,
+    regions: Any,
+    cost: str,
+    exact: bool,
+    pack: bool = True,
+    compress: str | None = None,
+    offload: bool = False,
 ) -> list[_Candidate]:
     """The plans `fit` chooses among for one block's trace, each once (the first label it was found by).
     The first is saving nothing, the probe step's plan. With `pack` (and `compress`), the budget planner's
     plans keep values as bits (`remat.PACK`; and in the narrower format) where the bytes that frees buy
-    fewer replays, and their cost counts the storing and loading."""
+    fewer replays, and their cost counts the storing and loading. With `offload`, they keep values in host
+    memory where the copies compute does not hide cost less than the replays (NOTE [the budget problem]),
+    and their cost counts that copy time."""
     from . import policies
-    from ._budget import Shrinking, call_costs, minimum_bytes, replay_cost
+    from ._budget import HostLink, Shrinking, call_costs, minimum_bytes, replay_cost
 
     assert trace.joint is not None, "a block's trace carries its graph, for peak predictions"
     costs = call_costs(trace, cost)
     shrink = policies.budget(fraction=1.0, pack=pack, compress=compress).shrink
     shrinking = Shrinking.of(trace, cost, shrink)
+    link = HostLink.of(trace, cost) if offload else None
     # Among plans of one replay cost, the one that shrinks less.
     tie = 1e-9 * (sum(costs) or 1.0)
     found: dict[tuple[Decision, ...], _Candidate] = {}
@@ -228,10 +242,10 @@ def candidates(
             shrunk = sum(
                 1 for kept in accounting.kept_by_call.values() if kept.storage in shrink and kept.stored_nbytes
             )
-            replay = replay_cost(accounting, costs) + shrinking.cost_of(accounting, trace) + tie * shrunk
+            replay = replay_cost(accounting, costs, link) + shrinking.cost_of(accounting, trace) + tie * shrunk
             # As the probe step measures it: NOTE [generator states in the peak].
             peak = peak_of(trace, decisions, generator_states=False)
-            found[decisions] = _Candidate(label, decisions, replay, peak)
+            found[decisions] = _Candidate(label, decisions, replay, peak, accounting.offloaded_bytes)
 
     builtins = {
         "save_nothing": policies.save_nothing,
@@ -243,11 +257,14 @@ def candidates(
         builtins["pack_everything"] = policies.pack_everything
     if compress is not None:
         builtins[f"compress(save_everything, {compress!r})"] = policies.compress(policies.save_everything, compress)
+    if offload:
+        builtins["offload_dots"] = policies.offload_dots
+        builtins["offload(save_everything)"] = policies.offload(policies.save_everything)
     for label, policy in builtins.items():
         add(label, decide(policy, trace))
-    options = {"cost": cost, "exact": exact, "pack": pack, "compress": compress}
+    options = {"cost": cost, "exact": exact, "pack": pack, "compress": compress, "offload": offload}
     budgets = [policies.budget(fraction=f, **options) for f in FRACTIONS]  # type: ignore[arg-type]
-    low = minimum_bytes(trace, shrinking=shrinking if shrink else None)
+    low = minimum_bytes(trace, link, shrinking if shrink else None)
     high = account(trace, range(len(trace))).saved_bytes
     budgets += [
         policies.budget(max_bytes=low + (high - low) * i // (BYTE_BUDGETS - 1), **options)  # type: ignore[arg-type]
@@ -501,6 +518,7 @@ def fit(
     device: str | torch.device | None = None,
     pack: bool = True,
     compress: str | None = None,
+    offload: bool = False,
 ) -> Fit:
     """Checkpoint the blocks of `model` that `which` selects, in place, with decisions chosen for the whole
     training step, so that its peak stays within `peak_bytes`, replaying as little as possible.
@@ -542,6 +560,10 @@ def fit(
         compress: a narrower format plans may also keep values in, approximately, where that frees bytes
             that buy fewer replays: `"float16"`, `"bfloat16"` or `"fp8"` (`remat.policies.compress`); None
             (the default): never.
+        offload: whether plans may also keep values in host memory (`remat.OFFLOAD`, docs/offload.md), where
+            the copies compute does not hide cost less than the replays they save; needs
+            `cost="roofline:<device>"`, which times both. The peak is the device's: offloaded values take
+            none of it between their copies. On the CPU, where a tensor is its own host copy, it is refused.
 
     Returns:
         A `remat.Fit`: the predicted peak, the plan of each block call, the step report.
@@ -561,10 +583,18 @@ def fit(
     >>> [block.name for block in plan.blocks]
     ['0', '1', '2', '3']
     """
-    _check_arguments(model, peak_bytes, loss, kwargs, optimizer, cost, exact, pack, compress)
+    _check_arguments(model, peak_bytes, loss, kwargs, optimizer, cost, exact, pack, compress, offload)
     target_device = _target_device(model, device)
+    if offload and _plans_for_the_cpu(model, target_device):
+        raise ValueError(
+            "remat.fit: offload=True plans copies to host memory to lower a GPU's peak, but this step runs on "
+            "the CPU, where a tensor is its own host copy: offloading would free nothing. Plan without it, or "
+            "for the GPU (`device='cuda'` with the model on meta, or the model on the GPU)."
+        )
     checkpoint_selected(model, which, _Planned, DEFAULT_CACHE_SIZE, False, "remat.fit")
-    planner = _Planner(model, peak_bytes, loss or _default_loss, optimizer, cost, exact, target_device, pack, compress)
+    planner = _Planner(
+        model, peak_bytes, loss or _default_loss, optimizer, cost, exact, target_device, pack, compress, offload
+    )
     model.__dict__["forward"] = _FittedForward(model, planner)
     try:
         return planner.fit(args, dict(kwargs or {}))
@@ -587,9 +617,10 @@ class _Planner:
         device: torch.device | None,
         pack: bool,
         compress: str | None,
+        offload: bool,
     ):
         self.model, self.target, self.loss, self.optimizer = model, target, loss, optimizer
-        self.cost, self.exact, self.pack, self.compress = cost, exact, pack, compress
+        self.cost, self.exact, self.pack, self.compress, self.offload = cost, exact, pack, compress, offload
         self.device = device  # the target of a model on meta (None: where it is)
         self.fits: LRUCache[Fit] = LRUCache(DEFAULT_CACHE_SIZE)
 
@@ -661,6 +692,7 @@ def _check_arguments(
     exact: Any,
     pack: Any,
     compress: Any,
+    offload: Any,
 ) -> None:
     from . import policies
 
@@ -674,11 +706,11 @@ def _check_arguments(
         )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"remat.fit: `optimizer` must be a torch.optim.Optimizer, but got {optimizer!r}.")
-    for name, value in (("exact", exact), ("pack", pack)):
+    for name, value in (("exact", exact), ("pack", pack), ("offload", offload)):
         if not isinstance(value, bool):
             raise TypeError(f"remat.fit: `{name}` must be True or False, but got {value!r}.")
     try:
-        policies.budget(max_bytes=0, cost=cost, compress=compress)
+        policies.budget(max_bytes=0, cost=cost, compress=compress, offload=offload)
     except ValueError as error:
         raise ValueError(str(error).replace("remat.policies.budget", "remat.fit")) from None
 
@@ -739,6 +771,13 @@ def _put_back(model: nn.Module) -> Iterator[None]:
 # is not planned again, and each block, tracing itself again on real tensors,
 # takes the planned decision of each call by its op, module, occurrence and
 # output shapes and dtypes (a call the plan has no match for recomputes).
+
+
+def _plans_for_the_cpu(model: nn.Module, target: torch.device | None) -> bool:
+    """Whether the step planned runs on the CPU (the target of a model on meta, or where it is)."""
+    if target is not None:
+        return target.type == "cpu"
+    return any(t.device.type == "cpu" for t in (*model.parameters(), *model.buffers()))
 
 
 def _target_device(model: nn.Module, device: Any) -> torch.device | None:
@@ -898,7 +937,7 @@ def _plan(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> Fit
             keys[key] = len(groups)
             if id(call.trace) not in options:
                 options[id(call.trace)] = tuple(
-                    candidates(call.trace, call.regions, cost, exact, planner.pack, planner.compress)
+                    candidates(call.trace, call.regions, cost, exact, planner.pack, planner.compress, planner.offload)
                 )
             groups.append(_Group(call.name, policy, call.trace, options[id(call.trace)]))
         group_of.append(keys[key])
@@ -967,7 +1006,7 @@ def _record(
         option = groups[g].options[choice[g]]
         nothing = groups[g].options[0]
         extra = option.peak.after_forward - nothing.peak.after_forward
-        plans.append(BlockPlan(call.name, option.label, option.decisions, extra, option.cost))
+        plans.append(BlockPlan(call.name, option.label, option.decisions, extra, option.cost, option.host_bytes))
         kept[call.name] = kept.get(call.name, 0) + extra
 
     def uniform(label: str) -> int:

@@ -312,6 +312,8 @@ def test_the_report_answers_what_activations_cost() -> None:
         ({"peak_bytes": 10**9, "cost": "seconds"}, ValueError, "remat.fit: `cost` must be"),
         ({"peak_bytes": 10**9, "exact": 1}, TypeError, "`exact` must be True or False"),
         ({"peak_bytes": 10**9, "pack": "yes"}, TypeError, "`pack` must be True or False"),
+        ({"peak_bytes": 10**9, "offload": True}, ValueError, r"remat.fit: offload=True .* needs cost='roofline"),
+        ({"peak_bytes": 10**9, "offload": True, "cost": "roofline:h100"}, ValueError, "runs on the CPU"),
         ({"peak_bytes": 10**9, "loss": lambda out: out}, ValueError, "must give a scalar tensor"),
     ],
 )
@@ -703,3 +705,41 @@ def test_a_kernels_workspace_is_what_it_allocated_less_what_it_left(monkeypatch:
     )
     out, taken = _step.KernelWorkspaces(torch.device("cuda", 0)).run(torch.ops.aten.mm.default, lambda: "out")
     assert (out, taken) == ("out", 32)
+
+
+@pytest.mark.release
+@pytest.mark.skipif(
+    not torch.backends.cuda.is_built() or torch.cuda.is_available(),
+    reason="needs a CUDA build of torch on a machine without a GPU (fake CUDA tensors)",
+)
+def test_fit_offloads_where_copies_cost_less_than_replays_planning_for_cuda_on_meta() -> None:
+    # A step a GPU would run, planned on fake CUDA tensors: at one target, offloading lets blocks keep
+    # values in host memory whose copies compute hides, and replay less; the device's peak holds.
+    class Block(nn.Module):
+        def __init__(self, d: int = 2048):
+            super().__init__()
+            self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+    with torch.device("meta"):
+        model = nn.Sequential(*[Block() for _ in range(4)]).to(torch.bfloat16)
+    x = torch.zeros(1, 4096, 2048, dtype=torch.bfloat16, device="meta")
+    options: dict[str, Any] = {
+        "loss": lambda out: out.float().square().mean(),
+        "device": "cuda",
+        "cost": "roofline:h100",
+    }
+    unbound = remat.fit(model, Block, x, peak_bytes=2**40, **options)
+    remat.uncheckpoint_modules(model)
+    low, high = unbound.report.peak_keeping_nothing, unbound.report.peak_keeping_everything
+    target = low + (high - low) // 2
+    on_device = remat.fit(model, Block, x, peak_bytes=target, **options)
+    remat.uncheckpoint_modules(model)
+    plan = remat.fit(model, Block, x, peak_bytes=target, offload=True, **options)
+    assert plan.predicted_peak <= target
+    assert any(block.host_bytes for block in plan.blocks) and not any(b.host_bytes for b in on_device.blocks)
+    assert any(remat.OFFLOAD in block.decisions for block in plan.blocks)
+    assert plan.replay_cost < on_device.replay_cost
+    assert "(host " in str(plan)
