@@ -11,8 +11,9 @@ T=2048, vocabulary 32768, batch 1, in bfloat16. The rows, each on a copy of the 
   (where it is installed);
 - `torch.compile` (inductor) of the whole step with the partitioner's `activation_memory_budget` at
   `BUDGET`: the compiler's own trade;
-- remat: `dots_saveable` on every block (`checkpoint_modules`), and `remat.fit` at two targets, a third and
-  two thirds of the way from `torch.utils.checkpoint`'s measured peak to eager's.
+- remat: `dots_saveable` on every block (`checkpoint_modules`), and `remat.fit` (on a GPU, also with
+  `offload=True`) at two targets, a third and two thirds of the way from `torch.utils.checkpoint`'s
+  measured peak to eager's.
 
 Peaks are `torch.cuda.max_memory_allocated` over forward, loss and backward (parameter gradients
 included) above what was live before, after an untracked step that traces, plans and compiles; on the CPU
@@ -112,6 +113,15 @@ def rows_of(case: Case, backend: Callable[..., Any] | str) -> list[Row]:
     return rows
 
 
+def _fitted_offloading(case: Case, target: int, args: Sequence[Any], kwargs: dict[str, Any]) -> Row:
+    """`remat.fit` with offloading, its copies and replays timed on an H100's roofline (docs/fit.md)."""
+    model = copy.deepcopy(case.model)
+    plan = remat.fit(
+        model, case.block, *args, kwargs=kwargs, peak_bytes=target, loss=case.loss, offload=True, cost="roofline:h100"
+    )
+    return Row("remat.fit(offload=True)", model, list(model.parameters()), target, plan)
+
+
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
     device = torch.device(args.device)
     started = time.perf_counter()
@@ -138,6 +148,14 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
                 f"[{time.perf_counter() - started:6.0f} s]   remat.fit at {target / MIB:.1f} MiB: "
                 f"peak {row.measured['peak_bytes'] / MIB:.1f} MiB (predicted {row.fit.predicted_peak / MIB:.1f})"  # type: ignore[union-attr]
             )
+            if device.type == "cuda":  # (on the CPU a tensor is its own host copy: fit refuses to offload)
+                row = _fitted_offloading(case, target, batch, kwargs)
+                row.measured["peak_bytes"] = measure_peak(case, row, batch, kwargs, device)
+                rows.append(row)
+                log(
+                    f"[{time.perf_counter() - started:6.0f} s]   remat.fit(offload=True) at {target / MIB:.1f} MiB: "
+                    f"peak {row.measured['peak_bytes'] / MIB:.1f} MiB (predicted {row.fit.predicted_peak / MIB:.1f})"  # type: ignore[union-attr]
+                )
         for row in rows:  # the gradients of the last measured step, against eager's
             row.measured["max_grad_difference"] = _grads_difference(row, eager)
         time_rows(case, rows, batch, kwargs, device, args.repeats)
