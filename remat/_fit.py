@@ -881,6 +881,42 @@ def _probe(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> tu
     return dataclasses.replace(timeline, segments=(*timeline.segments, after)), state
 
 
+# NOTE [planning on every rank]
+# Under FSDP2 each rank runs the same step on its own shard of the batch and
+# of the parameters, and plans it with its own probe step, whose collectives
+# (the all-gathers and reduce-scatters of the step itself) every rank issues
+# in the same order, as in training: `fit` is called on every rank. The ranks
+# then agree on what they measured, each segment of the step at its largest
+# over the ranks, and solve the same program from it: every rank checkpoints
+# alike, and the plan holds on the rank whose memory is tightest.
+
+
+def _agreed_across_ranks(model: nn.Module, timeline: _step.Timeline, state: int) -> tuple[_step.Timeline, int]:
+    """The probe step's timeline and optimizer state at their largest over the ranks of a model sharded with
+    FSDP2 (NOTE [planning on every rank]); as they are otherwise."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return timeline, state
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return timeline, state
+    mine = [len(timeline.segments), timeline.peak, timeline.gradients, timeline.end, state]
+    mine += [segment.peak for segment in timeline.segments]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if len({len(theirs) for theirs in everyone}) != 1:
+        raise ValueError(
+            "remat.fit: the ranks' probe steps ran different block calls; every rank must run the same step "
+            "(the same model and batch shapes) and call `remat.fit` together."
+        )
+    largest = [max(values) for values in zip(*everyone, strict=True)]
+    _, peak, gradients, end, state, *peaks = largest
+    segments = tuple(dataclasses.replace(s, peak=p) for s, p in zip(timeline.segments, peaks, strict=True))
+    return dataclasses.replace(timeline, segments=segments, peak=peak, gradients=gradients, end=end), state
+
+
 def _optimizer_step(optimizer: torch.optim.Optimizer, device: torch.device | None) -> tuple[int, int]:
     """(peak bytes, bytes of new state) of one `optimizer.step()`, measured on meta copies of its
     parameters and gradients (nothing real is touched). State it already holds was live before the step
@@ -923,6 +959,7 @@ def _plan(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> Fit
     started = time.perf_counter()
     model, target, cost, exact = planner.model, planner.target, planner.cost, planner.exact
     timeline, optimizer_state = _probe(planner, args, kwargs)
+    timeline, optimizer_state = _agreed_across_ranks(model, timeline, optimizer_state)
     blocks = _blocks(model)
     keys: dict[tuple[int, int], int] = {}
     options: dict[int, tuple[_Candidate, ...]] = {}  # by trace: blocks that share one share its candidates

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from ._cuda_allocator import allocated_nbytes
 from ._measure import storage_key, storage_nbytes, tensors_in
 from ._torch import TorchDispatchMode
 
@@ -118,6 +121,23 @@ class _Recorder:
         weakref.finalize(storage, self._freed, key)
         if self.total > self.segment_peak:
             self.segment_peak, self.segment_op = self.total, str(op)
+        self.peak = max(self.peak, self.total)
+
+    def resized(self, storage: torch.UntypedStorage, op: str) -> None:
+        """`storage` was resized in place (FSDP2 frees and remakes unsharded parameters so: NOTE [storages
+        resized in place]): its bytes are what it holds now."""
+        if storage.device.type == "meta":
+            return
+        key = StorageWeakRef(storage)
+        nbytes = allocated_nbytes(storage.nbytes(), storage.device)
+        if key not in self.live:
+            if not nbytes:  # memory from before the step (not counted) freed
+                return
+            weakref.finalize(storage, self._freed, key)
+        self.total += nbytes - self.live.get(key, 0)
+        self.live[key] = nbytes
+        if self.total > self.segment_peak:
+            self.segment_peak, self.segment_op = self.total, op
         self.peak = max(self.peak, self.total)
 
     def took_and_freed(self, nbytes: int, op: Any) -> None:
@@ -261,6 +281,32 @@ def _real(tensor: torch.Tensor) -> bool:
     return type(tensor) in (torch.Tensor, torch.nn.Parameter)
 
 
+# NOTE [storages resized in place]
+# FSDP2 frees a block's unsharded parameters by resizing their storage to
+# nothing, and remakes them by resizing it back (`UntypedStorage.resize_`),
+# which the dispatcher never sees: the storage object lives on. So while the
+# probe step runs, `resize_` reports to the recorder, which counts a storage at
+# the bytes it holds now (MemTracker does the same), and a storage from before
+# the step that is remade counts from then on.
+
+
+@contextmanager
+def _resizes_recorded(into: _Recorder) -> Iterator[None]:
+    resize = torch.UntypedStorage.resize_
+
+    @functools.wraps(resize)
+    def recorded(storage: torch.UntypedStorage, size: int) -> Any:
+        result = resize(storage, size)
+        into.resized(storage, "UntypedStorage.resize_")
+        return result
+
+    torch.UntypedStorage.resize_ = recorded  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+
+
 @contextmanager
 def recording(fake_mode: Any = None, workspaces: KernelWorkspaces | None = None) -> Iterator[_Recorder]:
     """Record the step run inside (on fake tensors of `fake_mode`, if given; with its kernels' workspaces
@@ -270,7 +316,7 @@ def recording(fake_mode: Any = None, workspaces: KernelWorkspaces | None = None)
         raise RuntimeError("remat.fit: a probe step is already running (plan one model at a time).")
     recorder = _Recorder()
     try:
-        with _Allocations(recorder, fake_mode, workspaces):
+        with _Allocations(recorder, fake_mode, workspaces), _resizes_recorded(recorder):
             yield recorder
     finally:
         recorder = None

@@ -248,9 +248,90 @@ def test_packed_and_compressed_values_under_the_wrapper(outcomes: dict[Any, str]
     _assert_ran_on_every_rank(outcomes, f"{wrapper}-{storage}")
 
 
+class _TanhBlock(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def _square_mean(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _measured_peak(model: nn.Module, x: torch.Tensor) -> int:
+    """The step's peak above what was live before it, by MemTracker, after an untracked step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model(x).square().mean().backward()
+    for p in model.parameters():
+        p.grad = None
+    tracker = MemTracker()
+    tracker.track_external(model, x)
+    cpu = torch.device("cpu")
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[cpu]["Total"]
+        _square_mean(model(x)).backward()
+    for p in model.parameters():
+        p.grad = None
+    return int(tracker.get_tracker_snapshot("peak")[cpu]["Total"] - before)
+
+
+def _fit_case(rank: int) -> None:
+    """`remat.fit` of a stack of FSDP2 blocks, called on every rank: each rank's measured peak within the
+    target and predicted, one plan on every rank, and training steps equal to the uncheckpointed model's."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_TanhBlock() for _ in range(4)]).to(DTYPE)
+    fitted = _wrap(copy.deepcopy(plain), "fsdp2")
+    x = torch.randn(128, 32, dtype=DTYPE, generator=torch.Generator().manual_seed(rank))
+    eager = _measured_peak(fitted, x)
+    remat.checkpoint_modules(fitted, _TanhBlock, policy=policies.save_nothing)
+    lowest = _measured_peak(fitted, x)
+    remat.uncheckpoint_modules(fitted)
+    assert eager > 1.3 * lowest, (eager, lowest)
+    # Without a binding target (every block keeping everything), the prediction is the measurement.
+    unbound = remat.fit(fitted, _TanhBlock, x, peak_bytes=10 * eager, loss=_square_mean)
+    assert unbound.predicted_peak == _measured_peak(fitted, x) == eager
+    remat.uncheckpoint_modules(fitted)
+    target = int(lowest + 0.4 * (eager - lowest))
+    plan = remat.fit(fitted, _TanhBlock, x, peak_bytes=target, loss=_square_mean)
+    measured = _measured_peak(fitted, x)
+    assert any(remat.RECOMPUTE in block.decisions for block in plan.blocks)  # the target binds
+    # Blocks with different plans: the prediction is above the measurement by at most one block's unsharded
+    # parameters (a known gap: docs/distributed.md), never below it.
+    one_block = sum(p.numel() * p.element_size() for p in _TanhBlock().to(DTYPE).parameters())
+    assert measured <= plan.predicted_peak <= target and plan.predicted_peak - measured <= one_block, (measured, plan)
+    plans: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, [block.decisions for block in plan.blocks])
+    assert all(theirs == plans[0] for theirs in plans)
+    runs = []
+    for model in (_wrap(plain, "fsdp2"), fitted):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses, grads = [], []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            loss = _square_mean(model(x + step))
+            loss.backward()
+            losses.append(loss.item())
+            grads.append([_full(p.grad).clone() for p in model.parameters()])
+            optimizer.step()
+        runs.append((losses, grads))
+    (plain_losses, plain_grads), (losses, grads) = runs
+    assert losses == plain_losses
+    for step in range(STEPS):
+        assert all(torch.equal(a, e) for a, e in zip(grads[step], plain_grads[step], strict=True))
+
+
+def test_fit_under_fsdp2_holds_each_ranks_target_with_one_plan(outcomes: dict[Any, str]) -> None:
+    _assert_ran_on_every_rank(outcomes, "fsdp2-fit")
+
+
 CASES: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
     **{f"{w}-{p}": (_train, (w, p)) for w in WRAPPERS for p in POLICIES},
     **{f"{w}-{s}": (_train_stored, (w, s)) for w in WRAPPERS for s in STORED},
+    "fsdp2-fit": (_fit_case, ()),
     "collectives": (_collective_case, ()),
     "in-place collective": (_in_place_collective_case, ()),
 }
