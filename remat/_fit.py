@@ -26,7 +26,7 @@ from ._calls import Decision, Trace, format_bytes
 from ._decide import decide, decide_nested
 from ._engine import SavedTensors, engine_runs_on, walked_backward
 from ._gpu import attention_as_on_the_gpu
-from ._measure import storage_nbytes
+from ._measure import storage_key, storage_nbytes
 from ._peak import peak_of
 from .report import Peak
 
@@ -871,7 +871,9 @@ def _probe(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> tu
                 walked_backward([value], [torch.ones_like(value)], saved)
 
         recorder = _step.run_step(step, fakes, _step.kernel_workspaces(parameters))
-        gradients = sum(storage_nbytes(p.grad) for p in parameters if p.grad is not None)
+        # Distinct storages: FSDP2's gradient shards of a block are views of one reduce-scatter output.
+        grads = [_local(p.grad) for p in parameters if p.grad is not None]
+        gradients = sum({storage_key(g): storage_nbytes(g) for g in grads}.values())
         timeline = _step.timeline_of(recorder, gradients)
     if optimizer is None:
         return timeline, 0
@@ -917,6 +919,17 @@ def _agreed_across_ranks(model: nn.Module, timeline: _step.Timeline, state: int)
     return dataclasses.replace(timeline, segments=segments, peak=peak, gradients=gradients, end=end), state
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What `tensor` holds on this rank: a DTensor's shard (FSDP2's parameters, gradients and optimizer
+    state), any other tensor itself."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tensor, DTensor):
+            return tensor.to_local()
+    return tensor
+
+
 def _optimizer_step(optimizer: torch.optim.Optimizer, device: torch.device | None) -> tuple[int, int]:
     """(peak bytes, bytes of new state) of one `optimizer.step()`, measured on meta copies of its
     parameters and gradients (nothing real is touched). State it already holds was live before the step
@@ -926,7 +939,7 @@ def _optimizer_step(optimizer: torch.optim.Optimizer, device: torch.device | Non
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
-            meta = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            meta = nn.Parameter(torch.empty_like(_local(p), device="meta"), requires_grad=p.requires_grad)
             if p.requires_grad:
                 meta.grad = torch.empty_like(meta)
             copies[id(p)] = meta
@@ -947,7 +960,7 @@ def _optimizer_step(optimizer: torch.optim.Optimizer, device: torch.device | Non
     for p, state in optimizer.state.items():
         if id(p) in copies:
             replica.state[copies[id(p)]] = {
-                k: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) and v.dim() else v
+                k: torch.empty_like(_local(v), device="meta") if isinstance(v, torch.Tensor) and v.dim() else v
                 for k, v in state.items()
             }
     recorder = _step.run_step(replica.step)
@@ -1051,7 +1064,7 @@ def _record(
         return _predicted_peak(rows, picks)[0]
 
     report = StepReport(
-        parameters=sum(storage_nbytes(p) for p in model.parameters()),
+        parameters=sum(storage_nbytes(_local(p)) for p in model.parameters()),
         gradients=timeline.gradients,
         optimizer_state=optimizer_state,
         kept=kept,

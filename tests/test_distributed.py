@@ -328,10 +328,30 @@ def test_fit_under_fsdp2_holds_each_ranks_target_with_one_plan(outcomes: dict[An
     _assert_ran_on_every_rank(outcomes, "fsdp2-fit")
 
 
+def _fit_optimizer_case(rank: int) -> None:
+    """Under FSDP2 the step report counts what this rank holds: its shards of the parameters, of their
+    gradients (one storage per block) and of Adam's state."""
+    torch.manual_seed(0)
+    model = _wrap(nn.Sequential(*[_TanhBlock() for _ in range(4)]).to(DTYPE), "fsdp2")
+    x = torch.randn(128, 32, dtype=DTYPE, generator=torch.Generator().manual_seed(rank))
+    optimizer = torch.optim.Adam(model.parameters())
+    plan = remat.fit(model, _TanhBlock, x, peak_bytes=10**8, loss=_square_mean, optimizer=optimizer)
+    shard = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+    assert shard * WORLD == sum(p.numel() * p.element_size() for p in model.parameters())
+    report = plan.report
+    assert report.parameters == report.gradients == shard
+    assert shard * 2 <= report.optimizer_state <= shard * 2 + 8 * len(list(model.parameters()))
+
+
+def test_fit_under_fsdp2_counts_this_ranks_shards(outcomes: dict[Any, str]) -> None:
+    _assert_ran_on_every_rank(outcomes, "fsdp2-fit-optimizer")
+
+
 CASES: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
     **{f"{w}-{p}": (_train, (w, p)) for w in WRAPPERS for p in POLICIES},
     **{f"{w}-{s}": (_train_stored, (w, s)) for w in WRAPPERS for s in STORED},
     "fsdp2-fit": (_fit_case, ()),
+    "fsdp2-fit-optimizer": (_fit_optimizer_case, ()),
     "collectives": (_collective_case, ()),
     "in-place collective": (_in_place_collective_case, ()),
 }
