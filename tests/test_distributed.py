@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import random
 import socket
 import sys
 from collections.abc import Callable
@@ -45,13 +46,16 @@ def _mixed(call: remat.Call) -> bool:
 POLICIES = {"save_nothing": policies.save_nothing, "mixed": _mixed}
 
 
-def _worker(rank: int, port: int, results: Any) -> None:
-    """Run every case of `CASES` in one process group of WORLD gloo ranks, reporting each to `results`."""
+def _worker(rank: int, port: int, results: Any, world: int = WORLD, names: tuple[str, ...] | None = None) -> None:
+    """Run every case of `CASES` (or those `names`) in one process group of `world` gloo ranks, reporting
+    each to `results`."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     # A case that fails on one rank leaves the other in a collective: the timeout ends it instead of a hang.
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         for name, (case, args) in CASES.items():
+            if names is not None and name not in names:
+                continue
             try:
                 case(rank, *args)
                 outcome = "ok"
@@ -249,9 +253,9 @@ def test_packed_and_compressed_values_under_the_wrapper(outcomes: dict[Any, str]
 
 
 class _TanhBlock(nn.Module):
-    def __init__(self, d: int = 32):
+    def __init__(self, d: int = 32, hidden: int = 128):
         super().__init__()
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.tanh(self.up(x)))
@@ -328,6 +332,48 @@ def test_fit_under_fsdp2_holds_each_ranks_target_with_one_plan(outcomes: dict[An
     _assert_ran_on_every_rank(outcomes, "fsdp2-fit")
 
 
+def _fit_random_stacks_case(rank: int) -> None:
+    """Stacks drawn alike on every rank (a seeded generator), as `test_fit.py` draws them for one device: each
+    rank's measured peak within the target, one plan on every rank, the prediction never below the
+    measurement nor above it by more than one block's unsharded parameters (docs/distributed.md)."""
+    draw = random.Random(0)
+    for _ in range(4):
+        n, d, hidden = draw.randint(1, 5), draw.choice([16, 32]), draw.choice([16, 64, 128])
+        rows, share = draw.choice([32, 96, 160]), draw.random()
+        torch.manual_seed(0)
+        model = _wrap(nn.Sequential(*[_TanhBlock(d, hidden) for _ in range(n)]).to(DTYPE), "fsdp2")
+        x = torch.randn(rows, d, dtype=DTYPE, generator=torch.Generator().manual_seed(rank))
+        eager = _measured_peak(model, x)
+        remat.checkpoint_modules(model, _TanhBlock, policy=policies.save_nothing)
+        lowest = _measured_peak(model, x)
+        remat.uncheckpoint_modules(model)
+        bounds = torch.tensor([eager, lowest])
+        dist.all_reduce(bounds, dist.ReduceOp.MAX)  # one target for every rank
+        eager, lowest = (int(b) for b in bounds)
+        target = int(lowest + share * max(0, eager - lowest)) + 1
+        plan = remat.fit(model, _TanhBlock, x, peak_bytes=target, loss=_square_mean)
+        measured = _measured_peak(model, x)
+        one_block = sum(p.numel() * p.element_size() for p in _TanhBlock(d, hidden).to(DTYPE).parameters())
+        context = (n, d, hidden, rows, share, measured, plan.predicted_peak, target)
+        assert measured <= target and measured <= plan.predicted_peak <= measured + one_block, context
+        plans: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(plans, [block.decisions for block in plan.blocks])
+        assert all(theirs == plans[0] for theirs in plans), context
+
+
+def test_fit_under_fsdp2_on_random_stacks(outcomes: dict[Any, str]) -> None:
+    _assert_ran_on_every_rank(outcomes, "fsdp2-fit-random")
+
+
+def test_fit_under_fsdp2_on_four_ranks() -> None:
+    # Its own process group of four ranks (the other cases run on two).
+    results = mp.Manager().dict()
+    names = ("fsdp2-fit", "fsdp2-fit-optimizer")
+    mp.spawn(_worker, args=(_free_port(), results, 4, names), nprocs=4)
+    for name in names:
+        assert {rank: results.get((rank, name)) for rank in range(4)} == dict.fromkeys(range(4), "ok"), name
+
+
 def _fit_optimizer_case(rank: int) -> None:
     """Under FSDP2 the step report counts what this rank holds: its shards of the parameters, of their
     gradients (one storage per block) and of Adam's state."""
@@ -337,7 +383,7 @@ def _fit_optimizer_case(rank: int) -> None:
     optimizer = torch.optim.Adam(model.parameters())
     plan = remat.fit(model, _TanhBlock, x, peak_bytes=10**8, loss=_square_mean, optimizer=optimizer)
     shard = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
-    assert shard * WORLD == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert shard * dist.get_world_size() == sum(p.numel() * p.element_size() for p in model.parameters())
     report = plan.report
     assert report.parameters == report.gradients == shard
     assert shard * 2 <= report.optimizer_state <= shard * 2 + 8 * len(list(model.parameters()))
@@ -352,6 +398,7 @@ CASES: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
     **{f"{w}-{s}": (_train_stored, (w, s)) for w in WRAPPERS for s in STORED},
     "fsdp2-fit": (_fit_case, ()),
     "fsdp2-fit-optimizer": (_fit_optimizer_case, ()),
+    "fsdp2-fit-random": (_fit_random_stacks_case, ()),
     "collectives": (_collective_case, ()),
     "in-place collective": (_in_place_collective_case, ()),
 }
