@@ -104,6 +104,9 @@ class StepReport:
         peak_keeping_nothing: the predicted peak with every block saving nothing.
         activations: bytes of activations at the peak, at least: the peak less all the step's gradients.
         measured_peak: the probe step's measured peak (its blocks saving nothing).
+        unsharded: of the peak, the bytes of parameters FSDP2 gathered unsharded (the running block's, and
+            the next one's it prefetches), as measured in the probe step at the peak's segment; 0 without
+            FSDP2.
     """
 
     parameters: int
@@ -116,6 +119,7 @@ class StepReport:
     peak_keeping_nothing: int
     activations: int
     measured_peak: int
+    unsharded: int = 0
 
     def __str__(self) -> str:
         share = self.activations / self.peak if self.peak else 0.0
@@ -128,6 +132,10 @@ class StepReport:
             f"  optimizer   {format_bytes(self.optimizer_state):>12}  (state its step allocates)",
             f"  kept        {format_bytes(sum(self.kept.values())):>12}  by {len(self.kept)} blocks",
         ]
+        if self.unsharded:
+            lines.insert(
+                4, f"  unsharded   {format_bytes(self.unsharded):>12}  (FSDP2's gathered parameters at the peak)"
+            )
         for name, kept in self.kept.items():
             lines.append(f"    {name:<24}  {format_bytes(kept):>12}")
         return "\n".join(lines)
@@ -1074,5 +1082,6 @@ def _record(
         peak_keeping_nothing=uniform("save_nothing"),
         activations=max(0, peak - timeline.gradients),
         measured_peak=timeline.peak,
+        unsharded=row.segment.resized,
     )
     return Fit(target, peak, tuple(plans), sum(p.replay_cost for p in plans), report, seconds)

@@ -78,6 +78,7 @@ class Segment:
     alive: frozenset[int]
     peak: int
     op: str  # the op whose output reached the peak ("" if the peak is where the segment starts)
+    resized: int = 0  # bytes at its peak of storages resized in place (FSDP2's unsharded parameters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,9 @@ class _Recorder:
         self.peak = 0
         self.segment_peak = 0
         self.segment_op = ""
+        self.resized_keys: set[Any] = set()  # storages resized in place: NOTE [storages resized in place]
+        self.resized_live = 0
+        self.segment_resized = 0
         self.phase: Phase = Phase.OUTSIDE
         self.in_call: int | None = None  # the block call the current segment lies in
         self.alive: set[int] = set()
@@ -119,9 +123,13 @@ class _Recorder:
         self.live[key] = nbytes
         self.total += nbytes
         weakref.finalize(storage, self._freed, key)
-        if self.total > self.segment_peak:
-            self.segment_peak, self.segment_op = self.total, str(op)
-        self.peak = max(self.peak, self.total)
+        self._reached(self.total, str(op))
+
+    def _reached(self, nbytes: int, op: str) -> None:
+        """`nbytes` are live at once now, the last of them made by `op`."""
+        if nbytes > self.segment_peak:
+            self.segment_peak, self.segment_op, self.segment_resized = nbytes, op, self.resized_live
+        self.peak = max(self.peak, nbytes)
 
     def resized(self, storage: torch.UntypedStorage, op: str) -> None:
         """`storage` was resized in place (FSDP2 frees and remakes unsharded parameters so: NOTE [storages
@@ -134,29 +142,38 @@ class _Recorder:
             if not nbytes:  # memory from before the step (not counted) freed
                 return
             weakref.finalize(storage, self._freed, key)
-        self.total += nbytes - self.live.get(key, 0)
+        change = nbytes - self.live.get(key, 0)
+        self.total += change
+        self.resized_live += change if key in self.resized_keys else nbytes
+        self.resized_keys.add(key)
         self.live[key] = nbytes
-        if self.total > self.segment_peak:
-            self.segment_peak, self.segment_op = self.total, op
-        self.peak = max(self.peak, self.total)
+        self._reached(self.total, op)
 
     def took_and_freed(self, nbytes: int, op: Any) -> None:
         """An op's kernel took `nbytes` of its own and freed them (NOTE [kernels' workspaces])."""
-        if self.total + nbytes > self.segment_peak:
-            self.segment_peak, self.segment_op = self.total + nbytes, f"{op} (its kernel's workspace)"
-        self.peak = max(self.peak, self.total + nbytes)
+        self._reached(self.total + nbytes, f"{op} (its kernel's workspace)")
         self.workspace = max(self.workspace, nbytes)
 
     def _freed(self, key: Any) -> None:
-        self.total -= self.live.pop(key, 0)
+        nbytes = self.live.pop(key, 0)
+        self.total -= nbytes
+        if key in self.resized_keys:
+            self.resized_live -= nbytes
 
     # --- events ----------------------------------------------------------------------------------------
     def _cut(self, phase: Phase, call: int | None) -> None:
         self.segments.append(
-            Segment(self.phase, self.in_call, frozenset(self.alive), self.segment_peak, self.segment_op)
+            Segment(
+                self.phase,
+                self.in_call,
+                frozenset(self.alive),
+                self.segment_peak,
+                self.segment_op,
+                self.segment_resized,
+            )
         )
         self.phase, self.in_call = phase, call
-        self.segment_peak, self.segment_op = self.total, ""
+        self.segment_peak, self.segment_op, self.segment_resized = self.total, "", self.resized_live
 
     def forward_started(self, name: str, module: torch.nn.Module) -> int:
         index = len(self.calls)

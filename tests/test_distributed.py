@@ -307,6 +307,8 @@ def _fit_case(rank: int) -> None:
     # parameters (a known gap: docs/distributed.md), never below it.
     one_block = sum(p.numel() * p.element_size() for p in _TanhBlock().to(DTYPE).parameters())
     assert measured <= plan.predicted_peak <= target and plan.predicted_peak - measured <= one_block, (measured, plan)
+    # At the peak (a block's backward), FSDP2 holds that block's parameters gathered, and the next one's.
+    assert one_block <= plan.report.unsharded <= 2 * one_block and "unsharded" in str(plan.report)
     plans: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(plans, [block.decisions for block in plan.blocks])
     assert all(theirs == plans[0] for theirs in plans)
