@@ -31,6 +31,7 @@ BENCHMARKS = {
     "fp8-scales": "benchmarks.fp8_scales",
     "lossy-training": "benchmarks.lossy_training",
     "compression": "benchmarks.compression",
+    "fsdp": "benchmarks.fsdp",
     "startup": "benchmarks.startup",
     "models": "benchmarks.models",
     "torch-func": "benchmarks.transform_table",

@@ -379,6 +379,24 @@ def test_compression_benchmark_packs_within_each_target_and_says_where_it_saves_
     assert "| fit |" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
+def test_fsdp_benchmark_holds_every_ranks_target(tmp_path: Path) -> None:
+    pytest.importorskip("highspy")
+    from benchmarks import fsdp
+
+    out = tmp_path / "fsdp-cpu.json"
+    fsdp.main(["--small", "--targets", "2", "--repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    for rank in ("0", "1"):
+        rows = result["per_rank"][rank]["rows"]
+        assert [row["method"] for row in rows][:2] == ["no checkpointing", "full AC (torch.utils.checkpoint)"]
+        fitted = [row for row in rows if row["method"] == "remat.fit"]
+        assert len(fitted) == 2
+        for row in fitted:
+            assert row["peak_bytes"] <= row["target_bytes"] and row["peak_bytes"] <= row["predicted_peak_bytes"]
+    assert "| remat.fit |" in out.with_suffix(".md").read_text()
+
+
 def test_the_gpu_script_runs_its_stages_at_a_toy_size_on_the_cpu(tmp_path: Path) -> None:
     # `benchmarks/gpu.sh` runs as-is where a GPU is lent; its dry run keeps it from rotting in between.
     pytest.importorskip("highspy")
