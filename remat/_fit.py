@@ -104,9 +104,9 @@ class StepReport:
         peak_keeping_nothing: the predicted peak with every block saving nothing.
         activations: bytes of activations at the peak, at least: the peak less all the step's gradients.
         measured_peak: the probe step's measured peak (its blocks saving nothing).
-        unsharded: of the peak, the bytes of parameters FSDP2 gathered unsharded (the running block's, and
-            the next one's it prefetches), as measured in the probe step at the peak's segment; 0 without
-            FSDP2.
+        unsharded: of the peak, the bytes of parameters FSDP2 holds gathered (the running block's, and the
+            next one's where prefetched by then), as measured in the probe step at the peak's segment; 0
+            without FSDP2.
     """
 
     parameters: int
