@@ -183,7 +183,7 @@ def torchtitan(session: nox.Session) -> None:
     env = {"PIP_CONFIG_FILE": os.devnull} if _release(torch) > _CAPPED_AT else {}
     session.install(f"torch=={torch}", env=env)
     session.install(f"torchtitan=={TORCHTITAN}", env=env)
-    session.install("-e", ".[test]", env=env)  # after torchtitan: transformers' hub over datasets' pin
+    session.install("-e", ".[test,torchtitan]", env=env)  # after torchtitan: transformers' hub over datasets' pin
     session.run("python", "-m", "pytest", "-q", "-p", "no:randomly", "tests/test_torchtitan.py", *session.posargs)
 
 

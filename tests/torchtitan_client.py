@@ -6,15 +6,13 @@ tests/test_torchtitan.py, alone or under `torchrun --nproc_per_node 2` (FSDP2 ov
 ASSETS holds the tokenizer and the data set (`write_assets`, made by the test: nothing from a hub).
 Rank 0 writes, per step, the loss and gradient norm torchtitan logs, and each block's cache counts.
 
-remat is plugged in through torchtitan's own configuration: `RematAC` subclasses its
-`ActivationCheckpointing` (what docs/distributed.md shows a user writing), and the trainer's
-`activation_checkpoint` field takes its `Config`. torchtitan's source is not patched; what the CPU needs
-is shimmed in this process only, for every run alike (`_shim_for_the_cpu`).
+remat is plugged in through torchtitan's own configuration: the trainer's `activation_checkpoint` field
+takes `remat.torchtitan.RematAC.Config`, as docs/distributed.md shows. torchtitan's source is not
+patched; what the CPU needs is shimmed in this process only, for every run alike (`_shim_for_the_cpu`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -24,9 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
-import remat
 
 
 def write_assets(root: Path, words: int = 200, documents: int = 200) -> None:
@@ -90,29 +85,12 @@ def _sum_reductions(trainer: Any) -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def remat_activation_checkpointing() -> type:
-    """The class a user writes (docs/distributed.md): remat as torchtitan's activation checkpointing."""
-    from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
-
-    class RematAC(ActivationCheckpointing):
-        @dataclasses.dataclass(kw_only=True, slots=True)
-        class Config(ActivationCheckpointing.Config):
-            policy: str = "dots_saveable"  # a name in remat.policies
-
-        def apply(self, model: nn.Module) -> None:
-            # One call for all the blocks, so that identical blocks share one trace.
-            layers = model.get_submodule("layers")
-            blocks = {id(block) for block in layers.children()}
-            policy = getattr(remat.policies, self.config.policy)
-            remat.checkpoint_modules(layers, lambda name, module: id(module) in blocks, policy=policy)
-
-    return RematAC
-
-
 def main(assets: Path, out: Path, checkpointing: str, spmd_backend: str | None) -> None:
     _shim_for_the_cpu()
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from remat.torchtitan import RematAC
 
     if "RANK" not in os.environ:  # one process, without a launcher
         os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -127,7 +105,7 @@ def main(assets: Path, out: Path, checkpointing: str, spmd_backend: str | None) 
     if spmd_backend is not None:
         config.parallelism.spmd_backend = spmd_backend
     config.activation_checkpoint = {
-        "remat": lambda: remat_activation_checkpointing().Config(),
+        "remat": lambda: RematAC.Config(),
         "selective": SelectiveAC.Config,
         "full": FullAC.Config,
         "none": lambda: None,
