@@ -564,9 +564,9 @@ def fit(
             (attention's, say), and the plan holds once the model is materialized there. See NOTE
             [planning on the meta device].
         pack: whether plans may keep values as bits where that is exact (`remat.PACK`, docs/storage.md),
-            where the bytes it frees buy fewer replays.
-        compress: a narrower format plans may also keep values in, approximately, where that frees bytes
-            that buy fewer replays: `"float16"`, `"bfloat16"` or `"fp8"` (`remat.policies.compress`); None
+            where the replays the freed bytes save cost more than packing's passes.
+        compress: a narrower format plans may also keep values in, approximately, where the replays the
+            freed bytes save cost more than its passes: `"float16"`, `"bfloat16"` or `"fp8"` (`remat.policies.compress`); None
             (the default): never.
         offload: whether plans may also keep values in host memory (`remat.OFFLOAD`, docs/offload.md), where
             the copies compute does not hide cost less than the replays they save; needs
