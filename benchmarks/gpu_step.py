@@ -141,19 +141,14 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
         low, high = checkpointed.measured["peak_bytes"], eager.measured["peak_bytes"]
         for fraction in FRACTIONS:
             target = round(low + (high - low) * fraction)
-            row = _fitted(case, target, batch, kwargs)
-            row.measured["peak_bytes"] = measure_peak(case, row, batch, kwargs, device)
-            rows.append(row)
-            log(
-                f"[{time.perf_counter() - started:6.0f} s]   remat.fit at {target / MIB:.1f} MiB: "
-                f"peak {row.measured['peak_bytes'] / MIB:.1f} MiB (predicted {row.fit.predicted_peak / MIB:.1f})"  # type: ignore[union-attr]
-            )
+            fits = [_fitted(case, target, batch, kwargs)]
             if device.type == "cuda":  # (on the CPU a tensor is its own host copy: fit refuses to offload)
-                row = _fitted_offloading(case, target, batch, kwargs)
+                fits.append(_fitted_offloading(case, target, batch, kwargs))
+            for row in fits:
                 row.measured["peak_bytes"] = measure_peak(case, row, batch, kwargs, device)
                 rows.append(row)
                 log(
-                    f"[{time.perf_counter() - started:6.0f} s]   remat.fit(offload=True) at {target / MIB:.1f} MiB: "
+                    f"[{time.perf_counter() - started:6.0f} s]   {row.method} at {target / MIB:.1f} MiB: "
                     f"peak {row.measured['peak_bytes'] / MIB:.1f} MiB (predicted {row.fit.predicted_peak / MIB:.1f})"  # type: ignore[union-attr]
                 )
         for row in rows:  # the gradients of the last measured step, against eager's

@@ -19,7 +19,7 @@ from ._calls import Decision, Trace, Value
 from ._decide import is_collective
 from ._peak import peak_of
 from ._rules import COPIED, KEPT, RECOMPUTED, REPLAYED, SAVED, STATE, Atom, rules_of
-from ._storage import BITS, HOST, Storage
+from ._storage import HOST, Storage
 from ._value_graph import ValueGraph
 from .costs import Device, estimate_seconds, resolve_device
 
@@ -76,9 +76,10 @@ __all__ = [
 # stored bytes (bytes_v k_v - shrink_vS y_vS), and the objective adds the
 # memory-bound passes that store and load it (seconds on the roofline's device;
 # with FLOPs, one per element per pass, as an elementwise call counts), so a
-# plan shrinks a value only where the replays the bytes buy cost more. A call's decision names one storage (with several:
-# y_vS <= u_cS, sum over S of u_cS <= 1), which keeps every value of the call it
-# holds so: never more bytes than the program counts.
+# plan shrinks a value only where the replays the bytes buy cost more. A call's
+# decision names one storage (with several: y_vS <= u_cS, sum over S of u_cS <=
+# 1), which keeps every value of the call it holds so: never more bytes than
+# the program counts.
 #
 # The exact mode solves it with HiGHS's branch and bound; the fast mode solves its
 # LP relaxation, rounds the saves, and repairs the result with `_accounting.account`, whose
@@ -137,17 +138,20 @@ class Shrinking:
     costs (NOTE [the budget problem]), by (value, storage)."""
 
     shrink: Mapping[tuple[Value, Storage], int]  # bytes freed
-    cost: Mapping[tuple[Value, Storage], float]  # in the cost unit: seconds on the roofline's device, 0 with FLOPs
+    cost: Mapping[tuple[Value, Storage], float]  # in the cost unit: roofline seconds, or FLOPs (`storage_cost`)
     device: Device | None
     stand_ins: frozenset[tuple[Value, Storage]] = frozenset()  # come back as stand-ins, which no replay may read
     storages: tuple[Storage, ...] = ()
+    # What a call kept in a storage costs: its values that storage holds (each, freeing bytes or not).
+    call_cost: Mapping[tuple[int, Storage], float] = dataclasses.field(default_factory=dict)
 
     @staticmethod
-    def of(trace: Trace, cost: str, storages: Sequence[Storage] = (BITS,)) -> Shrinking:
+    def of(trace: Trace, cost: str, storages: Sequence[Storage]) -> Shrinking:
         graph = trace.values
         assert graph is not None
         device = None if cost == "flops" else resolve_device(cost.removeprefix("roofline:"))
         shrink, costs = {}, {}
+        call_cost: dict[tuple[int, Storage], float] = {}
         for value, node in graph.nodes.items():
             if value[0] < 0 or value in graph.returned:
                 continue
@@ -155,25 +159,22 @@ class Shrinking:
                 if not storage.can_hold(node):
                     continue
                 nbytes = graph.nbytes[value]
+                cost_v = storage_cost(storage, device, nbytes, node.meta.get("val"))
+                call_cost[value[0], storage] = call_cost.get((value[0], storage), 0.0) + cost_v
                 freed = nbytes - storage.device_bytes(nbytes, node.meta.get("val"))
                 if freed > 0:
                     shrink[value, storage] = freed
-                    costs[value, storage] = storage_cost(storage, device, nbytes, node.meta.get("val"))
+                    costs[value, storage] = cost_v
         stand_ins = frozenset(k for k in shrink if not k[1].can_hold(graph.nodes[k[0]], read_again=True))
-        return Shrinking(shrink, costs, device, stand_ins, tuple(storages))
+        return Shrinking(shrink, costs, device, stand_ins, tuple(storages), call_cost)
 
-    def cost_of(self, accounting: Accounting, trace: Trace) -> float:
+    def cost_of(self, accounting: Accounting) -> float:
         """The storing and loading `accounting`'s decisions do in these storages, in the cost unit."""
-        graph = trace.values
-        assert graph is not None
-        total = 0.0
-        for call, kept in accounting.kept_by_call.items():
-            if kept.storage in self.storages and kept.stored_nbytes:
-                for value in (v for v in graph.nodes if v[0] == call and v not in graph.returned):
-                    node = graph.nodes[value]
-                    if kept.storage.can_hold(node):
-                        total += storage_cost(kept.storage, self.device, graph.nbytes[value], node.meta.get("val"))
-        return total
+        return sum(
+            self.call_cost.get((call, kept.storage), 0.0)
+            for call, kept in accounting.kept_by_call.items()
+            if kept.storage in self.storages and kept.stored_nbytes
+        )
 
 
 def storage_cost(storage: Storage, device: Device | None, nbytes: int, value: Any) -> float:
@@ -293,7 +294,11 @@ class _Program:
 
     def _shrink(self, shrinking: Shrinking) -> None:
         """Variables and rows of keeping values in fewer bytes: see NOTE [the budget problem]."""
-        chosen: dict[tuple[int, Storage], int] = {}  # (call, storage) -> u_{c,S}, where storages compete
+        chosen: dict[int, dict[Storage, int]] = {}  # call -> storage -> u_{c,S}, where storages compete
+        readers: dict[Value, list[int]] = {}  # the calls whose replays (or recomputations) read a value
+        for c, reads in enumerate(self.graph.reads):
+            for value in reads:
+                readers.setdefault(value, []).append(c)
         for (value, storage), freed in shrinking.shrink.items():
             kept = self._column.get(Atom(KEPT, value))
             if kept is None:
@@ -304,7 +309,7 @@ class _Program:
             self.budget_row[j] = -float(freed)
             if (value, storage) in shrinking.stand_ins:  # no replay reads it, nor a recomputation as it was kept
                 recomputed = self._column.get(Atom(RECOMPUTED, value[0]))
-                for c in (c for c, reads in enumerate(self.graph.reads) if value in reads):
+                for c in dict.fromkeys(readers.get(value, ())):
                     self._row({j: 1, self._column[Atom(REPLAYED, c)]: 1}, 1)
                     if Atom(RECOMPUTED, c) in self._column:
                         row = {j: 1.0, self._column[Atom(RECOMPUTED, c)]: 1.0}
@@ -312,12 +317,13 @@ class _Program:
                             row[recomputed] = -1.0
                         self._row(row, 1)
             if len(shrinking.storages) > 1:  # a call's decision names one storage
-                if (value[0], storage) not in chosen:
-                    chosen[value[0], storage] = self.size
+                of_call = chosen.setdefault(value[0], {})
+                if storage not in of_call:
+                    of_call[storage] = self.size
                     self.size += 1
-                self._row({j: 1, chosen[value[0], storage]: -1}, 0)
-        for c in {c for c, _ in chosen}:
-            self._row({u: 1 for (call, _), u in chosen.items() if call == c}, 1)
+                self._row({j: 1, of_call[storage]: -1}, 0)
+        for of_call in chosen.values():
+            self._row(dict.fromkeys(of_call.values(), 1.0), 1)
 
     def decisions(self, solution: np.ndarray) -> tuple[Decision, ...]:
         """The decisions of a solution: SAVE, OFFLOAD, or the decision of the storage its kept values shrink
@@ -410,7 +416,7 @@ def solve(
     for decisions in candidates:
         accounting = account_for(trace, decisions)
         if accounting.saved_bytes <= budget:
-            total = replay_cost(accounting, costs, link) + (shrinking.cost_of(accounting, trace) if shrinking else 0.0)
+            total = replay_cost(accounting, costs, link) + (shrinking.cost_of(accounting) if shrinking else 0.0)
             scored.append((total, sum(d.keeps for d in decisions), len(stored_calls(decisions)), decisions, accounting))
     if not scored:
         raise InfeasibleBudget(minimum_bytes(trace, link, shrinking))

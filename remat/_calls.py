@@ -23,7 +23,7 @@ class Decision(enum.Enum):
     them and back to their device before backward first reads them (see
     docs/offload.md), with gradients exactly those of `SAVE`; `PACK` keeps
     them on their device in fewer bytes where that is exact, bit for bit
-    (booleans and dropout's masks as bits: docs/storage.md), as they are
+    (booleans, dropout's masks and a ReLU's output as bits: docs/storage.md), as they are
     elsewhere; `RECOMPUTE` keeps nothing and replays the call in backward if
     something backward needs depends on it.
 

@@ -68,10 +68,10 @@ __all__ = ["call_under_dynamo", "register"]
 # the min-cut partitioner treats them as recompute, and its own offloading pass runs only
 # under a configuration flag torch marks as for testing, on nodes nothing marks (checked on
 # torch 2.13 and 2.15). Rather than replay a value the policy wants kept, remat answers
-# MUST_SAVE for an OFFLOAD call (and a PACK one: the region has no storage but the device):
-# inside a compiled model it stays on the device, and the compiled region keeps it as SAVE
-# would. Outside a compiled model (and with `compile=` on remat's own programs), offloading
-# and packing work as in eager.
+# MUST_SAVE for an OFFLOAD call (and a PACK or compressed one: the region has no storage but
+# the device): inside a compiled model it stays on the device, and the compiled region keeps it
+# as SAVE would. Outside a compiled model (and with `compile=` on remat's own programs), every
+# storage works as in eager.
 
 _CHECKPOINTED: weakref.WeakValueDictionary[str, Checkpointed] = weakref.WeakValueDictionary()
 _keys = itertools.count()

@@ -28,6 +28,7 @@ from ._engine import SavedTensors, engine_runs_on, walked_backward
 from ._gpu import attention_as_on_the_gpu
 from ._measure import storage_key, storage_nbytes
 from ._peak import peak_of
+from ._storage import shrinking
 from .report import Peak
 
 __all__ = ["BlockPlan", "Fit", "StepReport", "fit"]
@@ -227,8 +228,8 @@ def candidates(
 ) -> list[_Candidate]:
     """The plans `fit` chooses among for one block's trace, each once (the first label it was found by).
     The first is saving nothing, the probe step's plan. With `pack` (and `compress`), the budget planner's
-    plans keep values as bits (`remat.PACK`; and in the narrower format) where the bytes that frees buy
-    fewer replays, and their cost counts the storing and loading. With `offload`, they keep values in host
+    plans keep values as bits (`remat.PACK`; and in the narrower format) where the replays the freed bytes
+    save cost more than that, and their cost counts the storing and loading. With `offload`, they keep values in host
     memory where the copies compute does not hide cost less than the replays (NOTE [the budget problem]),
     and their cost counts that copy time."""
     from . import policies
@@ -236,8 +237,8 @@ def candidates(
 
     assert trace.joint is not None, "a block's trace carries its graph, for peak predictions"
     costs = call_costs(trace, cost)
-    shrink = policies.budget(fraction=1.0, pack=pack, compress=compress).shrink
-    shrinking = Shrinking.of(trace, cost, shrink)
+    shrink = shrinking(pack, compress)
+    in_fewer_bytes = Shrinking.of(trace, cost, shrink)
     link = HostLink.of(trace, cost) if offload else None
     # Among plans of one replay cost, the one that shrinks less.
     tie = 1e-9 * (sum(costs) or 1.0)
@@ -250,7 +251,7 @@ def candidates(
             shrunk = sum(
                 1 for kept in accounting.kept_by_call.values() if kept.storage in shrink and kept.stored_nbytes
             )
-            replay = replay_cost(accounting, costs, link) + shrinking.cost_of(accounting, trace) + tie * shrunk
+            replay = replay_cost(accounting, costs, link) + in_fewer_bytes.cost_of(accounting) + tie * shrunk
             # As the probe step measures it: NOTE [generator states in the peak].
             peak = peak_of(trace, decisions, generator_states=False)
             found[decisions] = _Candidate(label, decisions, replay, peak, accounting.offloaded_bytes)
@@ -272,7 +273,7 @@ def candidates(
         add(label, decide(policy, trace))
     options = {"cost": cost, "exact": exact, "pack": pack, "compress": compress, "offload": offload}
     budgets = [policies.budget(fraction=f, **options) for f in FRACTIONS]  # type: ignore[arg-type]
-    low = minimum_bytes(trace, link, shrinking if shrink else None)
+    low = minimum_bytes(trace, link, in_fewer_bytes if shrink else None)
     high = account(trace, range(len(trace))).saved_bytes
     budgets += [
         policies.budget(max_bytes=low + (high - low) * i // (BYTE_BUDGETS - 1), **options)  # type: ignore[arg-type]
@@ -566,8 +567,8 @@ def fit(
         pack: whether plans may keep values as bits where that is exact (`remat.PACK`, docs/storage.md),
             where the replays the freed bytes save cost more than packing's passes.
         compress: a narrower format plans may also keep values in, approximately, where the replays the
-            freed bytes save cost more than its passes: `"float16"`, `"bfloat16"` or `"fp8"` (`remat.policies.compress`); None
-            (the default): never.
+            freed bytes save cost more than its passes: `"float16"`, `"bfloat16"` or `"fp8"`
+            (`remat.policies.compress`); None (the default): never.
         offload: whether plans may also keep values in host memory (`remat.OFFLOAD`, docs/offload.md), where
             the copies compute does not hide cost less than the replays they save; needs
             `cost="roofline:<device>"`, which times both. The peak is the device's: offloaded values take

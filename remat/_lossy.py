@@ -22,8 +22,8 @@ __all__ = ["FP8_MAX", "Narrowing", "FLOAT16", "BFLOAT16", "FP8", "recording_erro
 
 # NOTE [values kept lossy]
 # A kept value may wait for backward in fewer bits per element than it has,
-# where a policy asks (`policies.compress`); the planners never choose it on
-# their own. The gradient formulas that read it then read it rounded: forward
+# where a policy asks (`policies.compress`), or a planner is allowed to
+# (`compress=`); they never choose it on their own. The gradient formulas that read it then read it rounded: forward
 # is untouched (it reads the value itself), and so is every replay and every
 # recomputation to differentiate again (a value one of them reads is kept as it
 # is, as a stand-in is: NOTE [values kept as bits]), so the one rounding is the

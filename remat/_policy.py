@@ -187,7 +187,8 @@ def pack(policy: PolicyLike) -> Policy:
     """Pack what `policy` keeps: its SAVE decisions become PACK, the rest stays RECOMPUTE.
 
     The kept outputs of those calls wait for backward on their device in fewer bytes wherever
-    that is exact (booleans and dropout's masks as bits: docs/storage.md), as they are elsewhere.
+    that is exact (booleans, dropout's masks and values read only through a test, such as a ReLU's output,
+    as bits: docs/storage.md), as they are elsewhere.
 
     >>> import torch, remat
     >>> from remat.policies import pack, save_everything

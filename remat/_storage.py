@@ -24,6 +24,7 @@ __all__ = [
     "Storage",
     "exact",
     "program_functions",
+    "shrinking",
     "storage_of",
 ]
 
@@ -211,6 +212,12 @@ _BY_DECISION = {storage.decision: storage for storage in STORAGES}
 def storage_of(decision: Decision) -> Storage | None:
     """Where `decision` keeps a call's values (None: it keeps none, it replays the call)."""
     return _BY_DECISION.get(decision)
+
+
+def shrinking(pack: bool, compress: str | None) -> tuple[Storage, ...]:
+    """The storages of fewer device bytes a planner may keep values in: bits (with `pack`), and the narrower
+    format named `compress` (None: none)."""
+    return (BITS,) * pack + tuple(s for s in STORAGES if not s.exact and s.name == compress)
 
 
 def exact(decision: Decision) -> bool:

@@ -27,6 +27,7 @@ from ._calls import Call, Decision, Trace, format_bytes, op_name
 from ._policy import _FORMATS, Policy, compress, offload, pack, save_all_of, save_any_of, save_unless
 from ._policy import offload as _offload_policy  # `offload` is also an argument name below
 from ._sac import from_sac
+from ._storage import shrinking
 from ._torch import HigherOrderOperator, OpOverload, OpOverloadPacket
 from .costs import DEVICES, MATMUL_OPS, Device, estimate_seconds, resolve_device
 
@@ -269,8 +270,8 @@ nor convolutions.
 
 
 pack_everything: Policy = pack(save_everything)
-"""Keep every call's outputs, packed where that is exact (`remat.PACK`: booleans and dropout's masks as bits,
-bit for bit; docs/storage.md), as they are elsewhere.
+"""Keep every call's outputs, packed where that is exact (`remat.PACK`: booleans, dropout's masks and values read
+only through a test as bits, exactly; docs/storage.md), as they are elsewhere.
 
 >>> import torch, remat
 >>> f = lambda x: torch.where(x > 0, x.sin(), 0.0).sum()
@@ -534,10 +535,7 @@ class Budget(Policy):
     @property
     def shrink(self) -> tuple[Any, ...]:
         """The storages of fewer device bytes it may keep values in: bits, a narrower format."""
-        from ._storage import BITS, storage_of
-
-        formats = () if self.compress is None else (storage_of(_FORMATS[self.compress]),)
-        return (BITS,) * self.pack + formats
+        return shrinking(self.pack, self.compress)
 
     def plan(self, trace: Trace) -> tuple[Decision, ...]:
         return self.solve(trace).decisions
@@ -578,8 +576,7 @@ class Budget(Policy):
                 f"remat.policies.{self!r}: no decisions keep as few as {format_bytes(budget)} ({budget:,} bytes) "
                 f"for this trace; the fewest any keep is {format_bytes(error.minimum)} ({error.minimum:,} bytes: "
                 "generator states of replayed random calls, inputs the function overwrites, values kept as bits). "
-                "Raise the "
-                "budget to at least that."
+                "Raise the budget to at least that."
             ) from None
 
     def _decide(self, call: Call) -> Decision:
@@ -645,9 +642,9 @@ def budget(
             after its producer (in forward, and before its consumer in backward) does not
             hide; copies queue on one link. Needs `cost="roofline:<device>"`, so that replays
             and copies are both in seconds. The device bytes stay within the budget.
-        pack: also choose PACK where it helps: keep booleans and dropout's masks as bits,
-            exactly (docs/storage.md), where the bytes that frees buy fewer replays than the
-            packing costs: its memory-bound passes over the value (with `cost="roofline:<device>"`,
+        pack: also choose PACK where it helps: keep booleans, dropout's masks and values read
+            only through a test as bits, exactly (docs/storage.md), where the replays the freed
+            bytes save cost more than packing: its memory-bound passes over the value (with `cost="roofline:<device>"`,
             in seconds; with FLOPs, one per element per pass, as an elementwise call counts).
             `pack=False` keeps every kept value as it is.
         compress: also choose this narrower format, approximately, where it helps:
