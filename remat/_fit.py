@@ -31,7 +31,10 @@ from ._peak import peak_of
 from ._storage import shrinking
 from .report import Peak
 
-__all__ = ["BlockPlan", "Fit", "StepReport", "fit"]
+__all__ = ["BlockPlan", "Fit", "StepReport", "fit", "fit_when_called"]
+
+LossFor = Callable[[Sequence[Any], dict[str, Any]], Callable[[Any], torch.Tensor]]
+"""The probe step's loss for a batch `(args, kwargs)`: a function of the model's output."""
 
 
 # NOTE [planning a step]
@@ -593,6 +596,65 @@ def fit(
     ['0', '1', '2', '3']
     """
     _check_arguments(model, peak_bytes, loss, kwargs, optimizer, cost, exact, pack, compress, offload)
+    planner = _install(
+        model,
+        which,
+        peak_bytes,
+        _same_loss(loss or _default_loss),
+        optimizer,
+        cost,
+        exact,
+        device,
+        pack,
+        compress,
+        offload,
+    )
+    try:
+        return planner.fit(args, dict(kwargs or {}))
+    except BaseException:
+        _uninstall(model)
+        raise
+
+
+def fit_when_called(
+    model: nn.Module,
+    which: Which,
+    /,
+    *,
+    peak_bytes: int,
+    loss_for: LossFor,
+    cost: str = "flops",
+    pack: bool = True,
+    offload: bool = False,
+) -> None:
+    """`fit` without an example batch: the model is planned when it is first called with gradients on, on
+    that call's batch, before the call runs (NOTE [planning before the model's hooks]), as a fitted model
+    plans a new signature. For a framework that sets up checkpointing before any batch exists and shards
+    the model after (remat.torchtitan). `loss_for(args, kwargs)` gives the loss of the probe step on that
+    batch (a framework's loss may need the batch: its labels)."""
+    _check_arguments(model, peak_bytes, loss_for, None, None, cost, False, pack, None, offload)
+    _install(model, which, peak_bytes, loss_for, None, cost, False, None, pack, None, offload)
+
+
+def _same_loss(loss: Callable[[Any], torch.Tensor]) -> LossFor:
+    """The loss of every batch's probe step: `loss` itself."""
+    return lambda args, kwargs: loss
+
+
+def _install(
+    model: nn.Module,
+    which: Which,
+    peak_bytes: int,
+    loss_for: LossFor,
+    optimizer: torch.optim.Optimizer | None,
+    cost: str,
+    exact: bool,
+    device: Any,
+    pack: bool,
+    compress: str | None,
+    offload: bool,
+) -> _Planner:
+    """Checkpoint the blocks `which` selects with plans to be made, and make the model plan when called."""
     target_device = _target_device(model, device)
     if offload and _plans_for_the_cpu(model, target_device):
         raise ValueError(
@@ -601,15 +663,17 @@ def fit(
             "for the GPU (`device='cuda'` with the model on meta, or the model on the GPU)."
         )
     checkpoint_selected(model, which, _Planned, DEFAULT_CACHE_SIZE, False, "remat.fit")
-    planner = _Planner(
-        model, peak_bytes, loss or _default_loss, optimizer, cost, exact, target_device, pack, compress, offload
-    )
+    planner = _Planner(model, peak_bytes, loss_for, optimizer, cost, exact, target_device, pack, compress, offload)
     model.__dict__["forward"] = _FittedForward(model, planner)
-    try:
-        return planner.fit(args, dict(kwargs or {}))
-    except BaseException:
-        uncheckpoint_modules(model)
-        raise
+    _plans_when_called(model)
+    return planner
+
+
+def _uninstall(model: nn.Module) -> None:
+    """Undo `_install` of a plan that failed: the model as it was, its class included."""
+    uncheckpoint_modules(model)
+    if type(model) in _PLANNING_CLASSES.values():
+        model.__class__ = type(model).__bases__[1]
 
 
 class _Planner:
@@ -619,7 +683,7 @@ class _Planner:
         self,
         model: nn.Module,
         target: int,
-        loss: Callable[[Any], Any],
+        loss_for: LossFor,
         optimizer: torch.optim.Optimizer | None,
         cost: str,
         exact: bool,
@@ -628,7 +692,7 @@ class _Planner:
         compress: str | None,
         offload: bool,
     ):
-        self.model, self.target, self.loss, self.optimizer = model, target, loss, optimizer
+        self.model, self.target, self.loss_for, self.optimizer = model, target, loss_for, optimizer
         self.cost, self.exact, self.pack, self.compress, self.offload = cost, exact, pack, compress, offload
         self.device = device  # the target of a model on meta (None: where it is)
         self.fits: LRUCache[Fit] = LRUCache(DEFAULT_CACHE_SIZE)
@@ -644,24 +708,69 @@ class _Planner:
 
 
 class _FittedForward(InstalledForward):
-    """The fitted model's own instance `forward`: at an input signature not planned yet (with gradients
-    on), it plans the step again for the same target, then runs the model's forward."""
+    """The fitted model's own instance `forward`: it holds the planner, and at an input signature not
+    planned yet (with gradients on), plans the step again for the same target, then runs the model's
+    forward. A call of the model has planned before its hooks ran (`_PlansWhenCalled`); this plans a
+    direct call of `model.forward`."""
 
     def __init__(self, model: nn.Module, planner: _Planner):
         self.replaced = model.__dict__.get("forward", NOTHING)
         self.forward = model.forward  # its class's, or the block forward installed on it
         self.planner = planner
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def plan(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         if torch.is_grad_enabled() and _step.recorder is None:  # not in the probe step itself
             if torch.compiler.is_compiling():
                 _plan_outside_the_graph(self.planner, args, kwargs)
             else:
                 self.planner.fit(args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.plan(args, kwargs)
         return self.forward(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<remat.fit forward, peak_bytes={self.planner.target:,}>"
+
+
+# NOTE [planning before the model's hooks]
+# A new signature is planned when the fitted model is called, before anything
+# of that call runs, its forward pre-hooks included. Planned inside the call
+# (in its forward), the probe step would run the model again under the state
+# its hooks set up for the call: FSDP2's root hook has gathered the root's
+# parameters for this forward, and the probe step's backward shards them again
+# and reduces their gradients before the forward reads them (found: a crash on
+# mixed DTensor and tensor arguments, or, with the parameters gathered again,
+# wrong gradients). Python looks `__call__` up on the class, so no attribute of
+# the instance comes before the hooks: `fit` gives the model a subclass of its
+# class that adds only this `__call__`, as FSDP2's `fully_shard` gives it one of
+# its own. Either may come first: a subclass of the other's. The subclass keeps
+# the class's name; `uncheckpoint_modules` leaves it, calling straight through.
+
+
+class _PlansWhenCalled:
+    """Mixed into a fitted model's class: plans a new signature before the call (NOTE [planning before
+    the model's hooks])."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fitted = self.__dict__.get("forward")
+        if isinstance(fitted, _FittedForward):
+            fitted.plan(args, kwargs)
+        return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
+
+_PLANNING_CLASSES: dict[type, type] = {}
+
+
+def _plans_when_called(model: nn.Module) -> None:
+    kind = type(model)
+    if issubclass(kind, _PlansWhenCalled):
+        return
+    made = _PLANNING_CLASSES.get(kind)
+    if made is None:
+        names = {"__module__": kind.__module__, "__qualname__": kind.__qualname__, "__doc__": kind.__doc__}
+        made = _PLANNING_CLASSES[kind] = type(kind.__name__, (_PlansWhenCalled, kind), names)
+    model.__class__ = made
 
 
 @torch.compiler.disable
@@ -860,7 +969,7 @@ def _stepping(
 
 def _probe(planner: _Planner, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[_step.Timeline, int]:
     """The probe step's timeline, with the optimizer's step after it, and the bytes of new optimizer state."""
-    model, loss, optimizer = planner.model, planner.loss, planner.optimizer
+    model, loss, optimizer = planner.model, planner.loss_for(args, kwargs), planner.optimizer
     with _put_back(model), _stepping(model, planner.device, args, kwargs) as (call, parameters, fakes):
         # Without a GPU, the backward of fake CUDA tensors is walked, releasing saved tensors as the engine
         # does (NOTE [a backward walked without the engine]).

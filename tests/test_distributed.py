@@ -376,6 +376,69 @@ def test_fit_under_fsdp2_on_four_ranks() -> None:
         assert {rank: results.get((rank, name)) for rank in range(4)} == dict.fromkeys(range(4), "ok"), name
 
 
+def _stack_with_a_root() -> nn.Sequential:
+    """Blocks between an input and an output layer that the root holds (as a language model's embedding
+    and head): FSDP2 gathers them in the root's forward pre-hook."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), *[_TanhBlock() for _ in range(4)], nn.Linear(32, 32)).to(DTYPE)
+
+
+def _shard_blocks(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model:
+        if isinstance(block, _TanhBlock):
+            fully_shard(block)
+    return fully_shard(model)
+
+
+def _fit_new_signatures_case(rank: int) -> None:
+    """A fitted FSDP2 model whose root holds parameters plans each new batch shape before FSDP2's hooks run
+    (NOTE [planning before the model's hooks]), planned after sharding (`fit`) or before it, at its first
+    step (`fit_when_called`: torchtitan's order): losses and gradients equal the plain FSDP2 model's over
+    batches of three shapes, and every rank's measured peak stays within the target."""
+    x = torch.randn(128, 32, dtype=DTYPE, generator=torch.Generator().manual_seed(rank))
+    probe = _shard_blocks(_stack_with_a_root())
+    eager = _measured_peak(probe, x)
+    remat.checkpoint_modules(probe, _TanhBlock, policy=policies.save_nothing)
+    bounds = torch.tensor([eager, _measured_peak(probe, x)])
+    dist.all_reduce(bounds, dist.ReduceOp.MAX)
+    eager, lowest = (int(b) for b in bounds)
+    target = int(lowest + 0.4 * (eager - lowest))
+    after = _shard_blocks(_stack_with_a_root())
+    remat.fit(after, _TanhBlock, x, peak_bytes=target, loss=_square_mean)
+    before = _stack_with_a_root()
+    remat._fit.fit_when_called(before, _TanhBlock, peak_bytes=target, loss_for=lambda args, kwargs: _square_mean)
+    before = _shard_blocks(before)
+    runs = []
+    for model in (_shard_blocks(_stack_with_a_root()), after, before):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses, grads = [], []
+        for step, rows in enumerate((128, 64, 96)):
+            optimizer.zero_grad()
+            loss = _square_mean(model(x[:rows] + step))
+            loss.backward()
+            losses.append(loss.item())
+            grads.append([_full(p.grad).clone() for p in model.parameters()])
+            optimizer.step()
+        runs.append((losses, grads))
+    (plain_losses, plain_grads), *fitted = runs
+    for losses, grads in fitted:
+        assert losses == plain_losses
+        for step in range(3):
+            assert all(torch.equal(a, e) for a, e in zip(grads[step], plain_grads[step], strict=True))
+    for model in (after, before):
+        plans = [plan for _, plan in model.forward.planner.fits.items()]
+        assert len(plans) == 3 and all(plan.report.unsharded > 0 for plan in plans)  # planned sharded
+        assert any(remat.RECOMPUTE in block.decisions for block in plans[0].blocks)  # the target binds
+        for rows in (128, 64):
+            assert _measured_peak(model, x[:rows]) <= target, rows
+
+
+def test_a_fitted_fsdp2_model_plans_new_batch_shapes_before_fsdp2s_hooks(outcomes: dict[Any, str]) -> None:
+    _assert_ran_on_every_rank(outcomes, "fsdp2-fit-new-signatures")
+
+
 def _fit_optimizer_case(rank: int) -> None:
     """Under FSDP2 the step report counts what this rank holds: its shards of the parameters, of their
     gradients (one storage per block) and of Adam's state."""
@@ -401,6 +464,7 @@ CASES: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
     "fsdp2-fit": (_fit_case, ()),
     "fsdp2-fit-optimizer": (_fit_optimizer_case, ()),
     "fsdp2-fit-random": (_fit_random_stacks_case, ()),
+    "fsdp2-fit-new-signatures": (_fit_new_signatures_case, ()),
     "collectives": (_collective_case, ()),
     "in-place collective": (_in_place_collective_case, ()),
 }

@@ -244,6 +244,45 @@ def test_uncheckpoint_modules_undoes_fit() -> None:
         remat.fit(model, MLPBlock, x, peak_bytes=10**9, loss=square_loss)
 
 
+def test_a_new_signature_is_planned_before_the_models_hooks_run() -> None:
+    # NOTE [planning before the model's hooks]: a hook that sets up state for the call (FSDP2's gathers the
+    # root's parameters) sees the probe step's call first, then the real call's, never the probe inside it.
+    model, x = mlp_stack(n=2), torch.randn(64, 32)
+    kind = type(model)
+    in_probe: list[bool] = []
+    model.register_forward_pre_hook(lambda module, args: in_probe.append(remat._step.recorder is not None))
+    remat.fit(model, MLPBlock, x, peak_bytes=10**9, loss=square_loss)
+    assert in_probe == [True]
+    square_loss(model(torch.randn(48, 32))).backward()
+    assert in_probe == [True, True, False]
+    assert type(model).__name__ == kind.__name__ and isinstance(model, kind) and type(model) is not kind
+    remat.uncheckpoint_modules(model)  # the subclass stays, calling straight through
+    square_loss(model(torch.randn(40, 32))).backward()
+    assert in_probe == [True, True, False, False]
+
+
+def test_a_failed_fit_leaves_the_models_class_as_it_was() -> None:
+    model, x = mlp_stack(n=2), torch.randn(64, 32)
+    kind = type(model)
+    with pytest.raises(ValueError, match="lowest predicted peak"):
+        remat.fit(model, MLPBlock, x, peak_bytes=1, loss=square_loss)
+    assert type(model) is kind
+
+
+def test_fit_when_called_plans_at_the_first_call_with_gradients() -> None:
+    model, x = mlp_stack(n=2), torch.randn(64, 32)
+    eager, lowest = eager_and_lowest(model, MLPBlock, x)
+    target = int(lowest + 0.3 * (eager - lowest))
+    remat._fit.fit_when_called(model, MLPBlock, peak_bytes=target, loss_for=lambda args, kwargs: square_loss)
+    planner = vars(model)["forward"].planner
+    with torch.no_grad():
+        model(x)
+    assert planner.fits.items() == []  # nothing to plan without gradients
+    assert measured_peak(model, x) <= target
+    [(_, plan)] = planner.fits.items()
+    assert plan.peak_bytes == target and any(remat.RECOMPUTE in block.decisions for block in plan.blocks)
+
+
 class NoisyBlock(nn.Module):
     def __init__(self, d: int):
         super().__init__()
