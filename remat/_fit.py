@@ -27,7 +27,9 @@ from ._decide import decide, decide_nested
 from ._engine import SavedTensors, engine_runs_on, walked_backward
 from ._gpu import attention_as_on_the_gpu
 from ._measure import storage_key, storage_nbytes
+from ._objects import opened
 from ._peak import peak_of
+from ._pytree import NAMESPACE
 from ._storage import shrinking
 from .report import Peak
 
@@ -596,19 +598,10 @@ def fit(
     ['0', '1', '2', '3']
     """
     _check_arguments(model, peak_bytes, loss, kwargs, optimizer, cost, exact, pack, compress, offload)
-    planner = _install(
-        model,
-        which,
-        peak_bytes,
-        _same_loss(loss or _default_loss),
-        optimizer,
-        cost,
-        exact,
-        device,
-        pack,
-        compress,
-        offload,
-    )
+    target = _target_device(model, device)
+    _refuse_offload_on_the_cpu(model, target, offload)
+    loss_for = _same_loss(loss or _default_loss)
+    planner = _install(model, which, peak_bytes, loss_for, optimizer, cost, exact, target, pack, compress, offload)
     try:
         return planner.fit(args, dict(kwargs or {}))
     except BaseException:
@@ -626,19 +619,31 @@ def fit_when_called(
     cost: str = "flops",
     pack: bool = True,
     offload: bool = False,
+    planned: Callable[[Fit], None] | None = None,
 ) -> None:
     """`fit` without an example batch: the model is planned when it is first called with gradients on, on
     that call's batch, before the call runs (NOTE [planning before the model's hooks]), as a fitted model
-    plans a new signature. For a framework that sets up checkpointing before any batch exists and shards
-    the model after (remat.torchtitan). `loss_for(args, kwargs)` gives the loss of the probe step on that
-    batch (a framework's loss may need the batch: its labels)."""
+    plans a new signature; where it is then (it may be on meta now). For a framework that sets up
+    checkpointing before any batch exists and shards and materializes the model after (remat.torchtitan).
+    `loss_for(args, kwargs)` gives the loss of the probe step on that batch (a framework's loss may need the
+    batch: its labels). `planned` is called with each plan made."""
     _check_arguments(model, peak_bytes, loss_for, None, None, cost, False, pack, None, offload)
-    _install(model, which, peak_bytes, loss_for, None, cost, False, None, pack, None, offload)
+    planner = _install(model, which, peak_bytes, loss_for, None, cost, False, None, pack, None, offload)
+    planner.planned, planner.placed = planned, False
 
 
 def _same_loss(loss: Callable[[Any], torch.Tensor]) -> LossFor:
     """The loss of every batch's probe step: `loss` itself."""
     return lambda args, kwargs: loss
+
+
+def _refuse_offload_on_the_cpu(model: nn.Module, target: torch.device | None, offload: bool) -> None:
+    if offload and _plans_for_the_cpu(model, target):
+        raise ValueError(
+            "remat.fit: offload=True plans copies to host memory to lower a GPU's peak, but this step runs on "
+            "the CPU, where a tensor is its own host copy: offloading would free nothing. Plan without it, or "
+            "for the GPU (`device='cuda'` with the model on meta, or the model on the GPU)."
+        )
 
 
 def _install(
@@ -649,21 +654,14 @@ def _install(
     optimizer: torch.optim.Optimizer | None,
     cost: str,
     exact: bool,
-    device: Any,
+    target: torch.device | None,
     pack: bool,
     compress: str | None,
     offload: bool,
 ) -> _Planner:
     """Checkpoint the blocks `which` selects with plans to be made, and make the model plan when called."""
-    target_device = _target_device(model, device)
-    if offload and _plans_for_the_cpu(model, target_device):
-        raise ValueError(
-            "remat.fit: offload=True plans copies to host memory to lower a GPU's peak, but this step runs on "
-            "the CPU, where a tensor is its own host copy: offloading would free nothing. Plan without it, or "
-            "for the GPU (`device='cuda'` with the model on meta, or the model on the GPU)."
-        )
     checkpoint_selected(model, which, _Planned, DEFAULT_CACHE_SIZE, False, "remat.fit")
-    planner = _Planner(model, peak_bytes, loss_for, optimizer, cost, exact, target_device, pack, compress, offload)
+    planner = _Planner(model, peak_bytes, loss_for, optimizer, cost, exact, target, pack, compress, offload)
     model.__dict__["forward"] = _FittedForward(model, planner)
     _plans_when_called(model)
     return planner
@@ -696,14 +694,21 @@ class _Planner:
         self.cost, self.exact, self.pack, self.compress, self.offload = cost, exact, pack, compress, offload
         self.device = device  # the target of a model on meta (None: where it is)
         self.fits: LRUCache[Fit] = LRUCache(DEFAULT_CACHE_SIZE)
+        self.planned: Callable[[Fit], None] | None = None  # told of each plan made
+        self.placed = True  # whether the target and the refusals that depend on it were settled
 
     def fit(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Fit:
         """The plan at the signature of `(args, kwargs)`: planned (a probe step) the first time."""
         key = _signature(args, kwargs, self.device)
         found = self.fits.get(key)
         if found is None:
+            if not self.placed:  # planned when called, where the model is by then (`fit_when_called`)
+                _refuse_offload_on_the_cpu(self.model, _target_device(self.model, None), self.offload)
+                self.placed = True
             found = _plan(self, args, kwargs)
             self.fits.put(key, found)
+            if self.planned is not None:
+                self.planned(found)
         return found
 
 
@@ -782,10 +787,13 @@ def _plan_outside_the_graph(planner: _Planner, args: Sequence[Any], kwargs: dict
 
 def _signature(args: Sequence[Any], kwargs: dict[str, Any], device: torch.device | None = None) -> Hashable:
     """What tells one batch's step from another's: the tensors' metadata, the other leaves' values
-    (their types, where they cannot be hashed), the structure. A meta tensor counts as one on `device`
-    (the target of a plan made on meta), so that the materialized model's batch finds its plan."""
-    tree: Any = (tuple(args), kwargs)
-    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    (their types, where they cannot be hashed or hash by identity), the structure. Objects are opened as a
+    checkpointed function's arguments are (NOTE [objects handed to a checkpointed function]): a mask
+    object made anew each step, over tensors of the same shapes, is the same signature. A meta tensor
+    counts as one on `device` (the target of a plan made on meta), so that the materialized model's batch
+    finds its plan."""
+    tree: Any = opened((tuple(args), kwargs), NAMESPACE)
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
     key: list[Any] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -794,9 +802,10 @@ def _signature(args: Sequence[Any], kwargs: dict[str, Any], device: torch.device
             continue
         try:
             hash(leaf)
-            key.append(leaf)
         except TypeError:
             key.append(type(leaf))
+            continue
+        key.append(type(leaf) if type(leaf).__hash__ is object.__hash__ else leaf)
     return spec, tuple(key)
 
 

@@ -233,6 +233,32 @@ def test_a_new_input_signature_plans_again_for_the_same_target() -> None:
     assert measured_peak(model, x) <= target
 
 
+class _Scale:
+    """An object handed to the model, made anew for each batch (as a flex attention mask is)."""
+
+    def __init__(self, factor: torch.Tensor):
+        self.factor = factor
+
+
+class _ScaledStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = mlp_stack(n=2)
+
+    def forward(self, x: torch.Tensor, scale: _Scale) -> torch.Tensor:
+        return self.stack(x) * scale.factor
+
+
+def test_an_object_made_anew_for_each_batch_is_the_same_signature() -> None:
+    model, x = _ScaledStack(), torch.randn(64, 32)
+    remat.fit(model, MLPBlock, x, kwargs={"scale": _Scale(torch.ones(()))}, peak_bytes=10**9, loss=square_loss)
+    for _ in range(2):
+        square_loss(model(x, scale=_Scale(torch.full((), 2.0)))).backward()
+    assert len(model.forward.planner.fits.items()) == 1
+    square_loss(model(x, scale=_Scale(torch.ones(3, 1, 1)))).backward()  # another shape: planned again
+    assert len(model.forward.planner.fits.items()) == 2
+
+
 def test_uncheckpoint_modules_undoes_fit() -> None:
     model, x = mlp_stack(n=2), torch.randn(64, 32)
     remat.fit(model, MLPBlock, x, peak_bytes=10**9, loss=square_loss)

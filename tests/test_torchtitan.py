@@ -73,3 +73,23 @@ def test_remat_trains_torchtitans_llama3_as_its_own_activation_checkpointing(ass
         caches = run["caches"]
         assert caches[0] == {"traces": 1, "shared": 0}, backend
         assert caches[1:] == [{"traces": 0, "shared": 1}] * (len(caches) - 1), backend
+
+
+def test_fit_from_torchtitans_config_plans_each_ranks_step_after_sharding(assets: Path) -> None:
+    # `RematAC.Config(peak_bytes=...)`: planned at the first step, on every rank, on the sharded model.
+    selective = train(assets, 2, "selective")["steps"]
+    unbound = train(assets, 2, f"remat-fit:{2**40}")
+    assert unbound["steps"] == selective
+    first = unbound["plans"][0]
+    nothing, everything = first["peak_keeping_nothing"], first["peak_keeping_everything"]
+    assert nothing < everything and first["predicted_peak"] == everything and not any(first["replays"])
+    target = (nothing + everything) // 2
+    run = train(assets, 2, f"remat-fit:{target}")
+    assert run["steps"] == selective  # losses and gradient norms, bit for bit
+    plans = run["plans"]
+    assert len(plans) == 2  # one per rank: the first step's batch shape, planned once
+    assert plans[0]["replays"] == plans[1]["replays"]  # every rank checkpoints alike
+    assert any(plans[0]["replays"]) and not all(plans[0]["replays"])  # the target binds
+    for plan in plans:
+        assert plan["predicted_peak"] <= target == plan["peak_bytes"]
+        assert plan["unsharded"] > 0  # planned on the sharded model: FSDP2's gathered parameters counted

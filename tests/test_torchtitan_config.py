@@ -39,6 +39,11 @@ def test_the_module_imports_without_torchtitan_and_names_what_it_lacks() -> None
 def test_remat_ac_checkpoints_every_block_of_the_layers_with_one_trace() -> None:
     with pytest.raises(ValueError, match="got 'nope'"):
         remat.torchtitan.RematAC.Config(policy="nope")
+    with pytest.raises(ValueError, match=r"either `policy` .* or `peak_bytes`"):
+        remat.torchtitan.RematAC.Config(policy="save_nothing", peak_bytes=2**30)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="`peak_bytes` must be a positive integer"):
+            remat.torchtitan.RematAC.Config(peak_bytes=bad)
     config = remat.torchtitan.RematAC.Config(policy="save_nothing")
     model = nn.Module()
     model.layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for i in range(3)})
@@ -49,3 +54,52 @@ def test_remat_ac_checkpoints_every_block_of_the_layers_with_one_trace() -> None
     x.sum().backward()
     infos = [block.forward.cache_info() for block in model.layers.values()]
     assert sum(info.traces for info in infos) == 1 and sum(info.shared for info in infos) == 2  # one trace
+
+
+@pytest.mark.skipif(not HAS_TORCHTITAN, reason="needs torchtitan (nox -s torchtitan)")
+def test_remat_ac_with_a_budget_plans_at_the_first_training_call() -> None:
+    # tests/test_torchtitan.py trains torchtitan's llama3 so; here, a model on meta when `apply` runs.
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.layers = nn.ModuleDict(
+                {str(i): nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)) for i in range(3)}
+            )
+            self.lm_head = nn.Linear(16, 32)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = self.embed(tokens)
+            for block in self.layers.values():
+                h = h + block(h)
+            return self.lm_head(h)
+
+    def materialized(model: nn.Module) -> nn.Module:
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for p in model.parameters():
+            nn.init.normal_(p, std=0.1)
+        return model
+
+    with torch.device("meta"):
+        model = LM()
+    remat.torchtitan.RematAC(remat.torchtitan.RematAC.Config(peak_bytes=2**30)).apply(model)  # on meta: not planned
+    model = materialized(model)
+    tokens = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        model(tokens)
+    planner = vars(model)["forward"].planner
+    assert planner.fits.items() == []
+    model(tokens).sum().backward()
+    [(_, plan)] = planner.fits.items()
+    assert [block.name for block in plan.blocks] == ["layers.0", "layers.1", "layers.2"]
+    # The probe step's loss was torchtitan's cross entropy against the batch's own tokens.
+    with torch.device("meta"):
+        same = LM()
+    blocks = set(same.layers.children())
+
+    def cross_entropy(logits: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
+
+    expected = remat.fit(materialized(same), lambda n, m: m in blocks, tokens, peak_bytes=2**30, loss=cross_entropy)
+    assert plan.report == expected.report

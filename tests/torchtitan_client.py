@@ -1,10 +1,11 @@
 """torchtitan's llama3 debug model, trained on the CPU with a chosen activation checkpointing; run by
 tests/test_torchtitan.py, alone or under `torchrun --nproc_per_node 2` (FSDP2 over gloo):
 
-    python tests/torchtitan_client.py ASSETS OUT.json {remat,selective,full,none} [SPMD_BACKEND]
+    python tests/torchtitan_client.py ASSETS OUT.json {remat,remat-fit:BYTES,selective,full,none} [SPMD_BACKEND]
 
 ASSETS holds the tokenizer and the data set (`write_assets`, made by the test: nothing from a hub).
-Rank 0 writes, per step, the loss and gradient norm torchtitan logs, and each block's cache counts.
+Rank 0 writes, per step, the loss and gradient norm torchtitan logs, and each block's cache counts;
+with `remat-fit:BYTES` (`RematAC.Config(peak_bytes=BYTES)`), the plans every rank made.
 
 remat is plugged in through torchtitan's own configuration: the trainer's `activation_checkpoint` field
 takes `remat.torchtitan.RematAC.Config`, as docs/distributed.md shows. torchtitan's source is not
@@ -85,6 +86,19 @@ def _sum_reductions(trainer: Any) -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
 
+def _plan_record(plan: Any) -> dict[str, Any]:
+    report = plan.report
+    return {
+        "peak_bytes": plan.peak_bytes,
+        "predicted_peak": plan.predicted_peak,
+        "peak_keeping_nothing": report.peak_keeping_nothing,
+        "peak_keeping_everything": report.peak_keeping_everything,
+        "unsharded": report.unsharded,
+        "replays": [any(d.name == "RECOMPUTE" for d in block.decisions) for block in plan.blocks],
+        "text": str(plan),
+    }
+
+
 def main(assets: Path, out: Path, checkpointing: str, spmd_backend: str | None) -> None:
     _shim_for_the_cpu()
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
@@ -104,12 +118,15 @@ def main(assets: Path, out: Path, checkpointing: str, spmd_backend: str | None) 
     config.dump_folder = str(out.parent / f"dump-{out.stem}")
     if spmd_backend is not None:
         config.parallelism.spmd_backend = spmd_backend
-    config.activation_checkpoint = {
-        "remat": lambda: RematAC.Config(),
-        "selective": SelectiveAC.Config,
-        "full": FullAC.Config,
-        "none": lambda: None,
-    }[checkpointing]()
+    if checkpointing.startswith("remat-fit:"):
+        config.activation_checkpoint = RematAC.Config(peak_bytes=int(checkpointing.split(":")[1]))
+    else:
+        config.activation_checkpoint = {
+            "remat": lambda: RematAC.Config(),
+            "selective": SelectiveAC.Config,
+            "full": FullAC.Config,
+            "none": lambda: None,
+        }[checkpointing]()
     trainer = config.build()
     _sum_reductions(trainer)
     steps: list[dict[str, float]] = []
@@ -130,8 +147,15 @@ def main(assets: Path, out: Path, checkpointing: str, spmd_backend: str | None) 
         cache_info = getattr(block.__dict__.get("forward"), "cache_info", None)  # a checkpointed block's
         info = None if cache_info is None else cache_info()
         caches.append(None if info is None else {"traces": info.traces, "shared": info.shared})
+    model = trainer.model_parts[0]
+    planner = getattr(model.__dict__.get("forward"), "planner", None)  # a model `remat.fit` plans
+    plans = [] if planner is None else [_plan_record(plan) for _, plan in planner.fits.items()]
+    if torch.distributed.is_initialized():  # every rank's
+        everyone: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, plans)
+        plans = [plan for rank in everyone for plan in rank]
     if os.environ["RANK"] == "0":
-        out.write_text(json.dumps({"steps": steps, "caches": caches}))
+        out.write_text(json.dumps({"steps": steps, "caches": caches, "plans": plans}))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
