@@ -176,9 +176,10 @@ TORCHTITAN = "0.3.0"
 @nox.session
 def torchtitan(session: nox.Session) -> None:
     """torchtitan as a client (tests/test_torchtitan.py): its llama3 debug model trained on the CPU with
-    remat as its activation checkpointing, on 1 and 2 processes, on the newest torch (torchtitan needs
-    2.14 or newer). Not part of CI: installing a CUDA build of torch and torchtitan's dependencies, then
-    eight training runs, would take CI past its 20 minutes."""
+    remat as its activation checkpointing, on 1 and 2 processes, and planned by `fit` within a byte budget
+    per rank on 2, its losses compared with torchtitan's selective and full checkpointing; on the newest
+    torch (torchtitan needs 2.14 or newer). Not part of CI: installing a CUDA build of torch and
+    torchtitan's dependencies, then eleven training runs, would take CI past its 20 minutes."""
     torch = TORCH_RELEASES[-1]
     env = {"PIP_CONFIG_FILE": os.devnull} if _release(torch) > _CAPPED_AT else {}
     session.install(f"torch=={torch}", env=env)

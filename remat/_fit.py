@@ -601,7 +601,9 @@ def fit(
     target = _target_device(model, device)
     _refuse_offload_on_the_cpu(model, target, offload)
     loss_for = _same_loss(loss or _default_loss)
-    planner = _install(model, which, peak_bytes, loss_for, optimizer, cost, exact, target, pack, compress, offload)
+    planner = _install(
+        _Planner(model, peak_bytes, loss_for, optimizer, cost, exact, target, pack, compress, offload), which
+    )
     try:
         return planner.fit(args, dict(kwargs or {}))
     except BaseException:
@@ -628,7 +630,7 @@ def fit_when_called(
     `loss_for(args, kwargs)` gives the loss of the probe step on that batch (a framework's loss may need the
     batch: its labels). `planned` is called with each plan made."""
     _check_arguments(model, peak_bytes, loss_for, None, None, cost, False, pack, None, offload)
-    planner = _install(model, which, peak_bytes, loss_for, None, cost, False, None, pack, None, offload)
+    planner = _install(_Planner(model, peak_bytes, loss_for, None, cost, False, None, pack, None, offload), which)
     planner.planned, planner.placed = planned, False
 
 
@@ -646,22 +648,10 @@ def _refuse_offload_on_the_cpu(model: nn.Module, target: torch.device | None, of
         )
 
 
-def _install(
-    model: nn.Module,
-    which: Which,
-    peak_bytes: int,
-    loss_for: LossFor,
-    optimizer: torch.optim.Optimizer | None,
-    cost: str,
-    exact: bool,
-    target: torch.device | None,
-    pack: bool,
-    compress: str | None,
-    offload: bool,
-) -> _Planner:
+def _install(planner: _Planner, which: Which) -> _Planner:
     """Checkpoint the blocks `which` selects with plans to be made, and make the model plan when called."""
+    model = planner.model
     checkpoint_selected(model, which, _Planned, DEFAULT_CACHE_SIZE, False, "remat.fit")
-    planner = _Planner(model, peak_bytes, loss_for, optimizer, cost, exact, target, pack, compress, offload)
     model.__dict__["forward"] = _FittedForward(model, planner)
     _plans_when_called(model)
     return planner

@@ -1,5 +1,6 @@
 """torchtitan as a real client: its llama3 debug model trains with remat as its activation checkpointing,
-on one process and on two (FSDP2 over gloo), with the losses and gradient norms of its own.
+on one process and on two (FSDP2 over gloo), with the losses and gradient norms of its own; and with
+`RematAC.Config(peak_bytes=...)`, planned by `remat.fit` on each rank within the budget.
 
 Each run is a process of its own (tests/torchtitan_client.py, under torchrun for two). Skipped where
 torchtitan is not installed: `nox -s torchtitan` installs it (it needs torch 2.14 or newer).
