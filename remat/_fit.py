@@ -110,9 +110,13 @@ class StepReport:
         peak_keeping_nothing: the predicted peak with every block saving nothing.
         activations: bytes of activations at the peak, at least: the peak less all the step's gradients.
         measured_peak: the probe step's measured peak (its blocks saving nothing).
-        unsharded: of the peak, the bytes of parameters FSDP2 holds gathered (the running block's, and the
-            next one's where prefetched by then), as measured in the probe step at the peak's segment; 0
-            without FSDP2.
+        unsharded: of the peak, the bytes of parameters FSDP2 holds gathered, in their own storages and in
+            all-gather buffers not yet freed (the running block's, the next one's where prefetched by then,
+            the root's), as measured in the probe step at the peak; 0 without FSDP2.
+        prefetched: of `unsharded`, the bytes of blocks other than the one whose forward or backward holds
+            the peak (gathered ahead of it); 0 where the peak lies outside the blocks.
+        unreduced_gradients: of the peak, the bytes of full-size gradients of gathered parameters, before
+            FSDP2 reduce-scatters them into `gradients`' shards; 0 without FSDP2. See NOTE [what FSDP2 adds].
     """
 
     parameters: int
@@ -126,6 +130,8 @@ class StepReport:
     activations: int
     measured_peak: int
     unsharded: int = 0
+    prefetched: int = 0
+    unreduced_gradients: int = 0
 
     def __str__(self) -> str:
         share = self.activations / self.peak if self.peak else 0.0
@@ -139,9 +145,13 @@ class StepReport:
             f"  kept        {format_bytes(sum(self.kept.values())):>12}  by {len(self.kept)} blocks",
         ]
         if self.unsharded:
-            lines.insert(
-                4, f"  unsharded   {format_bytes(self.unsharded):>12}  (FSDP2's gathered parameters at the peak)"
-            )
+            prefetched = f"; {format_bytes(self.prefetched)} prefetched" if self.prefetched else ""
+            lines[3:3] = [
+                f"  unreduced   {format_bytes(self.unreduced_gradients):>12}  (full-size gradients before "
+                "their reduce-scatter)",
+                f"  unsharded   {format_bytes(self.unsharded):>12}  (FSDP2's gathered parameters at the peak"
+                f"{prefetched})",
+            ]
         for name, kept in self.kept.items():
             lines.append(f"    {name:<24}  {format_bytes(kept):>12}")
         return "\n".join(lines)
@@ -1192,5 +1202,7 @@ def _record(
         activations=max(0, peak - timeline.gradients),
         measured_peak=timeline.peak,
         unsharded=row.segment.resized,
+        prefetched=row.segment.prefetched,
+        unreduced_gradients=row.segment.unreduced,
     )
     return Fit(target, peak, tuple(plans), sum(p.replay_cost for p in plans), report, seconds)

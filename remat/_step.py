@@ -78,7 +78,13 @@ class Segment:
     alive: frozenset[int]
     peak: int
     op: str  # the op whose output reached the peak ("" if the peak is where the segment starts)
-    resized: int = 0  # bytes at its peak of storages resized in place (FSDP2's unsharded parameters)
+    # At its peak, under FSDP2 (NOTE [what FSDP2 adds]): the bytes of parameters gathered (storages resized in
+    # place, and, once the step is over, all-gather buffers), of which other blocks' (prefetched), and of
+    # full-size gradients of gathered parameters.
+    resized: int = 0
+    prefetched: int = 0
+    unreduced: int = 0
+    peak_at: int = 0  # when its peak was reached (the recorder's count of allocations then)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +118,16 @@ class _Recorder:
         self.applied: set[int] = set()
         self.current: int | None = None  # the block call whose forward runs
         self.workspace = 0  # the most bytes one op's kernel took of its own and freed
+        # See NOTE [what FSDP2 adds].
+        self.sequence = 0  # allocations and resizes so far: when a peak was reached
+        self.segment_peak_at = 0
+        self.lives: dict[Any, _Life] = {}  # of each live storage
+        self.gathered: list[_Life] = []  # of storages resized from nothing (FSDP2's gathered parameters)
+        self.owners: dict[Any, int] = {}  # gathered storage: id of the block module whose parameter it is
+        self.gradients: list[_Life] = []  # of full-size gradients of gathered parameters
+        self.buffers: list[_Life] = []  # of all-gathers' outputs
+        self.copied: dict[int, list[Any]] = {}  # id of a buffer's life: the storages it was copied out into
+        self.hooked: dict[int, Any] = {}  # gathered parameters: their post-accumulate-grad hook's handle
 
     # --- bytes -----------------------------------------------------------------------------------------
     def allocated(self, tensor: torch.Tensor, op: Any) -> None:
@@ -122,6 +138,8 @@ class _Recorder:
         nbytes = storage_nbytes(tensor)
         self.live[key] = nbytes
         self.total += nbytes
+        self.sequence += 1
+        self.lives[key] = _Life(nbytes, self.sequence)
         weakref.finalize(storage, self._freed, key)
         self._reached(self.total, str(op))
 
@@ -129,6 +147,7 @@ class _Recorder:
         """`nbytes` are live at once now, the last of them made by `op`."""
         if nbytes > self.segment_peak:
             self.segment_peak, self.segment_op, self.segment_resized = nbytes, op, self.resized_live
+            self.segment_peak_at = self.sequence
         self.peak = max(self.peak, nbytes)
 
     def resized(self, storage: torch.UntypedStorage, op: str) -> None:
@@ -147,6 +166,13 @@ class _Recorder:
         self.resized_live += change if key in self.resized_keys else nbytes
         self.resized_keys.add(key)
         self.live[key] = nbytes
+        self.sequence += 1
+        life = self.lives.pop(key, None)
+        if life is not None:
+            life.end = self.sequence
+        if nbytes:
+            self.lives[key] = _Life(nbytes, self.sequence, key)
+            self.gathered.append(self.lives[key])
         self._reached(self.total, op)
 
     def took_and_freed(self, nbytes: int, op: Any) -> None:
@@ -159,6 +185,43 @@ class _Recorder:
         self.total -= nbytes
         if key in self.resized_keys:
             self.resized_live -= nbytes
+        life = self.lives.pop(key, None)
+        if life is not None:
+            life.end = self.sequence
+
+    def all_gathered(self, tensors: Sequence[torch.Tensor]) -> None:
+        """An all-gather wrote `tensors` (FSDP2 gathers a block's parameters into one buffer, then copies
+        them out into their own storages): NOTE [what FSDP2 adds]."""
+        for tensor in tensors:
+            life = self.lives.get(storage_key(tensor))
+            if life is not None and life not in self.buffers:
+                self.buffers.append(life)
+
+    def copied_out(self, buffer: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
+        """`buffer`, an all-gather's output, was copied out `into` parameters' storages: it held theirs."""
+        life = self.lives.get(storage_key(buffer))
+        if life is not None and life in self.buffers:
+            self.copied[id(life)] = [StorageWeakRef(t.untyped_storage()) for t in into]
+
+    def _reads_gathered(self, module: torch.nn.Module) -> None:
+        """`module` runs (its forward or backward): its gathered parameters are its own, and their
+        gradients are watched (NOTE [what FSDP2 adds])."""
+        for parameter in module.parameters():
+            key = StorageWeakRef(parameter.untyped_storage())
+            if key not in self.resized_keys:
+                continue
+            self.owners[key] = id(module)
+            if parameter.requires_grad and id(parameter) not in self.hooked:
+                self.hooked[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _accumulated(self, parameter: torch.Tensor) -> None:
+        life = None if parameter.grad is None else self.lives.get(storage_key(parameter.grad))
+        if life is not None:
+            self.gradients.append(life)
+
+    def forget_hooks(self) -> None:
+        for handle in self.hooked.values():
+            handle.remove()
 
     # --- events ----------------------------------------------------------------------------------------
     def _cut(self, phase: Phase, call: int | None) -> None:
@@ -169,16 +232,19 @@ class _Recorder:
                 frozenset(self.alive),
                 self.segment_peak,
                 self.segment_op,
-                self.segment_resized,
+                resized=self.segment_resized,
+                peak_at=self.segment_peak_at,
             )
         )
         self.phase, self.in_call = phase, call
         self.segment_peak, self.segment_op, self.segment_resized = self.total, "", self.resized_live
+        self.segment_peak_at = self.sequence
 
     def forward_started(self, name: str, module: torch.nn.Module) -> int:
         index = len(self.calls)
         self.calls.append(BlockCall(index, name, module, None, ()))
         self._cut(Phase.FORWARD, index)
+        self._reads_gathered(module)
         self.current = index
         return index
 
@@ -201,6 +267,7 @@ class _Recorder:
 
     def backward_started(self, index: int) -> None:
         self._cut(Phase.BACKWARD, index)
+        self._reads_gathered(self.calls[index].module)
         self.alive.discard(index)  # its kept values are the backward's now
 
     def backward_ended(self, index: int) -> None:
@@ -208,6 +275,37 @@ class _Recorder:
 
 
 recorder: _Recorder | None = None  # set while a probe step runs (one at a time)
+
+
+@dataclasses.dataclass
+class _Life:
+    """When a storage was live during the probe step, in the recorder's count of allocations."""
+
+    nbytes: int
+    start: int
+    key: Any = None  # a gathered storage's (to find whose parameter it is)
+    end: int | None = None  # None: live at the end
+
+    def at(self, moment: int) -> bool:
+        return self.start <= moment and (self.end is None or self.end >= moment)
+
+
+# NOTE [what FSDP2 adds]
+# Under FSDP2 a rank's peak holds, beside activations, the parameters FSDP2 has
+# gathered (the running block's, the next block's where it prefetched them, the
+# root's) and the full-size gradients of a block before their reduce-scatter.
+# The probe step records when each was live, in its count of allocations: a
+# parameter's storage from its resize to full size to its resize to nothing;
+# an all-gather's output buffer (a block's parameters gathered at once, copied
+# out into their own storages when the block needs them) from its allocation
+# to its free; a gradient likewise, known as one when autograd accumulates it
+# into a gathered parameter (a hook). A storage is the running block's if it is
+# one of its parameters' when the block's forward or backward starts, and a
+# buffer is the block's whose parameters it is copied out into: another
+# block's are prefetched (outside the blocks' forwards and backwards, none is
+# called so). The step report reads them at the moment of the peak. A fresh
+# model's first gathers are allocations like any other: a step before the
+# probe (as training has taken) shows them apart.
 
 
 # NOTE [kernels' workspaces]
@@ -275,6 +373,12 @@ class _Allocations(TorchDispatchMode):
             out, taken = self.workspaces.run(func, lambda: func(*args, **kwargs))
         if taken:
             self.into.took_and_freed(taken, func)
+        name = getattr(func, "__name__", "")
+        if "gather" in name and func.namespace in ("c10d", "_c10d_functional"):
+            gathered = [*tensors_in(out), *(t for a in (*args, *kwargs.values()) for t in tensors_in(a))]
+            self.into.all_gathered([t for t in gathered if self._memory(t)])
+        elif "split_with_sizes_copy" in name and isinstance(args[0], torch.Tensor):  # FSDP2's copy-out
+            self.into.copied_out(args[0], tensors_in(kwargs.get("out")))
         # An output in the memory of an input (a view, an in-place update) is no allocation; the memory
         # of a tensor that existed before the step is not counted.
         made = [t for t in tensors_in(out) if self._memory(t)]
@@ -336,13 +440,30 @@ def recording(fake_mode: Any = None, workspaces: KernelWorkspaces | None = None)
         with _Allocations(recorder, fake_mode, workspaces), _resizes_recorded(recorder):
             yield recorder
     finally:
+        recorder.forget_hooks()
         recorder = None
 
 
 def timeline_of(done: _Recorder, gradients: int) -> Timeline:
     """The `Timeline` of a finished recording, its last segment closed."""
     done._cut(Phase.OUTSIDE, None)
-    return Timeline(tuple(done.calls), tuple(done.segments), done.peak, gradients, done.total)
+    blocks = {id(call.module) for call in done.calls}
+    segments = []
+    for segment in done.segments:
+        moment = segment.peak_at
+        running = None if segment.call is None else id(done.calls[segment.call].module)
+        others = set() if running is None else blocks - {running}
+        prefetched = sum(
+            life.nbytes for life in done.gathered if life.at(moment) and done.owners.get(life.key) in others
+        )
+        buffers = [life for life in done.buffers if life.at(moment)]
+        for life in buffers:
+            if {done.owners.get(key) for key in done.copied.get(id(life), ())} & others:
+                prefetched += life.nbytes
+        unreduced = sum(life.nbytes for life in done.gradients if life.at(moment))
+        resized = segment.resized + sum(life.nbytes for life in buffers)
+        segments.append(dataclasses.replace(segment, resized=resized, prefetched=prefetched, unreduced=unreduced))
+    return Timeline(tuple(done.calls), tuple(segments), done.peak, gradients, done.total)
 
 
 def run_step(step: Callable[[], Any], fake_mode: Any = None, workspaces: KernelWorkspaces | None = None) -> _Recorder:

@@ -303,12 +303,17 @@ def _fit_case(rank: int) -> None:
     plan = remat.fit(fitted, _TanhBlock, x, peak_bytes=target, loss=_square_mean)
     measured = _measured_peak(fitted, x)
     assert any(remat.RECOMPUTE in block.decisions for block in plan.blocks)  # the target binds
-    # Blocks with different plans: the prediction is above the measurement by at most one block's unsharded
-    # parameters (a known gap: docs/distributed.md), never below it.
+    # Blocks with different plans: the prediction is never below the measurement, and within 5% above it
+    # (at most one block's unsharded parameters above: docs/distributed.md).
     one_block = sum(p.numel() * p.element_size() for p in _TanhBlock().to(DTYPE).parameters())
-    assert measured <= plan.predicted_peak <= target and plan.predicted_peak - measured <= one_block, (measured, plan)
-    # At the peak (a block's backward), FSDP2 holds that block's parameters gathered, and the next one's.
-    assert one_block <= plan.report.unsharded <= 2 * one_block and "unsharded" in str(plan.report)
+    assert measured <= plan.predicted_peak <= min(target, 1.05 * measured), (measured, plan)
+    # At the peak (a block's backward), FSDP2 holds that block's parameters gathered (and the next one's where
+    # it prefetched them by then), and full-size gradients of some of them, before their reduce-scatter.
+    report = plan.report
+    assert one_block <= report.unsharded - report.prefetched <= 2 * one_block  # its buffer, until it is freed
+    assert report.prefetched in (0, one_block)
+    assert 0 < report.unreduced_gradients <= one_block
+    assert "unsharded" in str(report) and "unreduced" in str(report)
     plans: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(plans, [block.decisions for block in plan.blocks])
     assert all(theirs == plans[0] for theirs in plans)
@@ -337,7 +342,7 @@ def test_fit_under_fsdp2_holds_each_ranks_target_with_one_plan(outcomes: dict[An
 def _fit_random_stacks_case(rank: int) -> None:
     """Stacks drawn alike on every rank (a seeded generator), as `test_fit.py` draws them for one device: each
     rank's measured peak within the target, one plan on every rank, the prediction never below the
-    measurement nor above it by more than one block's unsharded parameters (docs/distributed.md)."""
+    measurement nor above it by more than 5%, or one block's unsharded parameters (docs/distributed.md)."""
     draw = random.Random(0)
     for _ in range(4):
         n, d, hidden = draw.randint(1, 5), draw.choice([16, 32]), draw.choice([16, 64, 128])
@@ -357,7 +362,9 @@ def _fit_random_stacks_case(rank: int) -> None:
         measured = _measured_peak(model, x)
         one_block = sum(p.numel() * p.element_size() for p in _TanhBlock(d, hidden).to(DTYPE).parameters())
         context = (n, d, hidden, rows, share, measured, plan.predicted_peak, target)
-        assert measured <= target and measured <= plan.predicted_peak <= measured + one_block, context
+        assert measured <= target and measured <= plan.predicted_peak <= min(measured + one_block, 1.05 * measured), (
+            context
+        )
         plans: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(plans, [block.decisions for block in plan.blocks])
         assert all(theirs == plans[0] for theirs in plans), context
@@ -439,6 +446,30 @@ def test_a_fitted_fsdp2_model_plans_new_batch_shapes_before_fsdp2s_hooks(outcome
     _assert_ran_on_every_rank(outcomes, "fsdp2-fit-new-signatures")
 
 
+def _prefetch_case(rank: int) -> None:
+    """With explicit forward prefetching, the probe step tells the next block's gathered parameters, held
+    during a block's forward, from the running block's own (NOTE [what FSDP2 adds])."""
+    torch.manual_seed(0)
+    model = _wrap(nn.Sequential(*[_TanhBlock() for _ in range(4)]).to(DTYPE), "fsdp2")
+    for block, after in zip(model, list(model)[1:], strict=False):
+        block.set_modules_to_forward_prefetch([after])
+    x = torch.randn(128, 32, dtype=DTYPE, generator=torch.Generator().manual_seed(rank))
+    _square_mean(model(x)).backward()  # a first step: FSDP2's first gathers allocate
+    remat.fit(model, _TanhBlock, x, peak_bytes=10**9, loss=_square_mean)
+    timeline, _ = remat._fit._probe(model.forward.planner, (x,), {})
+    one_block = sum(p.numel() * p.element_size() for p in _TanhBlock().to(DTYPE).parameters())
+    forwards = [s for s in timeline.segments if s.phase is remat._step.Phase.FORWARD]
+    # Each block's own parameters, in their storages and in its all-gather's buffer until it is freed; and,
+    # but in the last block's forward, the next block's, prefetched into its buffer.
+    assert [s.prefetched for s in forwards] == [one_block] * 3 + [0]
+    assert all(one_block <= s.resized - s.prefetched <= 2 * one_block for s in forwards)
+    assert all(s.unreduced == 0 for s in forwards)  # no gradient yet
+
+
+def test_the_probe_step_tells_prefetched_parameters_apart(outcomes: dict[Any, str]) -> None:
+    _assert_ran_on_every_rank(outcomes, "fsdp2-prefetch")
+
+
 def _fit_optimizer_case(rank: int) -> None:
     """Under FSDP2 the step report counts what this rank holds: its shards of the parameters, of their
     gradients (one storage per block) and of Adam's state."""
@@ -465,6 +496,7 @@ CASES: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
     "fsdp2-fit-optimizer": (_fit_optimizer_case, ()),
     "fsdp2-fit-random": (_fit_random_stacks_case, ()),
     "fsdp2-fit-new-signatures": (_fit_new_signatures_case, ()),
+    "fsdp2-prefetch": (_prefetch_case, ()),
     "collectives": (_collective_case, ()),
     "in-place collective": (_in_place_collective_case, ()),
 }

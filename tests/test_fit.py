@@ -279,6 +279,9 @@ def test_a_new_signature_is_planned_before_the_models_hooks_run() -> None:
     model.register_forward_pre_hook(lambda module, args: in_probe.append(remat._step.recorder is not None))
     remat.fit(model, MLPBlock, x, peak_bytes=10**9, loss=square_loss)
     assert in_probe == [True]
+    report = vars(model)["forward"].planner.fits.items()[0][1].report
+    assert report.unsharded == report.prefetched == report.unreduced_gradients == 0  # no FSDP2
+    assert "unsharded" not in str(report) and "unreduced" not in str(report)
     square_loss(model(torch.randn(48, 32))).backward()
     assert in_probe == [True, True, False]
     assert type(model).__name__ == kind.__name__ and isinstance(model, kind) and type(model) is not kind
