@@ -126,7 +126,7 @@ class _Recorder:
         self.owners: dict[Any, int] = {}  # gathered storage: id of the block module whose parameter it is
         self.gradients: list[_Life] = []  # of full-size gradients of gathered parameters
         self.buffers: list[_Life] = []  # of all-gathers' outputs
-        self.copied: dict[int, list[Any]] = {}  # id of a buffer's life: the storages it was copied out into
+        self.copied: dict[_Life, list[Any]] = {}  # a buffer's life: the storages it was copied out into
         self.hooked: dict[int, Any] = {}  # gathered parameters: their post-accumulate-grad hook's handle
 
     # --- bytes -----------------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ class _Recorder:
         """`buffer`, an all-gather's output, was copied out `into` parameters' storages: it held theirs."""
         life = self.lives.get(storage_key(buffer))
         if life is not None and life in self.buffers:
-            self.copied[id(life)] = [StorageWeakRef(t.untyped_storage()) for t in into]
+            self.copied[life] = [StorageWeakRef(t.untyped_storage()) for t in into]
 
     def _reads_gathered(self, module: torch.nn.Module) -> None:
         """`module` runs (its forward or backward): its gathered parameters are its own, and their
@@ -277,7 +277,7 @@ class _Recorder:
 recorder: _Recorder | None = None  # set while a probe step runs (one at a time)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one per life: compared by identity
 class _Life:
     """When a storage was live during the probe step, in the recorder's count of allocations."""
 
@@ -458,7 +458,7 @@ def timeline_of(done: _Recorder, gradients: int) -> Timeline:
         )
         buffers = [life for life in done.buffers if life.at(moment)]
         for life in buffers:
-            if {done.owners.get(key) for key in done.copied.get(id(life), ())} & others:
+            if {done.owners.get(key) for key in done.copied.get(life, ())} & others:
                 prefetched += life.nbytes
         unreduced = sum(life.nbytes for life in done.gradients if life.at(moment))
         resized = segment.resized + sum(life.nbytes for life in buffers)
