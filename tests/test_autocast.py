@@ -1,7 +1,7 @@
 """Autocast around a checkpointed call is traced faithfully and is part of the cache key.
 
-The fixed semantics under test (DESIGN.md, "Semantics"): the trace is keyed on
-the autocast state, and gradients equal those of `fn` itself. Under autocast
+What must hold: the trace is keyed on the autocast state, and gradients equal
+those of `fn` itself. Under autocast
 the casts autocast inserts are explicit `_to_copy` calls of the trace (a policy
 can save or recompute them like any other call), and the programs run with
 autocast off, so nothing is cast twice.

@@ -1,9 +1,8 @@
 """Outputs and gradients of `remat.checkpoint(fn, policy)` equal those of `fn`, for every policy.
 
-The fixed semantics under test (DESIGN.md, "Semantics"): "Gradients equal
-those of `fn` itself for every policy (float64 to within round-off)", for
-inputs and for tensors `fn` closes over (module parameters' `.grad`), with
-`loss.backward()`.
+What must hold: gradients equal those of `fn` itself for every policy (in
+float64, to within round-off), for inputs and for tensors `fn` closes over
+(module parameters' `.grad`), with `loss.backward()`.
 """
 
 from __future__ import annotations
@@ -433,8 +432,8 @@ def _returns_inputs_in_a_dict(x: torch.Tensor, w: torch.Tensor) -> dict[str, tor
     ids=lambda f: f.__name__,
 )
 def test_input_returned_unchanged(fn: Callable[..., Any], policy: Any) -> None:
-    # DESIGN.md: "Returning an input unchanged as an output trips autograd.Function's
-    # aliasing check; outputs that alias inputs need handling."
+    # An input returned unchanged as an output trips autograd.Function's aliasing check unless remat
+    # handles outputs that alias inputs.
     x, w = models.randn(3, 3, seed=1), models.randn(3, 3, seed=2)
     run = assert_checkpoint_equivalent(fn, x, w, policy=policy)
     assert run is not None

@@ -1,9 +1,9 @@
 """Random ops replay bit-identically, and what that costs shows in `remat.report`.
 
-The fixed semantics under test (DESIGN.md, "Semantics"): "Random ops replay
-bit-identically (same dropout mask) and leave the global RNG stream where eager
-execution would", and "generator state is kept only for calls that really draw
-random numbers (an attention call with `dropout_p=0` draws none)".
+What must hold: random ops replay bit-identically (the same dropout mask) and
+leave the global RNG stream where eager execution would, and generator state is
+kept only for calls that really draw random numbers (an attention call with
+`dropout_p=0` draws none).
 
 Every comparison here is exact (`torch.equal`): the checkpointed function runs
 the same kernels in the same order as eager, from the same generator states, so

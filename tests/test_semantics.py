@@ -1,7 +1,7 @@
 """Eager semantics on real model code (issue 3): mutations, custom Functions and custom ops,
 modes and flags, aliasing, non-differentiable outputs, tied weights and attention.
 
-DESIGN.md, "Semantics": gradients equal those of `fn` itself for every policy;
+What must hold: gradients equal those of `fn` itself for every policy;
 side effects on inputs and buffers happen once, in the forward, never in the
 replay; tracing leaves no trace on real buffers; the trace is keyed on
 `module.training` and `requires_grad`. Every comparison here is against eager
@@ -736,9 +736,8 @@ def test_custom_op_is_saved_or_replayed_as_a_unit(policy: Any, replays: int, dev
 
 
 def test_custom_op_under_torch_func_grad_fails_upstream() -> None:
-    # DESIGN.md: "In torch 2.13, such a custom op fails under `torch.func.grad` in plain eager mode
-    # too (an upstream bug)". Still so in torch 2.15. No remat involved here: when a release fixes
-    # it, this test says so.
+    # Such a custom op fails under `torch.func.grad` in plain eager mode too (a torch bug, found on
+    # 2.13, still so on 2.15). No remat involved here: when a release fixes it, this test says so.
     x = randn(3, seed=1, requires_grad=False)
 
     def loss(x: torch.Tensor) -> torch.Tensor:
