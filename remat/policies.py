@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._accounting import account
 from ._calls import Call, Decision, Trace, format_bytes, op_name
+from ._deprecated import renamed
 from ._policy import _FORMATS, Policy, compress, offload, pack, save_all_of, save_any_of, save_unless
 from ._policy import offload as _offload_policy  # `offload` is also an argument name below
 from ._sac import from_sac
@@ -48,7 +49,6 @@ __all__ = [
     "offload_tagged",
     "pack",
     "pack_everything",
-    "save_all_but_tagged",
     "save_all_of",
     "save_and_offload_tagged",
     "save_any_of",
@@ -60,6 +60,7 @@ __all__ = [
     "save_ops",
     "save_scopes",
     "save_tagged",
+    "save_tagged_except",
     "save_unless",
 ]
 
@@ -311,7 +312,7 @@ class _SaveTagged(Policy):
         return Decision.SAVE if chosen else Decision.RECOMPUTE
 
     def __repr__(self) -> str:
-        name = "save_all_but_tagged" if self.all_but else "save_tagged"
+        name = "save_tagged_except" if self.all_but else "save_tagged"
         return f"{name}({', '.join(map(repr, sorted(self.names)))})"
 
 
@@ -343,7 +344,7 @@ def save_tagged(*names: str) -> Policy:
     return _SaveTagged(_check_names("save_tagged", names), all_but=False)
 
 
-def save_all_but_tagged(*names: str) -> Policy:
+def save_tagged_except(*names: str) -> Policy:
     """Save every tagged call except those tagged only with `names` (JAX's
     `save_any_names_but_these`). Untagged calls are replayed; a call with
     several tags is saved if one of them is not in `names`.
@@ -351,10 +352,15 @@ def save_all_but_tagged(*names: str) -> Policy:
     >>> import torch, remat
     >>> def f(x):
     ...     return remat.tag(remat.tag(x.sin(), "a").cos(), "b").exp()
-    >>> remat.policies.save_all_but_tagged("a").plan(remat.trace(f, torch.ones(2)))
+    >>> remat.policies.save_tagged_except("a").plan(remat.trace(f, torch.ones(2)))
     (remat.RECOMPUTE, remat.SAVE, remat.RECOMPUTE)
     """
-    return _SaveTagged(_check_names("save_all_but_tagged", names), all_but=True)
+    return _SaveTagged(_check_names("save_tagged_except", names), all_but=True)
+
+
+save_all_but_tagged = renamed(
+    "remat.policies.save_all_but_tagged", "remat.policies.save_tagged_except", save_tagged_except
+)
 
 
 def offload_tagged(*names: str) -> Policy:

@@ -29,7 +29,6 @@ from remat.policies import (
     dots_saveable,
     dots_with_no_batch_dims_saveable,
     from_sac,
-    save_all_but_tagged,
     save_all_of,
     save_any_of,
     save_by_cost,
@@ -40,6 +39,7 @@ from remat.policies import (
     save_ops,
     save_scopes,
     save_tagged,
+    save_tagged_except,
     save_unless,
 )
 from remat.testing import assert_checkpoint_equivalent
@@ -221,9 +221,9 @@ CASES = [
         at_least=3,
     ),
     Case(
-        "save_all_but_tagged",
+        "save_tagged_except",
         "tagged",
-        lambda t: save_all_but_tagged("hidden"),
+        lambda t: save_tagged_except("hidden"),
         lambda t: indices(t, lambda c: bool(c.tags - {"hidden"})),
         at_least=2,
     ),
@@ -349,7 +349,7 @@ def _policy_values() -> list[tuple[Callable[[], Any], str]]:
         (lambda: save_scopes("TanhGelu", "my*"), "save_scopes('TanhGelu', 'my*')"),
         (lambda: save_tagged("a", "b"), "save_tagged('a', 'b')"),
         (lambda: save_tagged("b", "a"), "save_tagged('a', 'b')"),  # names are a set
-        (lambda: save_all_but_tagged("x"), "save_all_but_tagged('x')"),
+        (lambda: save_tagged_except("x"), "save_tagged_except('x')"),
         (lambda: save_modules("mlp", "layers.*.attn"), "save_modules('mlp', 'layers.*.attn')"),
         (lambda: save_by_cost(1e-12, "h100"), "save_by_cost(1e-12, device='h100')"),
         (lambda: save_by_cost(2.5e-13, "h200"), "save_by_cost(2.5e-13, device='h200')"),
@@ -395,7 +395,7 @@ def test_different_policies_are_not_equal():
         save_calls(0),
         save_calls(1),
         save_tagged("a"),
-        save_all_but_tagged("a"),
+        save_tagged_except("a"),
         save_modules("a"),
         save_scopes("a"),
         save_by_cost(1e-12, "h100"),

@@ -480,7 +480,7 @@ def test_tag_with_a_name_that_is_not_a_non_empty_string(name):
         remat.tag(_randn(3), name)
 
 
-@pytest.mark.parametrize("make", [policies.save_tagged, policies.save_all_but_tagged], ids=["tagged", "all_but"])
+@pytest.mark.parametrize("make", [policies.save_tagged, policies.save_tagged_except], ids=["tagged", "all_but"])
 def test_tag_policies_with_a_name_that_is_not_a_string(make):
     with pytest.raises(TypeError, match=r"expected the names given with `remat\.tag\(x, name\)` as non-empty strings"):
         make("attn", 3)

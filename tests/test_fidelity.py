@@ -555,7 +555,7 @@ BUILT_IN_POLICIES = [
     ("pack", policies.pack(policies.dots_saveable)),
     ("pack_everything", policies.pack_everything),
     ("save_and_offload_tagged", policies.save_and_offload_tagged(save=["a"], offload=["hidden"])),
-    ("save_all_but_tagged", policies.save_all_but_tagged("hidden")),
+    ("save_tagged_except", policies.save_tagged_except("hidden")),
     ("save_all_of", policies.save_all_of(policies.dots_saveable, policies.save_everything)),
     ("save_any_of", policies.save_any_of(policies.dots_saveable, policies.save_nothing)),
     ("save_by_cost", policies.save_by_cost(1e-12)),

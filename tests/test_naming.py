@@ -466,7 +466,7 @@ def test_save_modules_repr_hash_and_equality():
     assert policy != policies.save_modules("head")
 
 
-# --- save_tagged / save_all_but_tagged -------------------------------------------------------------
+# --- save_tagged / save_tagged_except -------------------------------------------------------------
 
 
 def _tagged_trace() -> remat.Trace:
@@ -516,13 +516,13 @@ def test_save_tagged_saves_calls_with_any_of_the_names(names: tuple[str, ...], e
         ((), (S, S, S, R)),  # every tagged call, never an untagged one
     ],
 )
-def test_save_all_but_tagged_saves_tagged_calls_with_another_name(
+def test_save_tagged_except_saves_tagged_calls_with_another_name(
     names: tuple[str, ...], expected: tuple[remat.Decision, ...]
 ):
-    assert policies.save_all_but_tagged(*names).plan(_tagged_trace()) == expected
+    assert policies.save_tagged_except(*names).plan(_tagged_trace()) == expected
 
 
-def test_save_tagged_and_save_all_but_tagged_replays_and_gradients():
+def test_save_tagged_and_save_tagged_except_replays_and_gradients():
     def fn(x: torch.Tensor) -> torch.Tensor:
         a = remat.tag(x.sin(), "a")
         b = remat.tag(a.sin(), "b")
@@ -532,8 +532,8 @@ def test_save_tagged_and_save_all_but_tagged_replays_and_gradients():
     cases = [
         (policies.save_tagged("a"), [1]),
         (policies.save_tagged("a", "b"), []),
-        (policies.save_all_but_tagged("a"), [0]),
-        (policies.save_all_but_tagged("a", "b"), [0, 1]),
+        (policies.save_tagged_except("a"), [0]),
+        (policies.save_tagged_except("a", "b"), [0, 1]),
     ]
     for policy, replayed in cases:
         assert remat.report(fn, x, policy=policy).replayed_calls == tuple(replayed), policy
@@ -543,21 +543,21 @@ def test_save_tagged_and_save_all_but_tagged_replays_and_gradients():
 
 def test_tagged_policy_reprs():
     assert repr(policies.save_tagged("b", "a")) == "save_tagged('a', 'b')"
-    assert repr(policies.save_all_but_tagged("x")) == "save_all_but_tagged('x')"
+    assert repr(policies.save_tagged_except("x")) == "save_tagged_except('x')"
     assert repr(policies.save_tagged()) == "save_tagged()"
 
 
 def test_tagged_policies_are_hashable_and_equal_when_built_with_the_same_names():
     assert policies.save_tagged("a", "b") == policies.save_tagged("b", "a", "a")
     assert hash(policies.save_tagged("a", "b")) == hash(policies.save_tagged("b", "a"))
-    assert policies.save_all_but_tagged("a") == policies.save_all_but_tagged("a")
-    assert hash(policies.save_all_but_tagged("a")) == hash(policies.save_all_but_tagged("a"))
-    assert policies.save_tagged("a") != policies.save_all_but_tagged("a")
+    assert policies.save_tagged_except("a") == policies.save_tagged_except("a")
+    assert hash(policies.save_tagged_except("a")) == hash(policies.save_tagged_except("a"))
+    assert policies.save_tagged("a") != policies.save_tagged_except("a")
     assert policies.save_tagged("a") != policies.save_tagged("b")
-    assert len({policies.save_tagged("a"), policies.save_tagged("a"), policies.save_all_but_tagged("a")}) == 2
+    assert len({policies.save_tagged("a"), policies.save_tagged("a"), policies.save_tagged_except("a")}) == 2
 
 
-@pytest.mark.parametrize("factory", [policies.save_tagged, policies.save_all_but_tagged])
+@pytest.mark.parametrize("factory", [policies.save_tagged, policies.save_tagged_except])
 @pytest.mark.parametrize("name", [1, None, "", b"a", ("a",)])
 def test_tagged_policies_with_a_bad_name_raise(factory: Callable[..., Any], name: Any):
     api = factory.__name__

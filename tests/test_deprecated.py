@@ -1,0 +1,25 @@
+"""Old public names keep working for one release, each with a DeprecationWarning that names the new one
+(the migration table is in CHANGELOG.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat
+from remat import policies
+
+
+def _tagged(x: torch.Tensor) -> torch.Tensor:
+    return remat.tag(remat.tag(x.sin(), "a").cos(), "b").exp()
+
+
+def test_save_all_but_tagged_is_save_tagged_except() -> None:
+    trace = remat.trace(_tagged, torch.ones(2))
+    with pytest.warns(
+        DeprecationWarning, match=r"save_all_but_tagged is deprecated.*use remat\.policies\.save_tagged_except"
+    ):
+        old = policies.save_all_but_tagged("a")
+    assert old == policies.save_tagged_except("a")
+    assert old.plan(trace) == (remat.RECOMPUTE, remat.SAVE, remat.RECOMPUTE)
+    assert "save_all_but_tagged" not in policies.__all__
