@@ -1,5 +1,6 @@
 """remat: per-op-call activation checkpointing for PyTorch, as a composable transform."""
 
+from . import _deprecated, _report
 from . import policies as policies
 from ._api import Checkpointed as Checkpointed
 from ._api import report as report
@@ -24,9 +25,14 @@ from ._module import CheckpointedModule as CheckpointedModule
 from ._offload import limit_pinned_memory as limit_pinned_memory
 from ._pareto import Pareto as Pareto
 from ._pareto import pareto as pareto
+from ._report import Peak as Peak
+from ._report import Report as Report
+from ._report import ReportRow as ReportRow
 from ._tag import tag as tag
-from .report import Peak as Peak
-from .report import Report as Report
+
+# `remat.report` is the function; the module that defined its result types had the same name, so that
+# `remat.report.ReportRow` failed. Their old import path keeps working for one release, with a warning.
+_deprecated.moved_module("remat.report", "remat", _report, ("Peak", "Report", "ReportRow"))
 
 SAVE = Decision.SAVE
 RECOMPUTE = Decision.RECOMPUTE
@@ -50,6 +56,7 @@ __all__ = [
     "Fit",
     "Gpu",
     "Report",
+    "ReportRow",
     "TensorMeta",
     "Trace",
     "TraceError",

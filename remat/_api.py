@@ -29,13 +29,14 @@ from ._joint import JointGraph, is_tracing, joint_graph_of, nested_checkpoint
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import Programs, partition
 from ._peak import predict_peak
+from ._policy import PolicyLike
 from ._pytree import FlatArgs, flatten_args
+from ._report import Report, ReportRow
 from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure_of
 from ._specialize import ValuesChanged
 from ._torch import FakeTensor, HigherOrderOperator, functorch_active, grad_transform_active, is_functorch_wrapped
 from ._value_graph import with_value_graph
 from .policies import save_nothing
-from .report import Report, ReportRow
 
 __all__ = ["DEFAULT_CACHE_SIZE", "BindsAsMethod", "Checkpointed", "DelegatesToCheckpointed", "report", "trace"]
 
@@ -443,7 +444,7 @@ def trace(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Trace:
     return joint.trace
 
 
-def report(fn: Callable[..., Any], /, *args: Any, policy: Any = None, **kwargs: Any) -> Report:
+def report(fn: Callable[..., Any], /, *args: Any, policy: PolicyLike = None, **kwargs: Any) -> Report:
     """Report what `remat.checkpoint(fn, policy=policy)` keeps and replays at these arguments.
 
     Args:

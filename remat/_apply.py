@@ -18,6 +18,7 @@ from torch import nn
 from . import _step
 from ._api import DEFAULT_CACHE_SIZE, Checkpointed, DelegatesToCheckpointed
 from ._kv_caches import without_kv_caches
+from ._policy import PolicyLike
 from ._sharing import SharedTraces
 
 __all__ = [
@@ -121,7 +122,7 @@ NOTHING = object()  # no instance attribute `forward` was there
 
 
 def checkpoint_modules(
-    model: M, which: Which, *, policy: Any = None, cache_size: int = DEFAULT_CACHE_SIZE, compile: Any = False
+    model: M, which: Which, *, policy: PolicyLike = None, cache_size: int = DEFAULT_CACHE_SIZE, compile: Any = False
 ) -> M:
     """Checkpoint, in place, every submodule of `model` that `which` selects.
 

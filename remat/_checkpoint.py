@@ -11,6 +11,7 @@ import torch
 
 from ._api import DEFAULT_CACHE_SIZE, BindsAsMethod, Checkpointed
 from ._module import CheckpointedModule
+from ._policy import PolicyLike
 
 __all__ = ["checkpoint"]
 
@@ -20,17 +21,17 @@ T = TypeVar("T")
 
 @overload
 def checkpoint(
-    fn: Callable[P, T], /, *, policy: Any = None, cache_size: int = ..., compile: Any = ...
+    fn: Callable[P, T], /, *, policy: PolicyLike = None, cache_size: int = ..., compile: Any = ...
 ) -> Checkpointed[P, T]: ...
 @overload
 def checkpoint(
-    fn: None = None, /, *, policy: Any = None, cache_size: int = ..., compile: Any = ...
+    fn: None = None, /, *, policy: PolicyLike = None, cache_size: int = ..., compile: Any = ...
 ) -> Callable[[Callable[P, T]], Checkpointed[P, T]]: ...
 def checkpoint(
     fn: Callable[P, T] | None = None,
     /,
     *,
-    policy: Any = None,
+    policy: PolicyLike = None,
     cache_size: int = DEFAULT_CACHE_SIZE,
     compile: Any = False,
 ) -> Any:

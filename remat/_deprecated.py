@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["renamed", "warn_renamed"]
+__all__ = ["moved_module", "renamed", "warn_renamed"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,3 +34,18 @@ def renamed(old: str, new: str, function: F) -> F:
     under_the_old_name.__name__ = under_the_old_name.__qualname__ = old.rsplit(".", 1)[-1]
     under_the_old_name.__doc__ = f"Deprecated: use `{new}`, which this calls after a DeprecationWarning."
     return under_the_old_name  # type: ignore[return-value]
+
+
+def moved_module(old: str, new: str, module: types.ModuleType, names: tuple[str, ...]) -> None:
+    """Make `from <old> import name` give `module`'s `name` for each of `names`, after a warning that it is
+    `<new>.name` now. The stand-in is put in `sys.modules` directly: imported from a file, a submodule
+    would be set as its package's attribute of the same name (`remat.report`, the function)."""
+
+    class Moved(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            if name not in names:
+                raise AttributeError(f"module {old!r} has no attribute {name!r}")
+            warn_renamed(f"{old}.{name}", f"{new}.{name}")
+            return getattr(module, name)
+
+    sys.modules[old] = Moved(old, f"Deprecated: the names {', '.join(names)} are in `{new}`.")

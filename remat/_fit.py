@@ -30,8 +30,8 @@ from ._measure import storage_key, storage_nbytes
 from ._objects import opened
 from ._peak import peak_of
 from ._pytree import NAMESPACE
+from ._report import Peak
 from ._storage import shrinking
-from .report import Peak
 
 __all__ = ["BlockPlan", "Fit", "StepReport", "fit", "fit_when_called"]
 

@@ -6,15 +6,34 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
-from typing import Any, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, Union
 
 from ._calls import Call, Decision, Trace
 from ._decide import decide, decide_call
 
-__all__ = ["Policy", "PolicyLike", "compress", "offload", "pack", "save_all_of", "save_any_of", "save_unless"]
+__all__ = [
+    "Planner",
+    "Policy",
+    "PolicyLike",
+    "compress",
+    "offload",
+    "pack",
+    "save_all_of",
+    "save_any_of",
+    "save_unless",
+]
 
-PolicyLike = Union[Callable[[Call], Decision | bool], "Policy", None]
+
+class Planner(Protocol):
+    """A whole-trace policy: one decision per call of a trace (a memory budget, say)."""
+
+    def plan(self, trace: Trace) -> Sequence[Decision]: ...
+
+
+PolicyLike = Union[Callable[[Call], Decision | bool], "Policy", Planner, None]
+"""What a `policy=` argument takes: a function of a call (a `Decision`, or True to save), a planner, or
+None (replay everything)."""
 
 
 class Policy:

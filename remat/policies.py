@@ -25,7 +25,18 @@ from typing import TYPE_CHECKING, Any
 from ._accounting import account
 from ._calls import Call, Decision, Trace, format_bytes, op_name
 from ._deprecated import renamed
-from ._policy import _FORMATS, Policy, compress, offload, pack, save_all_of, save_any_of, save_unless
+from ._policy import (
+    _FORMATS,
+    Planner,
+    Policy,
+    PolicyLike,
+    compress,
+    offload,
+    pack,
+    save_all_of,
+    save_any_of,
+    save_unless,
+)
 from ._policy import offload as _offload_policy  # `offload` is also an argument name below
 from ._sac import from_sac
 from ._storage import shrinking
@@ -37,7 +48,9 @@ if TYPE_CHECKING:  # highspy, which solving needs, is imported on first use
 
 __all__ = [
     "Budget",
+    "Planner",
     "Policy",
+    "PolicyLike",
     "budget",
     "compress",
     "dots_saveable",

@@ -645,8 +645,7 @@ def random_chains(draw: st.DrawFn) -> tuple[list[Any], list[Any], list[int], int
     """A stack's step as the planner sees it: per block call, options (cost, kept bytes, forward and backward
     peaks; option 0 the probe's plan), and the probe's segments: each forward, the stretch after it, each
     backward in reverse; with a target between the lowest and highest peaks."""
-    from remat import _fit, _step
-    from remat.report import Peak
+    from remat import Peak, _fit, _step
 
     n = draw(st.integers(1, 6))
     groups = []
