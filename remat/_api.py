@@ -36,7 +36,7 @@ from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure
 from ._specialize import ValuesChanged
 from ._torch import FakeTensor, HigherOrderOperator, functorch_active, grad_transform_active, is_functorch_wrapped
 from ._value_graph import with_value_graph
-from .policies import save_nothing
+from .policies import save_nothing, warn_of_unmatched_module_patterns
 
 __all__ = ["DEFAULT_CACHE_SIZE", "BindsAsMethod", "Checkpointed", "DelegatesToCheckpointed", "report", "trace"]
 
@@ -263,6 +263,18 @@ def _values_differ_between_runs(checkpointed: Checkpointed[Any, Any], changed: V
     )
 
 
+# The traces checked for module patterns that match nothing (NOTE [module patterns that match nothing]).
+_checked_patterns: weakref.WeakSet[Trace] = weakref.WeakSet()
+
+
+def _check_module_patterns(policy: Any, trace: Trace, api: str) -> None:
+    """Warn, once per trace with calls, of `save_modules` patterns of `policy` its calls' modules miss."""
+    if len(trace) and trace not in _checked_patterns:
+        _checked_patterns.add(trace)
+        paths = (call.module for call in trace)
+        warn_of_unmatched_module_patterns(policy, paths, api, "that issued a call in this trace")
+
+
 def _executable(
     joint: JointGraph,
     policy: Any,
@@ -272,6 +284,8 @@ def _executable(
 ) -> Executable:
     """The programs of `joint` under `policy`; blocks sharing traces share them per decisions."""
     decisions = decide_nested(policy, joint.trace, joint.regions)
+    if shared is None:  # blocks of `checkpoint_modules` were checked as they were checkpointed
+        _check_module_patterns(policy, joint.trace, "remat.checkpoint")
     if shared is None:
         return _build_executable(joint, decisions, forward_mode, compile_options)
     return shared.executable(  # type: ignore[no-any-return]
@@ -470,6 +484,7 @@ def report(fn: Callable[..., Any], /, *args: Any, policy: PolicyLike = None, **k
     else:
         policy = policy if policy is not None else own_policy
         decisions = decide_nested(policy, joint.trace, joint.regions)
+        _check_module_patterns(policy, joint.trace, "remat.report")
         programs = partition(joint, decisions)
     accounting = account_for(joint.trace, decisions)
     compressed = any(not kept.storage.exact and kept.stored_nbytes for kept in accounting.kept_by_call.values())

@@ -20,6 +20,7 @@ from ._api import DEFAULT_CACHE_SIZE, Checkpointed, DelegatesToCheckpointed
 from ._kv_caches import without_kv_caches
 from ._policy import PolicyLike
 from ._sharing import SharedTraces
+from .policies import warn_of_unmatched_module_patterns
 
 __all__ = [
     "NOTHING",
@@ -215,8 +216,13 @@ def checkpoint_selected(
             f"qualified names it is given, which are those of `model.named_modules()`, e.g. {_some_names(model)}."
         )
     shared = SharedTraces(cache_size)  # see NOTE [sharing traces between identical blocks]
+    paths: dict[int, tuple[Any, set[str]]] = {}  # by policy: the module paths of its blocks
     for name, module in selected:
-        module.__dict__["forward"] = CheckpointedForward(name, module, policy_of(name), cache_size, compile, shared)
+        policy = policy_of(name)
+        paths.setdefault(id(policy), (policy, set()))[1].update(path for path, _ in module.named_modules())
+        module.__dict__["forward"] = CheckpointedForward(name, module, policy, cache_size, compile, shared)
+    for policy, known in paths.values():
+        warn_of_unmatched_module_patterns(policy, known, api, "of any checkpointed block")
     return model
 
 

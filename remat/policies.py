@@ -18,6 +18,7 @@ import dataclasses
 import fnmatch
 import math
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -426,13 +427,58 @@ class _SaveModules(Policy):
     def _decide(self, call: Call) -> Decision:
         if call.module is None:
             return Decision.RECOMPUTE
-        parts = call.module.split(".") if call.module else []
-        paths = [".".join(parts[:n]) for n in range(len(parts) + 1)]  # the module and its ancestors
+        paths = _with_ancestors(call.module)
         matches = any(fnmatch.fnmatchcase(path, pattern) for path in paths for pattern in self.patterns)
         return Decision.SAVE if matches else Decision.RECOMPUTE
 
     def __repr__(self) -> str:
         return f"save_modules({', '.join(map(repr, self.patterns))})"
+
+
+def _with_ancestors(path: str) -> list[str]:
+    """A module path and its ancestors' (`""` is the root)."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:n]) for n in range(len(parts) + 1)]
+
+
+def _parts(policy: Any) -> Iterable[Any]:
+    """`policy` and the policies it is made of (a combination's, a negation's, a storage's)."""
+    yield policy
+    if isinstance(policy, Policy) and dataclasses.is_dataclass(policy):
+        for field in dataclasses.fields(policy):
+            value = getattr(policy, field.name)
+            for inner in value if isinstance(value, tuple) else (value,):
+                if isinstance(inner, Policy):
+                    yield from _parts(inner)
+
+
+# NOTE [module patterns that match nothing]
+# A `save_modules` pattern that matches no module saves nothing, silently: a
+# typo, or a path written from the model's root for a block whose calls' paths
+# are relative to the block (`layers.*.attn` where they read `attn.q_proj`).
+# remat warns of it once per trace, naming the paths the trace's calls have;
+# under `checkpoint_modules`, once, when the blocks are checkpointed, and only
+# if the pattern matches a module of no block (blocks of a model may differ:
+# dense and mixture-of-experts layers).
+
+
+def warn_of_unmatched_module_patterns(policy: Any, paths: Iterable[str | None], api: str, where: str) -> None:
+    """Warn of each `save_modules` pattern of `policy` that matches none of the module `paths` (nor an
+    ancestor of one): NOTE [module patterns that match nothing]."""
+    patterns = [pattern for part in _parts(policy) if isinstance(part, _SaveModules) for pattern in part.patterns]
+    if not patterns:
+        return
+    known = {ancestor for path in paths if path is not None for ancestor in _with_ancestors(path)}
+    for pattern in dict.fromkeys(patterns):
+        if not any(fnmatch.fnmatchcase(path, pattern) for path in known):
+            some = ", ".join(repr(path) for path in sorted(known - {""})[:6]) or "none"
+            warnings.warn(
+                f"{api}: the save_modules pattern {pattern!r} matches no module {where}, so it saves nothing. "
+                f"Module paths there are relative to the checkpointed module, e.g. {some} (see "
+                "remat.policies.save_modules).",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def save_modules(*patterns: str) -> Policy:
@@ -448,7 +494,8 @@ def save_modules(*patterns: str) -> Policy:
     reachable neither way, have no path (`None`) and are never saved by this
     policy. A pattern (a glob: `*` matches across dots) selects the modules it
     matches and everything inside them: `"layers.0.attn"` saves the calls of
-    `layers.0.attn.q_proj` too.
+    `layers.0.attn.q_proj` too. A pattern that matches no module warns, once per
+    trace (under `remat.checkpoint_modules`, once, if it matches in no block).
 
     >>> import torch, remat
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))

@@ -584,3 +584,60 @@ def test_regression_a_checkpointed_forward_method_gives_the_root_its_empty_path(
         ]
     plan = remat.policies.save_modules("").plan(remat.trace(model.forward, x))
     assert plan == (remat.SAVE, remat.SAVE)
+
+
+# --- module patterns that match nothing ----------------------------------------------------------------
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x).tanh()
+
+
+class _Block(nn.Module):
+    def __init__(self, attention: bool = True) -> None:
+        super().__init__()
+        self.attn = _Attention() if attention else nn.Identity()
+        self.mlp = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.attn(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self, *attention: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(a) for a in attention)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_module_pattern_that_matches_nothing_warns_once_per_trace() -> None:
+    model, x = _Stack(True, True), torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"remat\.checkpoint: the save_modules pattern 'blocks\.\*\.attn' matches no"):
+        f = remat.checkpoint(model, policy=policies.save_modules("blocks.*.attn") | policies.dots_saveable)
+        f(x).sum().backward()
+    f(x).sum().backward()  # the same trace: no second warning (warnings are errors in this suite)
+    with pytest.warns(UserWarning, match=r"'blocks\.\*\.attn' matches no module .* e\.g\. 'layers', 'layers\.0'"):
+        f(torch.randn(3, 4)).sum().backward()  # a new trace
+    remat.checkpoint(model, policy=policies.save_modules("layers.*.attn"))(x).sum().backward()  # matches: quiet
+    with pytest.warns(UserWarning, match=r"remat\.report: the save_modules pattern 'nope'"):
+        remat.report(model, torch.randn(5, 4), policy=policies.save_modules("nope"))
+
+
+def test_under_checkpoint_modules_a_pattern_warns_only_if_it_matches_in_no_block() -> None:
+    x = torch.randn(2, 4, requires_grad=True)
+    model = _Stack(True, False)  # the second block has no attention: the pattern matches in the first only
+    remat.checkpoint_modules(model, _Block, policy=policies.save_modules("attn"))
+    model(x).sum().backward()
+    model = _Stack(True, True)
+    with pytest.warns(UserWarning, match=r"checkpoint_modules: the save_modules pattern 'layers\.\*\.attn' matches no"):
+        remat.checkpoint_modules(model, _Block, policy=policies.save_modules("layers.*.attn"))  # paths are relative
+    model(x).sum().backward()  # warned once, when the blocks were checkpointed
