@@ -45,7 +45,8 @@ def estimate_flops(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: 
 
     Args:
         op: an aten op overload (`torch.ops.aten.mm.default`).
-        args, kwargs: its arguments (tensors, fake tensors or meta tensors).
+        args: its positional arguments (tensors, fake tensors or meta tensors).
+        kwargs: its keyword arguments.
         out: its output.
 
     >>> import torch
