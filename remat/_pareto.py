@@ -12,6 +12,7 @@ from ._accounting import account_for
 from ._api import trace as trace_of
 from ._calls import Decision, Trace, format_bytes
 from ._decide import is_collective
+from ._deprecated import warn_renamed
 from ._peak import peak_of
 from .costs import estimate_seconds
 
@@ -125,8 +126,9 @@ def pareto(
     /,
     *args: Any,
     budgets: Sequence[int] | None = None,
-    device: str = "h100",
+    cost: str = "flops",
     compress: str | None = None,
+    device: str | None = None,
     **kwargs: Any,
 ) -> Pareto:
     """The memory/recompute Pareto curve of `fn` at these arguments.
@@ -140,7 +142,12 @@ def pareto(
         *args: example arguments.
         budgets: byte budgets; by default 21, evenly spaced from what `save_nothing` keeps to
             what `save_everything` keeps.
-        device: the device of the roofline time estimates (`remat.costs.DEVICES`).
+        cost: the cost model, spelled as for `remat.policies.budget` and `remat.fit`: what the curve's plans
+            replay least of, `"flops"` (the default) or `"roofline:<device>"` (estimated seconds on a device
+            of `remat.costs.DEVICES`); the points' replay times are roofline estimates on that device (on
+            an H100 where `cost` is `"flops"`).
+        device: deprecated: the device of the time estimates alone (the curve minimizing FLOPs); name the
+            cost model instead, `cost="roofline:<device>"`.
         compress: a narrower format the planner may also keep values in, approximately, as
             `remat.policies.budget(..., compress=...)` (None: only exact storages).
         **kwargs: example keyword arguments.
@@ -153,6 +160,16 @@ def pareto(
     >>> [p.replay_flops for p in curve.curve][::10]  # 0, 4000 and 8000 bytes: two, one, no sins replayed
     [2000, 1000, 0]
     """
+    if device is not None:
+        warn_renamed("remat.pareto(..., device=...)", "remat.pareto(..., cost='roofline:<device>')", stacklevel=2)
+        timed_on = device
+    else:
+        try:  # a bad `cost` is refused as the planner refuses it
+            policies.budget(max_bytes=0, cost=cost)
+        except ValueError as error:
+            raise ValueError(str(error).replace("remat.policies.budget", "remat.pareto")) from None
+        timed_on = cost.removeprefix("roofline:") if cost.startswith("roofline:") else "h100"
+    device = timed_on
     trace = trace_of(fn, *args, **kwargs)
     everything = _point("save_everything", trace, set(range(len(trace))), device)
     nothing = _point("save_nothing", trace, set(), device)
@@ -161,8 +178,11 @@ def pareto(
         budgets = sorted({low + (high - low) * i // 20 for i in range(21)})
     curve = []
     for limit in budgets:
-        plan = policies.budget(max_bytes=int(limit), exact=True, compress=compress).solve(trace)
-        label = f"budget(max_bytes={int(limit)}{'' if compress is None else f', compress={compress!r}'})"
+        plan = policies.budget(max_bytes=int(limit), exact=True, cost=cost, compress=compress).solve(trace)
+        options = ("" if cost == "flops" else f", cost={cost!r}") + (
+            "" if compress is None else f", compress={compress!r}"
+        )
+        label = f"budget(max_bytes={int(limit)}{options})"
         curve.append(_point_of(label, trace, plan.decisions, device))
     dots = {i for i, d in enumerate(policies.dots_saveable.plan(trace)) if d is Decision.SAVE}
     return Pareto(tuple(curve), (nothing, _point("dots_saveable", trace, dots, device), everything), device)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._accounting import account
 from ._calls import Call, Decision, Trace, format_bytes, op_name
-from ._deprecated import renamed
+from ._deprecated import renamed, warn_renamed
 from ._policy import (
     _FORMATS,
     Planner,
@@ -518,29 +518,47 @@ class _SaveByCost(Policy):
 
     def __repr__(self) -> str:
         named = DEVICES.get(self.device.name) == self.device
-        device = repr(self.device.name) if named else repr(self.device)
-        return f"save_by_cost({self.seconds_per_byte!r}, device={device})"
+        cost = repr(f"roofline:{self.device.name}") if named else repr(self.device)
+        return f"save_by_cost({self.seconds_per_byte!r}, cost={cost})"
 
 
-def save_by_cost(seconds_per_byte: float, device: str | Device = "h100") -> Policy:
+def save_by_cost(seconds_per_byte: float, cost: str | Device = "roofline:h100", *, device: Any = None) -> Policy:
     """Save the calls that would take longest to replay for the memory their outputs hold.
 
-    A call is saved when its replay time (`remat.costs.estimate_seconds` on
-    `device`, a roofline bound) per byte of its outputs is at least
+    A call is saved when its replay time (`remat.costs.estimate_seconds`, a
+    roofline bound on the device `cost` names) per byte of its outputs is at least
     `seconds_per_byte`. On an H100, large matmuls cost around 1e-12 s per byte of
     output (more for a larger inner dimension); pointwise ops around 1e-12 to
     1e-13 (they read and write bytes at the memory bandwidth, ~3e-13 s/byte).
 
     Args:
         seconds_per_byte: the threshold; positive.
-        device: a name in `remat.costs.DEVICES` or a `remat.costs.Device`.
+        cost: the cost model, spelled as for `budget` and `remat.fit`: `"roofline:<device>"` with a
+            device of `remat.costs.DEVICES`, or a `remat.costs.Device` (a roofline on it).
+        device: deprecated, the device alone (`"h100"`): use `cost="roofline:h100"`.
 
     >>> import torch, remat
     >>> a, b = torch.ones(512, 2048), torch.ones(2048, 512)
     >>> trace = remat.trace(lambda a, b: (a @ b).relu(), a, b)
-    >>> [remat.policies.save_by_cost(1e-12, "h100")(call) for call in trace]
+    >>> [remat.policies.save_by_cost(1e-12, "roofline:h100")(call) for call in trace]
     [remat.SAVE, remat.RECOMPUTE]
     """
+    if device is not None:
+        warn_renamed("save_by_cost(..., device=...)", "save_by_cost(..., cost='roofline:<device>')", stacklevel=2)
+        cost = device if isinstance(device, Device) else f"roofline:{device}"
+    elif isinstance(cost, str) and not cost.startswith("roofline:") and cost in DEVICES:
+        warn_renamed(
+            "save_by_cost(threshold, '<device>')", "save_by_cost(threshold, 'roofline:<device>')", stacklevel=2
+        )
+        cost = f"roofline:{cost}"
+    if isinstance(cost, str):
+        if not cost.startswith("roofline:"):
+            raise ValueError(
+                "remat.policies.save_by_cost: `cost` is a roofline on a device, 'roofline:<device>' (one of "
+                f"{', '.join(repr('roofline:' + name) for name in DEVICES)}) or a remat.costs.Device, but got "
+                f"{cost!r}."
+            )
+        cost = cost.removeprefix("roofline:")
     if (
         isinstance(seconds_per_byte, bool)
         or not isinstance(seconds_per_byte, (int, float))
@@ -550,7 +568,7 @@ def save_by_cost(seconds_per_byte: float, device: str | Device = "h100") -> Poli
             f"remat.policies.save_by_cost: expected a positive, finite threshold in seconds per byte kept (around 1e-12 "
             f"on an H100), but got {seconds_per_byte!r}."
         )
-    return _SaveByCost(float(seconds_per_byte), resolve_device(device))
+    return _SaveByCost(float(seconds_per_byte), resolve_device(cost))
 
 
 class _Solved:

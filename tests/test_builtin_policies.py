@@ -231,7 +231,7 @@ CASES = [
     Case(
         "save_by_cost",
         "plain",
-        lambda t: save_by_cost(cost_threshold(t), "h100"),
+        lambda t: save_by_cost(cost_threshold(t), "roofline:h100"),
         lambda t: indices(t, lambda c: cost_ratio(c) >= cost_threshold(t)),
     ),
     Case(
@@ -351,8 +351,8 @@ def _policy_values() -> list[tuple[Callable[[], Any], str]]:
         (lambda: save_tagged("b", "a"), "save_tagged('a', 'b')"),  # names are a set
         (lambda: save_tagged_except("x"), "save_tagged_except('x')"),
         (lambda: save_modules("mlp", "layers.*.attn"), "save_modules('mlp', 'layers.*.attn')"),
-        (lambda: save_by_cost(1e-12, "h100"), "save_by_cost(1e-12, device='h100')"),
-        (lambda: save_by_cost(2.5e-13, "h200"), "save_by_cost(2.5e-13, device='h200')"),
+        (lambda: save_by_cost(1e-12, "roofline:h100"), "save_by_cost(1e-12, cost='roofline:h100')"),
+        (lambda: save_by_cost(2.5e-13, "roofline:h200"), "save_by_cost(2.5e-13, cost='roofline:h200')"),
         (lambda: from_sac(sac_save_addmm), "from_sac(sac_save_addmm)"),
         (lambda: save_ops(aten.mm) | save_calls(0), "save_any_of(save_ops(aten.mm), save_calls(0))"),
         (lambda: save_any_of(mm, dots_saveable), "save_any_of(save_ops(aten.mm), dots_saveable)"),
@@ -398,9 +398,9 @@ def test_different_policies_are_not_equal():
         save_tagged_except("a"),
         save_modules("a"),
         save_scopes("a"),
-        save_by_cost(1e-12, "h100"),
-        save_by_cost(1e-12, "h200"),
-        save_by_cost(2e-12, "h100"),
+        save_by_cost(1e-12, "roofline:h100"),
+        save_by_cost(1e-12, "roofline:h200"),
+        save_by_cost(2e-12, "roofline:h100"),
         from_sac(sac_save_addmm),
         from_sac(sac_save_wide_outputs),
         save_calls(0) | save_calls(1),
@@ -712,7 +712,7 @@ def test_unknown_device_raises_listing_the_known_names():
         estimate_seconds(call, "tpu")
     assert "['cpu', 'h100', 'h200']" in str(excinfo.value)
     with pytest.raises(ValueError, match=r"unknown device 'H100'"):
-        save_by_cost(1e-12, "H100")
+        save_by_cost(1e-12, "roofline:H100")
 
 
 def test_a_custom_device():
@@ -730,7 +730,7 @@ def test_a_custom_device():
     policy = save_by_cost(3e-3, toy)
     assert policy(mm32) is remat.SAVE and policy(relu) is remat.RECOMPUTE
     assert policy == save_by_cost(3e-3, Device("toy", ((torch.float32, 1e9),), 1e6, 1e3))
-    assert repr(policy).startswith("save_by_cost(0.003, device=Device(name='toy', ")
+    assert repr(policy).startswith("save_by_cost(0.003, cost=Device(name='toy', ")
     assert eval(repr(policy), {"save_by_cost": save_by_cost, "Device": Device, "torch": torch}) == policy
 
 

@@ -34,3 +34,28 @@ def test_report_row_is_exported_and_the_old_module_path_warns() -> None:
     assert callable(remat.report)  # importing from the old path left the function in place
     with pytest.raises(ImportError):
         from remat.report import nothing  # noqa: F401
+
+
+def test_save_by_cost_names_its_cost_model_as_budget_does() -> None:
+    new = policies.save_by_cost(1e-12, "roofline:h200")
+    with pytest.warns(DeprecationWarning, match=r"save_by_cost\(\.\.\., device=\.\.\.\) is deprecated"):
+        assert policies.save_by_cost(1e-12, device="h200") == new
+    with pytest.warns(DeprecationWarning, match=r"use save_by_cost\(threshold, 'roofline:<device>'\)"):
+        assert policies.save_by_cost(1e-12, "h200") == new
+    with pytest.raises(ValueError, match=r"`cost` is a roofline on a device, 'roofline:<device>'"):
+        policies.save_by_cost(1e-12, "flops")
+
+
+def test_pareto_names_its_cost_model_as_budget_does() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x @ x).relu().sin().sum()
+
+    x = torch.randn(64, 64, requires_grad=True)
+    flops = remat.pareto(fn, x)
+    with pytest.warns(DeprecationWarning, match=r"remat\.pareto\(\.\.\., device=\.\.\.\) is deprecated"):
+        old = remat.pareto(fn, x, device="h100")
+    assert old == flops and flops.device == "h100"  # the default: FLOPs, timed on an H100
+    timed = remat.pareto(fn, x, cost="roofline:h200")
+    assert timed.device == "h200" and "cost='roofline:h200'" in timed.curve[0].label
+    with pytest.raises(ValueError, match=r"remat\.pareto: `cost` must be 'flops' or 'roofline:<device>'"):
+        remat.pareto(fn, x, cost="seconds")

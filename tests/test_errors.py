@@ -493,7 +493,7 @@ def test_save_modules_with_a_module_instead_of_its_path():
 
 def test_unknown_device_for_costs():
     with pytest.raises(ValueError, match=r"unknown device 'a100'; the named ones are \['cpu', 'h100', 'h200'\]"):
-        policies.save_by_cost(1e-12, device="a100")
+        policies.save_by_cost(1e-12, cost="roofline:a100")
 
 
 @pytest.mark.parametrize("threshold", [0, -1.0, float("nan")], ids=["zero", "negative", "nan"])
