@@ -15,10 +15,10 @@ from ._calls import TensorMeta as TensorMeta
 from ._calls import Trace as Trace
 from ._checkpoint import checkpoint as checkpoint
 from ._errors import TraceError as TraceError
-from ._fit import BlockPlan as BlockPlan
-from ._fit import Fit as Fit
-from ._fit import StepReport as StepReport
 from ._fit import fit as fit
+from ._fit_results import BlockPlan as BlockPlan
+from ._fit_results import Fit as Fit
+from ._fit_results import StepReport as StepReport
 from ._gpu import Gpu as Gpu
 from ._gpu import assume_gpu as assume_gpu
 from ._module import CheckpointedModule as CheckpointedModule

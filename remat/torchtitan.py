@@ -21,7 +21,8 @@ from torch import nn
 
 from . import policies as _policies
 from ._apply import checkpoint_modules
-from ._fit import Fit, fit_when_called
+from ._fit import fit_when_called
+from ._fit_results import Fit
 from ._policy import Policy
 
 __all__ = ["RematAC"]  # noqa: F822  # made on first read (`__getattr__`), when torchtitan is imported

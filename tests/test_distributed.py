@@ -456,7 +456,7 @@ def _prefetch_case(rank: int) -> None:
     x = torch.randn(128, 32, dtype=DTYPE, generator=torch.Generator().manual_seed(rank))
     _square_mean(model(x)).backward()  # a first step: FSDP2's first gathers allocate
     remat.fit(model, _TanhBlock, x, peak_bytes=10**9, loss=_square_mean)
-    timeline, _ = remat._fit._probe(model.forward.planner, (x,), {})
+    timeline, _ = remat._fit_probe.probe_step(model, _square_mean, None, None, (x,), {})
     one_block = sum(p.numel() * p.element_size() for p in _TanhBlock().to(DTYPE).parameters())
     forwards = [s for s in timeline.segments if s.phase is remat._step.Phase.FORWARD]
     # Each block's own parameters, in their storages and in its all-gather's buffer until it is freed; and,

@@ -13,7 +13,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import remat
-from remat import _api, _engine, _fit, _joint, _step, _torch, policies
+from remat import _api, _engine, _fit, _fit_probe, _joint, _step, _torch, policies
 from remat.testing import assert_checkpoint_equivalent, functions, inputs
 
 DTYPE = torch.float64
@@ -175,8 +175,8 @@ def test_fit_plans_a_walked_probe_step_as_the_engine_stepped_it(model: str, monk
 
     def planned() -> tuple[Any, ...]:
         timelines: list[Any] = []
-        probe = _fit._probe
-        monkeypatch.setattr(_fit, "_probe", lambda *a: timelines.append(probe(*a)) or timelines[-1])
+        probe = _fit.probe_step
+        monkeypatch.setattr(_fit, "probe_step", lambda *a: timelines.append(probe(*a)) or timelines[-1])
         plans: list[Any] = []
         for _ in range(2):  # a first plan reads the range of peaks; the second plans for its middle
             with torch.device("meta"):
@@ -194,7 +194,7 @@ def test_fit_plans_a_walked_probe_step_as_the_engine_stepped_it(model: str, monk
         return measured, [(plan.predicted_peak, [b.label for b in plan.blocks]) for plan in plans]
 
     expected = planned()
-    monkeypatch.setattr(_fit, "engine_runs_on", lambda device: False)
+    monkeypatch.setattr(_fit_probe, "engine_runs_on", lambda device: False)
     assert planned() == expected
 
 

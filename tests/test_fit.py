@@ -462,7 +462,7 @@ def test_the_chain_planner_finds_the_0_1_programs_optimum(monkeypatch: pytest.Mo
     target = int(lowest + share * (eager - lowest))
     by_chain = remat.fit(model, MLPBlock, x, peak_bytes=target, loss=square_loss)
     remat.uncheckpoint_modules(model)
-    monkeypatch.setattr(remat._fit, "_solve_chain", lambda *args: (None, False))
+    monkeypatch.setattr(remat._fit, "solve_chain", lambda *args: (None, False))
     by_milp = remat.fit(model, MLPBlock, x, peak_bytes=target, loss=square_loss, exact=True)
     assert by_chain.replay_cost == pytest.approx(by_milp.replay_cost, rel=1e-9)
     assert by_chain.predicted_peak <= target and by_milp.predicted_peak <= target
@@ -524,8 +524,8 @@ def sdpa_stack(n: int = 4, d: int = 32, vocab: int = 64) -> Stack:
 def counting_probes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one at each probe step (each planning) from now on."""
     probes: list[int] = []
-    probe = remat._fit._probe
-    monkeypatch.setattr(remat._fit, "_probe", lambda *a: probes.append(1) or probe(*a))
+    probe = remat._fit.probe_step
+    monkeypatch.setattr(remat._fit, "probe_step", lambda *a: probes.append(1) or probe(*a))
     return probes
 
 
@@ -611,7 +611,7 @@ def test_a_plan_made_on_meta_for_cuda_holds_on_the_gpu(
     # fake CUDA tensors, which pick the GPU's kernel: the plan is the one made on the real model. Walked
     # (as on a machine without a GPU), the probe's backward plans the same.
     if walked:
-        monkeypatch.setattr(remat._fit, "engine_runs_on", lambda device: False)
+        monkeypatch.setattr(remat._fit_probe, "engine_runs_on", lambda device: False)
     real = sdpa_stack(d=256, vocab=512).to("cuda", dtype)
     with torch.device("meta"):
         model = sdpa_stack(d=256, vocab=512).to(dtype)
@@ -645,7 +645,7 @@ def random_chains(draw: st.DrawFn) -> tuple[list[Any], list[Any], list[int], int
     """A stack's step as the planner sees it: per block call, options (cost, kept bytes, forward and backward
     peaks; option 0 the probe's plan), and the probe's segments: each forward, the stretch after it, each
     backward in reverse; with a target between the lowest and highest peaks."""
-    from remat import Peak, _fit, _step
+    from remat import Peak, _fit_choice, _step
 
     n = draw(st.integers(1, 6))
     groups = []
@@ -659,8 +659,8 @@ def random_chains(draw: st.DrawFn) -> tuple[list[Any], list[Any], list[int], int
                 backward=draw(st.integers(0, 60)),
             )
             cost = 100.0 if k == 0 else float(draw(st.integers(0, 99)))
-            options.append(_fit._Candidate(f"option {k}", (), cost, peak))
-        groups.append(_fit._Group(f"block {call}", None, None, tuple(options)))  # type: ignore[arg-type]
+            options.append(_fit_choice.Candidate(f"option {k}", (), cost, peak))
+        groups.append(_fit_choice.Group(f"block {call}", None, None, tuple(options)))  # type: ignore[arg-type]
     segments = []
     for call in range(n):
         segments.append(_step.Segment(_step.Phase.FORWARD, call, frozenset(range(call)), draw(st.integers(0, 50)), ""))
@@ -672,7 +672,7 @@ def random_chains(draw: st.DrawFn) -> tuple[list[Any], list[Any], list[int], int
         segments.append(_step.Segment(_step.Phase.OUTSIDE, None, frozenset(range(call)), draw(st.integers(0, 50)), ""))
     timeline = _step.Timeline((), tuple(segments), 0, 0, 0)
     group_of = list(range(n))
-    rows = _fit._rows(timeline, group_of, groups)
+    rows = _fit_choice.step_rows(timeline, group_of, groups)
     return groups, rows, group_of, draw(st.integers(0, 300))
 
 
@@ -683,15 +683,15 @@ def test_the_chain_planners_pruning_keeps_the_optimum_of_the_0_1_program(
     # The dynamic program carries only states that can still fit and options no other beats; HiGHS solves
     # the whole program exactly. They agree on whether a choice fits, and on its least cost.
     pytest.importorskip("highspy")
-    from remat import _fit
+    from remat import _fit_choice
 
     groups, rows, group_of, target = chain
-    by_chain, is_chain = _fit._solve_chain(groups, rows, group_of, target)
-    by_milp, _ = _fit._solve(groups, rows, target, exact=True)
+    by_chain, is_chain = _fit_choice.solve_chain(groups, rows, group_of, target)
+    by_milp, _ = _fit_choice.solve(groups, rows, target, exact=True)
     assert is_chain
     assert (by_chain is None) == (by_milp is None)
     if by_chain is not None and by_milp is not None:
-        assert _fit._predicted_peak(rows, by_chain)[0] <= target
+        assert _fit_choice.predicted_peak(rows, by_chain)[0] <= target
 
         def cost(choice: list[int]) -> float:
             return sum(groups[g].options[k].cost for g, k in enumerate(choice))
