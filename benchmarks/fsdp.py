@@ -43,7 +43,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def _model(small: bool) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
-    layers, dim, heads, vocab, length, batch = (2, 32, 4, 64, 16, 2) if small else (4, 128, 4, 256, 128, 4)
+    layers, dim, heads, vocab, length, batch = (2, 32, 4, 64, 64, 4) if small else (4, 128, 4, 256, 128, 4)
     torch.manual_seed(0)
     model = LanguageModel(layers, dim, heads, vocab, length)
 

@@ -436,11 +436,13 @@ def _infeasible(
     lowest, row = predicted_peak(rows, lowest_choice)
     assert row is not None
     kept = sum(row.terms.get((g, k), 0) for g, k in enumerate(lowest_choice))
+    # A plan can lower a peak below saving nothing's: a backward that replays less holds less.
+    change = "" if not kept else f" and {format_bytes(abs(kept))} {'more' if kept > 0 else 'less'} under that plan"
     return ValueError(
         f"remat.fit: no plan fits the step in {format_bytes(target)} ({target:,} bytes): the lowest predicted "
         f"peak is {format_bytes(lowest)} ({lowest:,} bytes), {_where(row, timeline)}, where "
         f"{format_bytes(row.segment.peak)} are live when every block saves nothing"
-        f"{'' if not kept else f' and {format_bytes(kept)} more under that plan'}. "
+        f"{change}. "
         "Raise `peak_bytes` to at least that, use a smaller batch, or checkpoint more of the model "
         "(what lies outside the blocks is not checkpointed)."
     )

@@ -85,6 +85,8 @@ class Segment:
     prefetched: int = 0
     unreduced: int = 0
     peak_at: int = 0  # when its peak was reached (the recorder's count of allocations then)
+    start: int = 0  # when it began and ended, in the same count
+    end: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +121,17 @@ class _Recorder:
         self.current: int | None = None  # the block call whose forward runs
         self.workspace = 0  # the most bytes one op's kernel took of its own and freed
         # See NOTE [what FSDP2 adds].
-        self.sequence = 0  # allocations and resizes so far: when a peak was reached
+        self.sequence = 0  # allocations, resizes and cuts so far: a moment of the step
+        self.highs = [0]  # the most bytes live at each moment
         self.segment_peak_at = 0
+        self.segment_start = 0
         self.lives: dict[Any, _Life] = {}  # of each live storage
         self.gathered: list[_Life] = []  # of storages resized from nothing (FSDP2's gathered parameters)
         self.owners: dict[Any, int] = {}  # gathered storage: id of the block module whose parameter it is
         self.gradients: list[_Life] = []  # of full-size gradients of gathered parameters
         self.buffers: list[_Life] = []  # of all-gathers' outputs
         self.copied: dict[_Life, list[Any]] = {}  # a buffer's life: the storages it was copied out into
+        self.copied_at: dict[_Life, int] = {}  # a buffer's life: when it was copied out
         self.hooked: dict[int, Any] = {}  # gathered parameters: their post-accumulate-grad hook's handle
 
     # --- bytes -----------------------------------------------------------------------------------------
@@ -145,6 +150,8 @@ class _Recorder:
 
     def _reached(self, nbytes: int, op: str) -> None:
         """`nbytes` are live at once now, the last of them made by `op`."""
+        self.highs.extend([0] * (self.sequence + 1 - len(self.highs)))
+        self.highs[self.sequence] = max(self.highs[self.sequence], nbytes)
         if nbytes > self.segment_peak:
             self.segment_peak, self.segment_op, self.segment_resized = nbytes, op, self.resized_live
             self.segment_peak_at = self.sequence
@@ -202,6 +209,7 @@ class _Recorder:
         life = self.lives.get(storage_key(buffer))
         if life is not None and life in self.buffers:
             self.copied[life] = [StorageWeakRef(t.untyped_storage()) for t in into]
+            self.copied_at[life] = self.sequence
 
     def _reads_gathered(self, module: torch.nn.Module) -> None:
         """`module` runs (its forward or backward): its gathered parameters are its own, and their
@@ -234,11 +242,15 @@ class _Recorder:
                 self.segment_op,
                 resized=self.segment_resized,
                 peak_at=self.segment_peak_at,
+                start=self.segment_start,
+                end=self.sequence,
             )
         )
+        self.sequence += 1  # the next segment's first moment: what is live when it starts
+        self._reached(self.total, "")
         self.phase, self.in_call = phase, call
         self.segment_peak, self.segment_op, self.segment_resized = self.total, "", self.resized_live
-        self.segment_peak_at = self.sequence
+        self.segment_peak_at = self.segment_start = self.sequence
 
     def forward_started(self, name: str, module: torch.nn.Module) -> int:
         index = len(self.calls)
@@ -306,6 +318,20 @@ class _Life:
 # called so). The step report reads them at the moment of the peak. A fresh
 # model's first gathers are allocations like any other: a step before the
 # probe (as training has taken) shows them apart.
+#
+# When a buffer is freed varies from step to step. FSDP2 lets go of it once
+# its parameters are copied out (in the forward, at the next block's copy-out),
+# but the communication backend's thread that ran the all-gather may hold it a
+# little longer: under gloo, how much longer depends on when the OS schedules
+# that thread. With the CPU busy, one step in 60 still held a block's buffer
+# when the next block's was allocated, where the probe step had seen it freed
+# at once (a CI run measured such a step 8.7% above its plan's target). So
+# each segment's peak is the worst case: at each moment of the segment, what
+# the probe step had live then plus the buffers it had freed that a step may
+# still hold, until the end of the first block's forward or backward to end
+# after the buffer's copy-out at the latest (by then its parameters have been
+# read and the collective is long done). A step that frees a buffer at once
+# measures up to one block's gathered parameters below the prediction.
 
 
 # NOTE [kernels' workspaces]
@@ -445,25 +471,65 @@ def recording(fake_mode: Any = None, workspaces: KernelWorkspaces | None = None)
 
 
 def timeline_of(done: _Recorder, gradients: int) -> Timeline:
-    """The `Timeline` of a finished recording, its last segment closed."""
+    """The `Timeline` of a finished recording, its last segment closed. Each segment's peak is the worst
+    case over when the backend lets go of all-gathers' buffers (NOTE [what FSDP2 adds])."""
     done._cut(Phase.OUTSIDE, None)
     blocks = {id(call.module) for call in done.calls}
+    freed = _freed_late(done)
     segments = []
     for segment in done.segments:
-        moment = segment.peak_at
+        moment, late = _worst_moment(done, segment, freed)
+        peak = done.highs[moment] + sum(life.nbytes for life in late) if late else segment.peak
+        in_place = segment.resized if not late else sum(life.nbytes for life in done.gathered if life.at(moment))
         running = None if segment.call is None else id(done.calls[segment.call].module)
         others = set() if running is None else blocks - {running}
         prefetched = sum(
             life.nbytes for life in done.gathered if life.at(moment) and done.owners.get(life.key) in others
         )
-        buffers = [life for life in done.buffers if life.at(moment)]
+        buffers = [life for life in done.buffers if life.at(moment)] + late
         for life in buffers:
             if {done.owners.get(key) for key in done.copied.get(life, ())} & others:
                 prefetched += life.nbytes
         unreduced = sum(life.nbytes for life in done.gradients if life.at(moment))
-        resized = segment.resized + sum(life.nbytes for life in buffers)
-        segments.append(dataclasses.replace(segment, resized=resized, prefetched=prefetched, unreduced=unreduced))
+        resized = in_place + sum(life.nbytes for life in buffers)
+        segments.append(
+            dataclasses.replace(
+                segment, peak=peak, peak_at=moment, resized=resized, prefetched=prefetched, unreduced=unreduced
+            )
+        )
     return Timeline(tuple(done.calls), tuple(segments), done.peak, gradients, done.total)
+
+
+def _freed_late(done: _Recorder) -> list[tuple[_Life, int, int]]:
+    """The all-gathers' buffers that a step may free later than the probe step did: each with when the probe
+    step freed it and when a step frees it at the latest, the end of the first block's forward or backward
+    to end after its copy-out (NOTE [what FSDP2 adds])."""
+    block_ends = [s.end for s in done.segments if s.phase is not Phase.OUTSIDE]
+    late = []
+    for life in done.buffers:
+        copied_at = done.copied_at.get(life, life.start)
+        until = next((end for end in block_ends if end >= copied_at), None)
+        if life.end is not None and until is not None and until > life.end:
+            late.append((life, life.end, until))
+    return late
+
+
+def _worst_moment(done: _Recorder, segment: Segment, freed: list[tuple[_Life, int, int]]) -> tuple[int, list[_Life]]:
+    """The moment of `segment` when the most bytes could be live, in a step that frees all-gathers' buffers
+    as late as `freed` says, and the buffers held late then (none: its peak, as measured)."""
+    moment, most, held = segment.peak_at, segment.peak, list[_Life]()
+    reaching = [(life, end, until) for life, end, until in freed if end < segment.end and until >= segment.start]
+    if not reaching:
+        return moment, held
+    first, last = (
+        max(segment.start, min(end for _, end, _ in reaching) + 1),
+        min(segment.end, max(u for *_, u in reaching)),
+    )
+    for at in range(first, last + 1):
+        late = [life for life, end, until in reaching if end < at <= until]
+        if late and done.highs[at] + sum(life.nbytes for life in late) > most:
+            moment, most, held = at, done.highs[at] + sum(life.nbytes for life in late), late
+    return moment, held
 
 
 def run_step(step: Callable[[], Any], fake_mode: Any = None, workspaces: KernelWorkspaces | None = None) -> _Recorder:

@@ -400,11 +400,10 @@ def test_fsdp_benchmark_holds_every_ranks_target(tmp_path: Path) -> None:
         fitted = [row for row in rows if row["method"] == "remat.fit"]
         assert len(fitted) == 2
         for row in fitted:
-            assert row["predicted_peak_bytes"] <= row["target_bytes"]
-            # Measured, the step can hold one block's gathered parameters longer than the probe step saw them:
-            # gloo frees an all-gather's buffer when its thread lets go of it (a CI run under load measured
-            # 24,917 bytes above a small plan's target). A known gap of issue 54 (docs/distributed.md).
-            assert row["peak_bytes"] <= row["predicted_peak_bytes"] + one_block, (row, one_block)
+            # The prediction is the worst case over when gloo's thread lets go of an all-gather's buffer (NOTE
+            # [what FSDP2 adds]): a step that lets go early measures up to one block's parameters less.
+            assert row["peak_bytes"] <= row["predicted_peak_bytes"] <= row["target_bytes"], row
+            assert row["predicted_peak_bytes"] - row["peak_bytes"] <= one_block, (row, one_block)
     assert "| remat.fit |" in out.with_suffix(".md").read_text()
 
 

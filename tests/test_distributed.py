@@ -295,17 +295,17 @@ def _fit_case(rank: int) -> None:
     lowest = _measured_peak(fitted, x)
     remat.uncheckpoint_modules(fitted)
     assert eager > 1.3 * lowest, (eager, lowest)
-    # Without a binding target (every block keeping everything), the prediction is the measurement.
+    # The prediction holds each all-gather's buffer as long as the backend's thread may (NOTE [what FSDP2
+    # adds]): never below the measurement, above it by at most the one block's gathered parameters that the
+    # measured step freed early.
+    one_block = sum(p.numel() * p.element_size() for p in _TanhBlock().to(DTYPE).parameters())
     unbound = remat.fit(fitted, _TanhBlock, x, peak_bytes=10 * eager, loss=_square_mean)
-    assert unbound.predicted_peak == _measured_peak(fitted, x) == eager
+    assert _measured_peak(fitted, x) == eager <= unbound.predicted_peak <= eager + one_block, (eager, unbound)
     remat.uncheckpoint_modules(fitted)
     target = int(lowest + 0.4 * (eager - lowest))
     plan = remat.fit(fitted, _TanhBlock, x, peak_bytes=target, loss=_square_mean)
     measured = _measured_peak(fitted, x)
     assert any(remat.RECOMPUTE in block.decisions for block in plan.blocks)  # the target binds
-    # Blocks with different plans: the prediction is never below the measurement, and at most one block's
-    # unsharded parameters above it (a known gap: docs/distributed.md).
-    one_block = sum(p.numel() * p.element_size() for p in _TanhBlock().to(DTYPE).parameters())
     assert measured <= plan.predicted_peak <= target and plan.predicted_peak - measured <= one_block, (measured, plan)
     # At the peak (a block's backward), FSDP2 holds that block's parameters gathered (and the next one's where
     # it prefetched them by then), and full-size gradients of some of them, before their reduce-scatter.
@@ -357,10 +357,12 @@ def _fit_random_stacks_case(rank: int) -> None:
         bounds = torch.tensor([eager, lowest])
         dist.all_reduce(bounds, dist.ReduceOp.MAX)  # one target for every rank
         eager, lowest = (int(b) for b in bounds)
-        target = int(lowest + share * max(0, eager - lowest)) + 1
+        # The lowest prediction, of a step saving nothing, is at most one block's gathered parameters above
+        # its measurement (a step may hold a buffer longer: NOTE [what FSDP2 adds]).
+        one_block = sum(p.numel() * p.element_size() for p in _TanhBlock(d, hidden).to(DTYPE).parameters())
+        target = int(lowest + one_block + share * max(0, eager - lowest)) + 1
         plan = remat.fit(model, _TanhBlock, x, peak_bytes=target, loss=_square_mean)
         measured = _measured_peak(model, x)
-        one_block = sum(p.numel() * p.element_size() for p in _TanhBlock(d, hidden).to(DTYPE).parameters())
         context = (n, d, hidden, rows, share, measured, plan.predicted_peak, target)
         assert measured <= target and measured <= plan.predicted_peak <= measured + one_block, context
         plans: list[Any] = [None] * dist.get_world_size()

@@ -220,6 +220,16 @@ def test_a_target_below_the_lowest_peak_says_what_the_lowest_is() -> None:
     remat.fit(model, MLPBlock, x, peak_bytes=stated, loss=square_loss)  # the lowest stated is reachable
 
 
+def test_a_plan_below_saving_nothings_peak_is_said_as_less() -> None:
+    # A GPT-2 block's backward peaks in its replay: saving some of its calls lowers that peak, so the lowest
+    # plan lies below saving nothing, and the error says by how much (it once said "-166 KiB more").
+    blocks = nn.Sequential(*[models.GPT2Block() for _ in range(3)]).double()
+    x = models.gpt2_input(batch=4, seq=32)
+    with pytest.raises(ValueError, match=r"are live when every block saves nothing and [\d.]+ KiB less under") as info:
+        remat.fit(blocks, models.GPT2Block, x, peak_bytes=1000, loss=lambda y: y.square().mean())
+    assert "-" not in info.value.args[0].split("saves nothing")[1]
+
+
 @pytest.mark.slow
 def test_a_new_input_signature_plans_again_for_the_same_target() -> None:
     model, x = mlp_stack(), torch.randn(256, 32)
