@@ -26,7 +26,7 @@ class ParetoPoint:
     label: str
     saved_bytes: int
     replay_flops: int
-    replay_seconds: float  # roofline estimate on the curve's device
+    replay_seconds: float  # roofline estimate on the device the curve is timed on (`Pareto.timed_on`)
     peak_bytes: int  # predicted peak of forward and backward (`remat.Report.peak_bytes`)
 
 
@@ -37,7 +37,8 @@ class Pareto:
     Attributes:
         curve: one point per budget, by growing budget: the exact planner's optimum.
         policies: `save_nothing`, `dots_saveable` and `save_everything` on the same trace.
-        device: the device of the roofline time estimates.
+        timed_on: the device of `remat.costs.DEVICES` the replay times are roofline estimates on (a cost
+            model's name, not a torch device).
 
     >>> import torch, remat
     >>> x = torch.ones(1000, requires_grad=True)
@@ -50,12 +51,18 @@ class Pareto:
 
     curve: tuple[ParetoPoint, ...]
     policies: tuple[ParetoPoint, ...]
-    device: str
+    timed_on: str
+
+    @property
+    def device(self) -> str:
+        """Deprecated: `timed_on`."""
+        warn_renamed("remat.Pareto.device", "remat.Pareto.timed_on")
+        return self.timed_on
 
     def to_dict(self) -> dict[str, Any]:
         """The curve and the policies' points as plain data."""
         return {
-            "device": self.device,
+            "timed_on": self.timed_on,
             "curve": [dataclasses.asdict(p) for p in self.curve],
             "policies": [dataclasses.asdict(p) for p in self.policies],
         }
@@ -87,7 +94,7 @@ class Pareto:
             axes.scatter([x(point)], [y(point)], zorder=3)
             axes.annotate(point.label, (x(point), y(point)), textcoords="offset points", xytext=(5, 5))
         axes.set_xlabel("peak of forward and backward (MiB)" if peak else "activation memory kept (MiB)")
-        axes.set_ylabel(f"replay time, roofline on {self.device} (µs)" if time else "replay FLOPs")
+        axes.set_ylabel(f"replay time, roofline on {self.timed_on} (µs)" if time else "replay FLOPs")
         axes.grid(alpha=0.3)
         axes.legend()
         figure.tight_layout()

@@ -54,8 +54,12 @@ def test_pareto_names_its_cost_model_as_budget_does() -> None:
     flops = remat.pareto(fn, x)
     with pytest.warns(DeprecationWarning, match=r"remat\.pareto\(\.\.\., device=\.\.\.\) is deprecated"):
         old = remat.pareto(fn, x, device="h100")
-    assert old == flops and flops.device == "h100"  # the default: FLOPs, timed on an H100
+    assert old == flops and flops.timed_on == "h100"  # the default: FLOPs, timed on an H100
     timed = remat.pareto(fn, x, cost="roofline:h200")
-    assert timed.device == "h200" and "cost='roofline:h200'" in timed.curve[0].label
+    assert timed.timed_on == "h200" and "cost='roofline:h200'" in timed.curve[0].label
     with pytest.raises(ValueError, match=r"remat\.pareto: `cost` must be 'flops' or 'roofline:<device>'"):
         remat.pareto(fn, x, cost="seconds")
+    # The curve's field named the device its times are estimated on (a cost model's name): `timed_on` now.
+    with pytest.warns(DeprecationWarning, match=r"remat\.Pareto\.device is deprecated .* use remat\.Pareto\.timed_on"):
+        assert timed.device == "h200"
+    assert timed.to_dict()["timed_on"] == "h200" and "device" not in timed.to_dict()
