@@ -45,14 +45,14 @@ def build_executable(
     if shared is None:  # blocks of `checkpoint_modules` were checked as they were checkpointed
         check_module_patterns(policy, joint.trace, "remat.checkpoint")
     if shared is None:
-        return _build_executable(joint, decisions, forward_mode, compile_options)
+        return _executable_of(joint, decisions, forward_mode, compile_options)
     return shared.executable(  # type: ignore[no-any-return]
         (joint.trace, decisions, forward_mode),
-        lambda: _build_executable(joint, decisions, forward_mode, compile_options),
+        lambda: _executable_of(joint, decisions, forward_mode, compile_options),
     )
 
 
-def _build_executable(
+def _executable_of(
     joint: JointGraph, decisions: tuple[Any, ...], forward_mode: bool, compile_options: dict[str, Any] | None
 ) -> Executable:
     if compile_options is not None and joint.value_checks:
