@@ -2,9 +2,6 @@
 
 from . import _deprecated, _report
 from . import policies as policies
-from ._api import Checkpointed as Checkpointed
-from ._api import report as report
-from ._api import trace as trace
 from ._apply import checkpoint_modules as checkpoint_modules
 from ._apply import uncheckpoint_modules as uncheckpoint_modules
 from ._cache import CacheInfo as CacheInfo
@@ -14,6 +11,7 @@ from ._calls import Decision as Decision
 from ._calls import TensorMeta as TensorMeta
 from ._calls import Trace as Trace
 from ._checkpoint import checkpoint as checkpoint
+from ._checkpointed import Checkpointed as Checkpointed
 from ._errors import TraceError as TraceError
 from ._fit import fit as fit
 from ._fit_results import BlockPlan as BlockPlan
@@ -21,6 +19,8 @@ from ._fit_results import Fit as Fit
 from ._fit_results import StepReport as StepReport
 from ._gpu import Gpu as Gpu
 from ._gpu import assume_gpu as assume_gpu
+from ._inspect import report as report
+from ._inspect import trace as trace
 from ._module import CheckpointedModule as CheckpointedModule
 from ._offload import limit_pinned_memory as limit_pinned_memory
 from ._pareto import Pareto as Pareto

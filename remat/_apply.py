@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from . import _step
-from ._api import DEFAULT_CACHE_SIZE, Checkpointed, DelegatesToCheckpointed
+from ._checkpointed import DEFAULT_CACHE_SIZE, Checkpointed, DelegatesToCheckpointed
 from ._kv_caches import without_kv_caches
 from ._policy import PolicyLike
 from ._sharing import SharedTraces

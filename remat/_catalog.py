@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._api import DEFAULT_CACHE_SIZE, Checkpointed
+from ._checkpointed import DEFAULT_CACHE_SIZE, Checkpointed
 
 # --- the catalog -----------------------------------------------------------------------------------
 

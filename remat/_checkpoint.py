@@ -9,7 +9,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 import torch
 
-from ._api import DEFAULT_CACHE_SIZE, BindsAsMethod, Checkpointed
+from ._checkpointed import DEFAULT_CACHE_SIZE, BindsAsMethod, Checkpointed
 from ._module import CheckpointedModule
 from ._policy import PolicyLike
 

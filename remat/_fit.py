@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from . import _step
-from ._api import DEFAULT_CACHE_SIZE
 from ._apply import NOTHING, InstalledForward, Which, checkpoint_selected, uncheckpoint_modules
 from ._cache import LRUCache, tensor_key
 from ._calls import format_bytes
+from ._checkpointed import DEFAULT_CACHE_SIZE
 from ._fit_choice import Candidate, Group, Planned, Row, candidates, predicted_peak, solve, solve_chain, step_rows
 from ._fit_probe import agreed_across_ranks, fitted_blocks, on_this_rank, plans_for_the_cpu, probe_step, target_device
 from ._fit_results import BlockPlan, Fit, StepReport

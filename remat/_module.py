@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from ._api import Checkpointed, DelegatesToCheckpointed
+from ._checkpointed import Checkpointed, DelegatesToCheckpointed
 
 __all__ = ["CheckpointedModule"]
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from . import policies
 from ._accounting import account_for
-from ._api import trace as trace_of
 from ._calls import Decision, Trace, format_bytes
 from ._decide import is_collective
 from ._deprecated import warn_renamed
+from ._inspect import trace as trace_of
 from ._peak import peak_of
 from .costs import estimate_seconds
 

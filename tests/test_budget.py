@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import remat
 from remat import policies
 from remat._accounting import account
-from remat._api import _joint_of
+from remat._inspect import _joint_of
 from remat._measure import storage_key, storage_nbytes, tensor_nbytes, tensors_in
 from remat._partition import KeptActivation, partition
 from remat._programs import device_of

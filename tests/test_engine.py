@@ -13,7 +13,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import remat
-from remat import _api, _engine, _fit, _fit_probe, _joint, _step, _torch, policies
+from remat import _engine, _fit, _fit_probe, _inspect, _joint, _step, _torch, policies
 from remat.testing import assert_checkpoint_equivalent, functions, inputs
 
 DTYPE = torch.float64
@@ -27,7 +27,7 @@ def walked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _reports(fn: Any, args: Any, policy: Any) -> tuple[Any, ...]:
     """What remat traced and planned: the joint graph, node by node (names left out), and the report."""
-    graph = _api._joint_of(fn, args, {}, "test")[0].graph
+    graph = _inspect._joint_of(fn, args, {}, "test")[0].graph
     index = {node: i for i, node in enumerate(graph.nodes)}
 
     def canonical(value: Any) -> Any:

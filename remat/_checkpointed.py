@@ -1,4 +1,5 @@
-"""The public entry points: `checkpoint`, `trace` and `report`."""
+"""A checkpointed function: each call routed (no grad, under torch.compile, nested, forward mode) or run
+from its cache of traces, one per input signature, with the traces identical blocks share."""
 
 from __future__ import annotations
 
@@ -14,31 +15,24 @@ from typing import Any, Generic, ParamSpec, TypeVar, cast
 import optree
 import torch
 
-from . import _lossy, _rng, _step
-from ._accounting import account_for
+from . import _rng, _step
+from ._build import build_executable
 from ._cache import CacheInfo, LRUCache, SignatureKey, ambient_key, tensor_key
-from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
-from ._compiled import compile_options, compile_programs
+from ._compiled import compile_options
 from ._contexts import cast_once
-from ._decide import decide_nested
 from ._dynamo import call_under_dynamo, register
 from ._errors import TraceError
-from ._execute import Executable, forward_mode_active, nested_forward_mode, run, unsupported_under
+from ._execute import Executable, forward_mode_active, nested_forward_mode, run
 from ._joint import JointGraph, is_tracing, joint_graph_of, nested_checkpoint
 from ._log import describe_signature, explain_retrace, log_trace, logger
-from ._partition import Programs, partition
-from ._peak import predict_peak
-from ._policy import PolicyLike
 from ._pytree import FlatArgs, flatten_args
-from ._report import Report, ReportRow
 from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure_of
 from ._specialize import ValuesChanged
-from ._torch import FakeTensor, HigherOrderOperator, functorch_active, grad_transform_active, is_functorch_wrapped
+from ._torch import functorch_active, grad_transform_active
 from ._value_graph import with_value_graph
-from .policies import save_nothing, warn_of_unmatched_module_patterns
 
-__all__ = ["DEFAULT_CACHE_SIZE", "BindsAsMethod", "Checkpointed", "DelegatesToCheckpointed", "report", "trace"]
+__all__ = ["DEFAULT_CACHE_SIZE", "BindsAsMethod", "Checkpointed", "DelegatesToCheckpointed", "traced"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -198,7 +192,7 @@ class Checkpointed(Generic[P, T]):
         with recording as attribute_reads:
             joint = with_value_graph(joint_graph_of(self.__wrapped__, flat, roots, forward_mode=forward_mode))
         lifted = [slot.fetch() for slot in joint.lifted]
-        executable = _executable(joint, self.policy, forward_mode, self._compile_options, self._shared)
+        executable = build_executable(joint, self.policy, forward_mode, self._compile_options, self._shared)
         entry = _Entry(joint, executable, _guard(joint, lifted))
         if logger.isEnabledFor(logging.DEBUG):
             signature = describe_signature(flat, key.tensors)
@@ -247,7 +241,7 @@ class Checkpointed(Generic[P, T]):
     def _rebuilt(self, joint: JointGraph, executable: Executable) -> Executable:
         """The programs of `joint` under this checkpoint's policy, for the mode `executable` was built for."""
         forward_mode = executable.programs.traced_for_forward_mode
-        return _executable(joint, self.policy, forward_mode, self._compile_options, self._shared)
+        return build_executable(joint, self.policy, forward_mode, self._compile_options, self._shared)
 
     def _prefer(self, key: SignatureKey, entry: _Entry) -> None:
         """Try `entry` first for `key` from now on (it is a trace specialized on values that held)."""
@@ -263,88 +257,11 @@ def _values_differ_between_runs(checkpointed: Checkpointed[Any, Any], changed: V
     )
 
 
-# The traces checked for module patterns that match nothing (NOTE [module patterns that match nothing]).
-_checked_patterns: weakref.WeakSet[Trace] = weakref.WeakSet()
-
-
-def _check_module_patterns(policy: Any, trace: Trace, api: str) -> None:
-    """Warn, once per trace with calls, of `save_modules` patterns of `policy` its calls' modules miss."""
-    if len(trace) and trace not in _checked_patterns:
-        _checked_patterns.add(trace)
-        paths = (call.module for call in trace)
-        warn_of_unmatched_module_patterns(policy, paths, api, "that issued a call in this trace")
-
-
-def _executable(
-    joint: JointGraph,
-    policy: Any,
-    forward_mode: bool,
-    compile_options: dict[str, Any] | None,
-    shared: SharedTraces | None = None,
-) -> Executable:
-    """The programs of `joint` under `policy`; blocks sharing traces share them per decisions."""
-    decisions = decide_nested(policy, joint.trace, joint.regions)
-    if shared is None:  # blocks of `checkpoint_modules` were checked as they were checkpointed
-        _check_module_patterns(policy, joint.trace, "remat.checkpoint")
-    if shared is None:
-        return _build_executable(joint, decisions, forward_mode, compile_options)
-    return shared.executable(  # type: ignore[no-any-return]
-        (joint.trace, decisions, forward_mode),
-        lambda: _build_executable(joint, decisions, forward_mode, compile_options),
-    )
-
-
-def _build_executable(
-    joint: JointGraph, decisions: tuple[Any, ...], forward_mode: bool, compile_options: dict[str, Any] | None
-) -> Executable:
-    if compile_options is not None and joint.value_checks:
-        raise TraceError(
-            "remat.checkpoint(..., compile=...): the function reads the value of a tensor in Python, so its "
-            "trace holds for the values it read and checks them as it runs, which compiled programs cannot "
-            "do. Checkpoint it without `compile=`, or use `torch.compile` around the checkpointed model."
-        )
-    programs = partition(joint, decisions, forward_mode=forward_mode)
-    output_metas = tuple(TensorMeta.of(o.meta["val"]) for o in joint.outputs)
-    _check_sizes_backward_can_tell(joint, programs, output_metas)
-    return Executable(
-        programs=programs,
-        differentiable_outputs=joint.differentiable_outputs,
-        grad_of=joint.grad_of,
-        n_primals=len(joint.primals),
-        n_user_outputs=joint.n_user_outputs,
-        dirty=joint.dirty,
-        output_metas=output_metas,
-        compiled=None if compile_options is None else compile_programs(programs, compile_options),
-        unbatchable=unsupported_under("torch.func.vmap", joint.graph.nodes),
-        higher_order_ops=frozenset(n.target for n in joint.graph.nodes if isinstance(n.target, HigherOrderOperator)),
-        not_under_forward_ad=unsupported_under(
-            "torch.autograd.forward_ad", joint.graph.nodes, works_under="torch.func.jvp (or jacfwd)"
-        )
-        if forward_mode
-        else None,
-        sized_by_values=tuple(
-            i for i in joint.differentiable_outputs if output_metas[i].data_dependent and i in programs.returned
-        ),
-        backward_error=joint.backward_error,
-    )
-
-
-def _check_sizes_backward_can_tell(joint: JointGraph, programs: Programs, metas: Sequence[TensorMeta]) -> None:
-    """Refuse an output rebuilt after the Function (a view of an input) whose size depends on values,
-    where the backward program reads its gradient: the Function never sees the view, so the zeros it
-    hands the backward for it could not take its size."""
-    if not any(i in programs.returned for i in joint.differentiable_outputs):
-        return  # the backward program never runs: only the views' own gradients flow
-    placeholders = [n for n in programs.backward.graph.nodes if n.op == "placeholder"]
-    tangents = placeholders[len(programs.kept) :]
-    for i, tangent in zip(joint.differentiable_outputs, tangents, strict=False):
-        if metas[i].data_dependent and i not in programs.returned and tangent.users:
-            raise TraceError(
-                f"remat: output {i} of the checkpointed function is a view of an input whose size depends on "
-                f"values the function read ({metas[i]}), returned beside outputs it computes: remat rebuilds such "
-                "a view after running the function, and its backward could not tell the view's size. Take the "
-                "view outside the checkpointed function."
-            )
+def traced(checkpointed: Checkpointed[Any, Any], flat: FlatArgs) -> tuple[JointGraph, Executable]:
+    """The trace `checkpointed` runs on the arguments `flat` (traced now if its cache has none), and its
+    programs under its policy."""
+    _, entry, _, _ = checkpointed._lookup(flat)
+    return entry.joint, entry.executable
 
 
 class BindsAsMethod(Checkpointed[P, T]):
@@ -389,133 +306,3 @@ class DelegatesToCheckpointed:
     def cache_clear(self) -> None:
         """Forget every trace."""
         self.checkpointed.cache_clear()
-
-
-def _joint_of(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], api: str
-) -> tuple[JointGraph, Any, Executable | None]:
-    """The joint graph of `fn` at these arguments, and, for a checkpointed function, its policy and the
-    programs its cache holds for them (the policy's decisions, partitioned)."""
-    flat = flatten_args(api, args, kwargs)
-    fn = getattr(fn, "checkpointed", fn)  # a CheckpointedModule
-    if isinstance(fn, Checkpointed):
-        _, entry, _, _ = fn._lookup(flat)
-        return entry.joint, fn.policy, entry.executable
-    if not callable(fn):
-        raise TypeError(f"{api}: expected a function or nn.Module, but got {fn!r} of type {type(fn).__qualname__}.")
-    return with_value_graph(joint_graph_of(fn, flat, find_module_roots(fn))), None, None
-
-
-def _compression_errors(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], policy: Any, joint: JointGraph
-) -> dict[int, float]:
-    """The largest error the kept values of each compressed call come back with (NOTE [values kept lossy]),
-    by call index: the function's forward, checkpointed with `policy`, run once on the arguments, putting
-    back the generators and the buffers of the modules it reaches; none where the arguments are not real
-    tensors."""
-    leaves: list[Any] = optree.tree_leaves((args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    if any(t.is_meta or isinstance(t, FakeTensor) or is_functorch_wrapped(t) for t in tensors):
-        return {}
-    target = getattr(fn, "checkpointed", fn)
-    target = target.__wrapped__ if isinstance(target, Checkpointed) else target
-    buffers = list({id(b): b for module in find_module_roots(target).modules for b in module.buffers()}.values())
-    before = [b.clone() for b in buffers]
-    put_back = _rng.snapshot()
-    try:
-        with _lossy.recording_errors() as errors, torch.enable_grad():
-            Checkpointed(target, policy, 1)(*args, **kwargs)
-    finally:
-        put_back()
-        with torch.no_grad():
-            for buffer, value in zip(buffers, before, strict=True):
-                buffer.copy_(value)
-    call_of = {node.name: value[0] for value, node in joint.values.nodes.items() if value[0] >= 0}
-    by_call: dict[int, float] = {}
-    for name, error in errors.items():
-        call = call_of[name]
-        by_call[call] = max(by_call.get(call, 0.0), error)
-    return by_call
-
-
-def trace(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Trace:
-    """Trace `fn` at these arguments and return its forward op calls.
-
-    Args:
-        fn: a function or `nn.Module` (or a `remat.checkpoint` of one).
-        *args: example arguments; only their shapes, dtypes and devices matter.
-        **kwargs: example keyword arguments.
-
-    Returns:
-        The `remat.Trace`: one `remat.Call` per op call a policy decides about.
-
-    >>> import torch, remat
-    >>> trace = remat.trace(lambda a, b: (a @ b).relu(), torch.ones(2, 3), torch.ones(3, 4))
-    >>> [(call.index, call.name) for call in trace]
-    [(0, 'aten.mm.default'), (1, 'aten.relu.default')]
-    """
-    joint, _, _ = _joint_of(fn, args, kwargs, "remat.trace")
-    return joint.trace
-
-
-def report(fn: Callable[..., Any], /, *args: Any, policy: PolicyLike = None, **kwargs: Any) -> Report:
-    """Report what `remat.checkpoint(fn, policy=policy)` keeps and replays at these arguments.
-
-    Args:
-        fn: a function or `nn.Module`, or a `remat.checkpoint` of one (whose
-            policy is used when `policy` is None).
-        *args: example arguments.
-        policy: the policy to report on; None means the checkpointed
-            function's own policy, or recompute everything.
-        **kwargs: example keyword arguments.
-
-    Returns:
-        A `remat.Report`; `print(report)` shows a table.
-
-    >>> import torch, remat
-    >>> w = torch.randn(8, 8, requires_grad=True)
-    >>> r = remat.report(lambda x: (x @ w).tanh().sum(), torch.randn(4, 8), policy=remat.policies.save_everything)
-    >>> r.saved_bytes  # the tanh output (4 x 8 floats); the input and w cost nothing
-    128
-    """
-    joint, own_policy, cached = _joint_of(fn, args, kwargs, "remat.report")
-    if policy is None and cached is not None:  # the checkpoint's own policy: its cached decisions and programs
-        policy, decisions, programs = own_policy, cached.programs.decisions, cached.programs
-    else:
-        policy = policy if policy is not None else own_policy
-        decisions = decide_nested(policy, joint.trace, joint.regions)
-        _check_module_patterns(policy, joint.trace, "remat.report")
-        programs = partition(joint, decisions)
-    accounting = account_for(joint.trace, decisions)
-    compressed = any(not kept.storage.exact and kept.stored_nbytes for kept in accounting.kept_by_call.values())
-    errors = _compression_errors(fn, args, kwargs, policy, joint) if compressed else {}
-    rows = []
-    for call in joint.trace:
-        kept = accounting.kept_by_call.get(call.index)
-        rows.append(
-            ReportRow(
-                call,
-                decisions[call.index],
-                saved=kept is not None,
-                replayed=call.index in accounting.replayed_calls,
-                rng_state_kept=call.index in accounting.rng_state_calls,
-                saved_bytes=kept.nbytes if kept else 0,
-                read_by=kept.read_by if kept else frozenset(),
-                offloaded=kept is not None and kept.offloaded,
-                storage="" if kept is None else kept.storage.name if kept.stored_nbytes else "device",
-                error=errors.get(call.index),
-            )
-        )
-    return Report(
-        saved_bytes=accounting.saved_bytes,
-        rng_state_bytes=accounting.rng_state_bytes,
-        recompute_flops=accounting.recompute_flops,
-        replayed_calls=accounting.replayed_calls,
-        rows=tuple(rows),
-        trace=joint.trace,
-        policy=policy if policy is not None else save_nothing,
-        nested_policies=tuple({id(p): p if p is not None else save_nothing for p, _ in joint.regions}.values()),
-        peak=predict_peak(joint, programs),
-        value_checks=joint.value_checks,
-        offloaded_bytes=accounting.offloaded_bytes,
-    )
