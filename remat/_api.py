@@ -16,6 +16,7 @@ import torch
 
 from . import _lossy, _rng, _step
 from ._accounting import account_for
+from ._active_transforms import forward_mode_active, nested_forward_mode, unsupported_under
 from ._cache import CacheInfo, LRUCache, SignatureKey, ambient_key, tensor_key
 from ._calls import TensorMeta, Trace
 from ._capture import ModuleRoots, find_module_roots
@@ -24,7 +25,8 @@ from ._contexts import cast_once
 from ._decide import decide_nested
 from ._dynamo import call_under_dynamo, register
 from ._errors import TraceError
-from ._execute import Executable, forward_mode_active, nested_forward_mode, run, unsupported_under
+from ._executable import Executable
+from ._execute import run
 from ._joint import JointGraph, is_tracing, joint_graph_of, nested_checkpoint
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._partition import Programs, partition
