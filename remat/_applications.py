@@ -38,7 +38,7 @@ __all__ = ["ApplicationRecorder", "Reapplication", "application_of"]
 # policy (`ValueGraph.recomputes_returned` in the rules): the generator state of
 # a random call they are computed from, a copy of an input overwritten after.
 # A forward that draws random numbers is applied again from the generator states
-# kept before its first draw on each generator (`_programs.first_draws`; the
+# kept before its first draw on each generator (`_program_graphs.first_draws`; the
 # rules keep them wherever an output is recomputed), so it draws what it drew,
 # and the generators are put back after. An application whose arguments tracing
 # could not place is not applied again: its first derivatives are exact, and a

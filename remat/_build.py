@@ -7,11 +7,12 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from ._active_transforms import unsupported_under
 from ._calls import TensorMeta, Trace
 from ._compiled import compile_programs
 from ._decide import decide_nested
 from ._errors import TraceError
-from ._execute import Executable, unsupported_under
+from ._executable import Executable
 from ._joint import JointGraph
 from ._partition import Programs, partition
 from ._sharing import SharedTraces

@@ -304,7 +304,7 @@ class _CaptureMode(TorchFunctionMode):
 # the node of the value it replaced (`remat_history_of`, with whether forward
 # mode sees the update: under no_grad it does), and the programs that autograd
 # differentiates give the new value the old one's history
-# (`_programs._with_history_of`). An update through a view of the base is
+# (`_eager_copies.with_history_of`). An update through a view of the base is
 # rebuilt from several nodes (`x.t()[1:].mul_(s)`: a scatter into `x.t()` taken
 # again, then the transpose of the scatter), any of which a policy may keep:
 # each scatter notes the view it writes into as its history, and the views

@@ -16,6 +16,7 @@ import optree
 import torch
 
 from . import _rng, _step
+from ._active_transforms import forward_mode_active, nested_forward_mode
 from ._build import build_executable
 from ._cache import CacheInfo, LRUCache, SignatureKey, ambient_key, tensor_key
 from ._capture import ModuleRoots, find_module_roots
@@ -23,7 +24,8 @@ from ._compiled import compile_options
 from ._contexts import cast_once
 from ._dynamo import call_under_dynamo, register
 from ._errors import TraceError
-from ._execute import Executable, forward_mode_active, nested_forward_mode, run
+from ._executable import Executable
+from ._execute import run
 from ._joint import JointGraph, is_tracing, joint_graph_of, nested_checkpoint
 from ._log import describe_signature, explain_retrace, log_trace, logger
 from ._pytree import FlatArgs, flatten_args

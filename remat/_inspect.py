@@ -16,7 +16,7 @@ from ._calls import Trace
 from ._capture import find_module_roots
 from ._checkpointed import Checkpointed, traced
 from ._decide import decide_nested
-from ._execute import Executable
+from ._executable import Executable
 from ._joint import JointGraph, joint_graph_of
 from ._partition import partition
 from ._peak import predict_peak

@@ -27,7 +27,7 @@ from ._calls import Decision
 from ._capture import history_of
 from ._facts import CustomApplication
 from ._joint import JointGraph, stops_gradient
-from ._programs import PureForward, backward_program, forward_program, views_of_inputs
+from ._programs import PureForward, backward_program, forward_program
 from ._rules import rules_of
 from ._storage import DEVICE, Storage, storage_of
 from ._torch import is_custom_op
@@ -43,6 +43,7 @@ from ._value_graph import (
     varying,
     views_taken_before_a_read,
 )
+from ._views_of_inputs import views_of_inputs
 
 __all__ = [
     "Kept",

@@ -19,7 +19,7 @@ from ._calls import Decision, Trace
 from ._joint import JointGraph
 from ._measure import storage_key, storage_nbytes, tensors_in
 from ._partition import Programs, partition
-from ._programs import HELD_STATE, TRANSIENT, device_of
+from ._program_graphs import HELD_STATE, TRANSIENT, device_of
 from ._report import Peak
 
 __all__ = ["predict_peak"]

@@ -251,7 +251,7 @@ BATCH_NORM_UPDATES_UNDECLARED = Quirk(
         "a GPU, as running statistics off eager's by the momentum). The native kernel does the same, but a "
         "trace decomposes it into the functional op"
     ),
-    note="NOTE [replays update no running statistics] (remat/_programs.py)",
+    note="NOTE [replays update no running statistics] (remat/_program_emitter.py)",
     table={  # op -> (the position of its `training` flag, the positions of the running statistics)
         aten.cudnn_batch_norm.default: (5, (3, 4)),
         aten.miopen_batch_norm.default: (5, (3, 4)),
@@ -266,7 +266,7 @@ RRELU_FUNCTIONAL_DERIVATIVE = Quirk(
         "input (uninitialized in a trace) instead of the noise it returns, and on the CPU its output takes "
         "the input's layout where eager's in-place `rrelu_with_noise` gives a contiguous one"
     ),
-    note="NOTE [rrelu runs as eager's] (remat/_programs.py): the programs compute it as the input times its noise",
+    note="NOTE [rrelu runs as eager's] (remat/_fidelity.py): the programs compute it as the input times its noise",
     table=frozenset({aten.rrelu_with_noise_functional.default}),
 )
 
@@ -305,7 +305,7 @@ GRADIENTS_SWITCH_IN_GRAD_MODE = Quirk(
         "(GRADIENTS_READ_LU_FACTORS). Found by sweeping OpInfo's samples, with and without zeros put in, "
         "for second derivatives through remat's backward against eager's"
     ),
-    note="NOTE [a backward that will be differentiated] (remat/_programs.py)",
+    note="NOTE [a backward that will be differentiated] (remat/_differentiable_programs.py)",
     table=frozenset({aten.cumprod.default, *GRADIENTS_READ_LU_FACTORS.ops}),
 )
 
@@ -326,7 +326,7 @@ TANGENT_FORMULAS_READ_STATISTICS = Quirk(
         "inputs; layer norm, batch and instance norm in training, cuDNN's batch norm on a GPU). Found by "
         "comparing `grad` of `jvp` with the gradient of a finite-difference tangent, op by op"
     ),
-    note="NOTE [tangents that will be differentiated] (remat/_programs.py)",
+    note="NOTE [tangents that will be differentiated] (remat/_differentiable_programs.py)",
     table=frozenset(
         {
             aten.native_layer_norm.default,
@@ -346,7 +346,7 @@ SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP = Quirk(
         "under vmap, the batching rule of `slice_scatter` raises on a negative bound (`upper bound and "
         "lower bound inconsistent with step sign`), where a write through `t[:, 1:-1]` in eager runs"
     ),
-    note="NOTE [slice scatters count from the start] (remat/_programs.py)",
+    note="NOTE [slice scatters count from the start] (remat/_eager_copies.py)",
     table=frozenset({aten.slice_scatter.default}),
 )
 
@@ -358,7 +358,7 @@ BATCH_NORM_FUNCTIONAL_UNBATCHED = Quirk(
         "batching rule, and the fallback stacks a contiguous output, where eager's in-place op has a rule "
         "that folds the batch into the channels and keeps that layout"
     ),
-    note="NOTE [batch norm under vmap] (remat/_programs.py)",
+    note="NOTE [batch norm under vmap] (remat/_eager_copies.py)",
     table={aten._native_batch_norm_legit_functional.default: aten._native_batch_norm_legit.default},
 )
 

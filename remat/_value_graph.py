@@ -26,7 +26,7 @@ from ._capture import history_of
 from ._facts import application_of, differentiable_outputs, fill_of
 from ._joint import JointGraph, is_free, stops_gradient
 from ._measure import storage_key, storage_nbytes, tensor_nbytes, tensors_in
-from ._programs import device_of, first_draws
+from ._program_graphs import device_of, first_draws
 from ._torch import is_custom_op
 
 __all__ = [
@@ -317,7 +317,7 @@ def differentiable(node: fx.Node) -> bool:
 class Reapplied(NamedTuple):
     """A custom Function application that a recomputation applies again (NOTE [custom Functions applied
     again]): where one of the calls `outputs` (that compute its outputs) is recomputed, it reads `reads`
-    (its tensor arguments) and the generator states of the random calls `draws` (`_programs.first_draws`)."""
+    (its tensor arguments) and the generator states of the random calls `draws` (`_program_graphs.first_draws`)."""
 
     outputs: tuple[int, ...]
     reads: tuple[Value, ...]

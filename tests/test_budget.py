@@ -21,7 +21,7 @@ from remat._accounting import account
 from remat._inspect import _joint_of
 from remat._measure import storage_key, storage_nbytes, tensor_nbytes, tensors_in
 from remat._partition import KeptActivation, partition
-from remat._programs import device_of
+from remat._program_graphs import device_of
 from remat._rng import state_nbytes
 from remat.testing import RandomFunction, Step, assert_checkpoint_equivalent, functions, inputs
 
