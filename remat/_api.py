@@ -25,8 +25,9 @@ from ._decide import decide_nested
 from ._dynamo import call_under_dynamo, register
 from ._errors import TraceError
 from ._execute import Executable, forward_mode_active, nested_forward_mode, run, unsupported_under
-from ._joint import JointGraph, is_tracing, joint_graph_of, nested_checkpoint
+from ._joint import JointGraph, joint_graph_of
 from ._log import describe_signature, explain_retrace, log_trace, logger
+from ._nesting import is_tracing, nested_checkpoint
 from ._partition import Programs, partition
 from ._peak import predict_peak
 from ._policy import PolicyLike

@@ -22,7 +22,8 @@ from ._capture import SCATTERS, history_of
 from ._errors import TraceError
 from ._facts import CustomApplication, computed_without_grad, fill_of, stacked_under_vmap, stop_gradient_of
 from ._fidelity import RRELU, fill_in_eager_layout, is_dense, run_rrelu_as_eager, runnable, with_a_fills_derivative
-from ._joint import JointGraph, draws_random_numbers, is_free, stops_gradient
+from ._joint import JointGraph
+from ._nodes import draws_random_numbers, is_free, stops_gradient
 from ._storage import Storage
 from ._torch import (
     BoxedCodeGen,
