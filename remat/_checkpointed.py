@@ -26,8 +26,9 @@ from ._dynamo import call_under_dynamo, register
 from ._errors import TraceError
 from ._executable import Executable
 from ._execute import run
-from ._joint import JointGraph, is_tracing, joint_graph_of, nested_checkpoint
+from ._joint import JointGraph, joint_graph_of
 from ._log import describe_signature, explain_retrace, log_trace, logger
+from ._nesting import is_tracing, nested_checkpoint
 from ._pytree import FlatArgs, flatten_args
 from ._sharing import SharedTraces, rebase, recording_attribute_reads, structure_of
 from ._specialize import ValuesChanged

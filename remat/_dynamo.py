@@ -21,7 +21,7 @@ from torch.utils.checkpoint import (
 from . import _quirks
 from ._calls import Call, Decision
 from ._errors import TraceError
-from ._joint import is_free_op
+from ._nodes import is_free_op
 from ._pytree import _is_static, flatten_args
 from ._torch import (
     RELEASE,

@@ -26,7 +26,8 @@ from ._applications import application_of
 from ._calls import Decision
 from ._capture import history_of
 from ._facts import CustomApplication
-from ._joint import JointGraph, stops_gradient
+from ._joint import JointGraph
+from ._nodes import stops_gradient
 from ._programs import PureForward, backward_program, forward_program
 from ._rules import rules_of
 from ._storage import DEVICE, Storage, storage_of

@@ -13,7 +13,8 @@ import torch
 from torch import fx
 
 from ._facts import CustomApplication
-from ._joint import JointGraph, draws_random_numbers
+from ._joint import JointGraph
+from ._nodes import draws_random_numbers
 from ._torch import LazyGraphModule
 
 __all__ = ["HELD_STATE", "TRANSIENT", "device_of", "first_draws", "program_module"]

@@ -70,7 +70,7 @@ DETACH_TRACES_AS_ALIAS = Quirk(
     ops=(aten.detach.default, aten.alias.default),
     releases=("2.14", "2.15"),
     differs="make_fx records `x.detach()` as `aten.alias`, a view autograd differentiates, not as `aten.detach`",
-    note="NOTE [a detach runs as a detach] (remat/_joint.py)",
+    note="NOTE [a detach runs as a detach] (remat/_gradient_stops.py)",
     table=frozenset({aten.detach.default, aten.alias.default}),  # what a detach traces as, on any release
 )
 
@@ -224,7 +224,7 @@ BATCH_NORM_TRAINING_IGNORES_RUNNING_STATS = Quirk(
         "statistics instead; a replayed forward's outputs that backward reads do not depend on them. A GPU's "
         "backward kernels (cuDNN's, MIOpen's) run only for training"
     ),
-    note="`_value_graph.reads_any_value` and `_joint._drop_unread_batch_norm_arguments`: nothing keeps them",
+    note="`_value_graph.reads_any_value` and `_graph_cleanup._drop_unread_batch_norm_arguments`: nothing keeps them",
     # For the backward ops and for the forward ops a replay runs: op -> (the position of its `training`
     # flag, None for an op that always trains; the positions of the running statistics)
     table={

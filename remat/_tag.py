@@ -6,13 +6,19 @@ from typing import Any, TypeVar
 
 import optree
 import torch
+from torch import fx
 
-from ._joint import is_tracing, name_producer
+from ._facts import add_tag
+from ._nesting import is_tracing
+from ._nodes import is_free
 from ._pytree import NAMESPACE
+from ._torch import get_proxy_mode
 
 __all__ = ["tag"]
 
 T = TypeVar("T")
+
+aten = torch.ops.aten
 
 
 def tag(x: T, name: str) -> T:
@@ -51,3 +57,29 @@ def tag(x: T, name: str) -> T:
             if isinstance(leaf, torch.Tensor):
                 name_producer(leaf, name)
     return x
+
+
+def name_producer(tensor: torch.Tensor, name: str) -> None:
+    """Give `name` to the call of the graph being traced that produced `tensor` (see `remat.tag`).
+
+    The traced graph names `tensor` only through what it is computed from, so an
+    alias of it is traced, its argument read off, and the alias removed again.
+    """
+    proxy_mode = get_proxy_mode()
+    if proxy_mode is None:  # the discovery pass records no graph
+        return
+    graph = proxy_mode.tracer.graph
+    last = next(iter(reversed(graph.nodes)))
+    torch.ops.aten.alias.default(tensor)
+    new_nodes = []
+    for node in reversed(graph.nodes):
+        if node is last:
+            break
+        new_nodes.append(node)
+    for node in new_nodes:  # newest first: nothing reads them
+        if node.target is aten.alias.default and isinstance(node.args[0], fx.Node):
+            producer = node.args[0]
+            while is_free(producer) and producer.op == "call_function" and isinstance(producer.args[0], fx.Node):
+                producer = producer.args[0]
+            add_tag(producer, name)
+        graph.erase_node(node)

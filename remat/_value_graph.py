@@ -24,8 +24,9 @@ from . import _bits, _quirks, _rng
 from ._calls import Call, Dataflow, Trace, Value
 from ._capture import history_of
 from ._facts import application_of, differentiable_outputs, fill_of
-from ._joint import JointGraph, is_free, stops_gradient
+from ._joint import JointGraph
 from ._measure import storage_key, storage_nbytes, tensor_nbytes, tensors_in
+from ._nodes import is_free, stops_gradient
 from ._program_graphs import device_of, first_draws
 from ._torch import is_custom_op
 

@@ -15,7 +15,8 @@ from torch import fx
 from ._eager_copies import run_under_no_grad
 from ._errors import TraceError
 from ._facts import stop_gradient_of
-from ._joint import JointGraph, is_free
+from ._joint import JointGraph
+from ._nodes import is_free
 from ._program_graphs import program_module
 
 __all__ = ["views_of_inputs"]

@@ -386,7 +386,8 @@ def test_regression_a_detach_of_an_input_updated_in_place_before_and_after_stays
 ) -> None:
     # The soak found it on torch 2.15, a wrong gradient: with an update of the input before the detach,
     # functionalization returns the detached tensor as an alias of the input's last value, which was
-    # rebuilt as a view of the input, with grad. `_mark_replayed_detaches` knows it as the detach it is.
+    # rebuilt as a view of the input, with grad. `_gradient_stops.mark_replayed_detaches` knows it as
+    # the detach it is.
     def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for _ in range(updates_before):
             _scale_a_transposed_slice(x)

@@ -13,7 +13,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import remat
-from remat import _engine, _fit, _fit_probe, _inspect, _joint, _step, _torch, policies
+from remat import _engine, _fit, _fit_probe, _forward_then_backward, _inspect, _step, _torch, policies
 from remat.testing import assert_checkpoint_equivalent, functions, inputs
 
 DTYPE = torch.float64
@@ -22,7 +22,7 @@ DTYPE = torch.float64
 @pytest.fixture
 def walked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Traces walk backward themselves, as where the engine cannot run."""
-    monkeypatch.setattr(_joint, "engine_can_run", lambda tensors: False)
+    monkeypatch.setattr(_forward_then_backward, "engine_can_run", lambda tensors: False)
 
 
 def _reports(fn: Any, args: Any, policy: Any) -> tuple[Any, ...]:
@@ -44,7 +44,7 @@ def test_a_walked_backward_traces_what_the_engine_traces(data: st.DataObject) ->
     policy = data.draw(remat.testing.policies(remat.trace(fn, *args)), label="policy")
     expected = _reports(fn, args, policy)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_joint, "engine_can_run", lambda tensors: False)
+        patch.setattr(_forward_then_backward, "engine_can_run", lambda tensors: False)
         assert _reports(fn, args, policy) == expected
         # The walked trace's backward program runs (for real, on the CPU) to eager's gradients.
         assert_checkpoint_equivalent(fn, *args, policy=policy, transforms=())
