@@ -15,9 +15,9 @@ from ._calls import TensorMeta
 from ._compiled import CompiledPrograms
 from ._contexts import autocast_disabled
 from ._engine import release_saved_tensors, walk_as_the_engine
-from ._fidelity import is_dense
 from ._partition import KeptActivation, KeptGeneratorState, KeptInput, KeptOutput, Programs
 from ._programs import STACKS_UNDER_VMAP, differentiable_again
+from ._strides import is_dense
 from ._torch import (
     CtxCustomSave,
     CtxWithSavedTensors,

@@ -44,6 +44,7 @@ from ._contexts import (
     without_saved_tensors_hooks,
 )
 from ._engine import engine_can_run, walked_gradients
+from ._error_checks import FunctionalModeKeepingChecks, kept_as_dead_code
 from ._errors import TraceError, explain_tracing_errors
 from ._facts import (
     add_tag,
@@ -53,15 +54,11 @@ from ._facts import (
     stop_gradient_of,
     tags_of,
 )
-from ._fidelity import (
-    EagerLayoutFakeMode,
-    FunctionalModeKeepingChecks,
-    NodesWithoutGrad,
-    eager_fidelity,
-    kept_as_dead_code,
-)
+from ._fake_kernels import EagerLayoutFakeMode
 from ._gpu import attention_as_on_the_gpu
+from ._in_place import eager_fidelity
 from ._measure import estimate_flops, output_nbytes
+from ._noting_modes import NodesWithoutGrad
 from ._pytree import FlatArgs, flatten_outputs
 from ._rng import seeding_refused
 from ._specialize import CHECKS, check_coverage, check_value, checks_of, refuse_float_reads, use_remat_checks

@@ -19,11 +19,13 @@ from torch import fx
 from . import _quirks, _rng
 from ._applications import Reapplication, application_of
 from ._capture import SCATTERS, history_of
+from ._eager_kernels import RRELU, run_rrelu_as_eager, runnable
 from ._errors import TraceError
 from ._facts import CustomApplication, computed_without_grad, fill_of, stacked_under_vmap, stop_gradient_of
-from ._fidelity import RRELU, fill_in_eager_layout, is_dense, run_rrelu_as_eager, runnable, with_a_fills_derivative
 from ._joint import JointGraph, draws_random_numbers, is_free, stops_gradient
+from ._random_fills import fill_in_eager_layout, with_a_fills_derivative
 from ._storage import Storage
+from ._strides import is_dense
 from ._torch import (
     BoxedCodeGen,
     LazyGraphModule,
@@ -724,7 +726,7 @@ STACKS_UNDER_VMAP: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_
 
 def _as_stacked_under_vmap(op: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """`op(*args, **kwargs)`, the value of an op vmap runs example by example: contiguous where vmap's stack
-    of the examples' values is (NOTE [ops vmap runs example by example] in `remat/_fidelity.py`)."""
+    of the examples' values is (NOTE [ops vmap runs example by example] in `remat/_noting_modes.py`)."""
     value = op(*args, **kwargs)
     if isinstance(value, torch.Tensor) and STACKS_UNDER_VMAP.get() and vmap_levels(value):
         return value.contiguous()
