@@ -19,8 +19,10 @@ from torch import fx
 
 from . import _quirks
 from ._capture import SCATTERS
+from ._eager_kernels import RRELU, run_rrelu_as_eager
 from ._facts import fill_of, stacked_under_vmap
-from ._fidelity import RRELU, fill_in_eager_layout, is_dense, run_rrelu_as_eager
+from ._random_fills import fill_in_eager_layout
+from ._strides import is_dense
 from ._torch import memory_layout, vmap_levels
 
 __all__ = ["RUN_AS", "STACKS_UNDER_VMAP", "copied", "eager_copy", "run_under_no_grad", "with_history_of"]
@@ -63,7 +65,7 @@ STACKS_UNDER_VMAP: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_
 
 def _as_stacked_under_vmap(op: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """`op(*args, **kwargs)`, the value of an op vmap runs example by example: contiguous where vmap's stack
-    of the examples' values is (NOTE [ops vmap runs example by example] in `remat/_fidelity.py`)."""
+    of the examples' values is (NOTE [ops vmap runs example by example] in `remat/_noting_modes.py`)."""
     value = op(*args, **kwargs)
     if isinstance(value, torch.Tensor) and STACKS_UNDER_VMAP.get() and vmap_levels(value):
         return value.contiguous()

@@ -9,8 +9,9 @@ from types import TracebackType
 from typing import Any
 
 from ._capture import DataPointerRead
-from ._fidelity import FakeKernelRefused, OverlappingWrite, ReadsWhatItWrites
+from ._fake_kernels import FakeKernelRefused
 from ._gpu import asks_for_the_missing_gpu
+from ._in_place import OverlappingWrite, ReadsWhatItWrites
 from ._rng import GeneratorMadeInside, GlobalSeeding
 from ._specialize import FloatRead, UncheckedValue
 from ._torch import (

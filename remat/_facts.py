@@ -1,8 +1,9 @@
 """What tracing notes about a traced graph's nodes for the stages after it, one typed accessor per fact.
 
 The facts live in `node.meta`, under keys only this module names: the code that notes them (the capture
-mode, the fidelity modes, the joint graph's builder) and the code that reads them (the rules, the
-programs, the trace's calls) go through these functions, so each fact has one type and one definition.
+mode, the modes of `_in_place` and `_noting_modes`, the joint graph's builder) and the code that reads
+them (the rules, the programs, the trace's calls) go through these functions, so each fact has one type
+and one definition.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def note_site(node: fx.Node, site: CallSite) -> None:
 
 
 def fill_of(node: fx.Node) -> Any:
-    """How eager laid out the random fill `node` draws (`_fidelity.Fill`), or None: NOTE [random fills
+    """How eager laid out the random fill `node` draws (`_random_fills.FillInEagerLayout`), or None: NOTE [random fills
     draw in eager's layout]."""
     return node.meta.get(_FILL)
 

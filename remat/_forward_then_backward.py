@@ -16,8 +16,11 @@ from ._capture import DetachedViews, ModuleRoots, capture_mode
 from ._contexts import autocast_cache_enabled, autocast_disabled
 from ._discovery import Discovery, bases_to_return, is_differentiated
 from ._engine import engine_can_run, walked_gradients
+from ._error_checks import FunctionalModeKeepingChecks
 from ._errors import TraceError
-from ._fidelity import EagerLayoutFakeMode, FunctionalModeKeepingChecks, NodesWithoutGrad, eager_fidelity
+from ._fake_kernels import EagerLayoutFakeMode
+from ._in_place import eager_fidelity
+from ._noting_modes import NodesWithoutGrad
 from ._pytree import FlatArgs, flatten_outputs
 from ._torch import (
     FunctionalTensor,

@@ -8,7 +8,7 @@ from torch import fx
 
 from . import _quirks
 from ._capture import redirect_histories
-from ._fidelity import kept_as_dead_code
+from ._error_checks import kept_as_dead_code
 from ._specialize import check_coverage, use_remat_checks
 from ._view_fixups import end_slices_at_the_size, use_reshape_for_view
 

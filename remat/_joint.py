@@ -33,7 +33,7 @@ from ._describe import describe_all
 from ._discovery import Discovery, discover, fake_like
 from ._errors import TraceError, explain_tracing_errors
 from ._facts import note_differentiable_outputs
-from ._fidelity import EagerLayoutFakeMode
+from ._fake_kernels import EagerLayoutFakeMode
 from ._forward_then_backward import ForwardThenBackward
 from ._gpu import attention_as_on_the_gpu
 from ._gradient_stops import find_differentiable_outputs, mark_replayed_detaches, may_stop_derivatives

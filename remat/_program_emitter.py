@@ -17,8 +17,8 @@ from . import _quirks, _rng
 from ._applications import Reapplication, application_of
 from ._capture import history_of
 from ._eager_copies import copied, eager_copy, with_history_of
+from ._eager_kernels import runnable
 from ._facts import CustomApplication
-from ._fidelity import runnable
 from ._joint import JointGraph
 from ._nodes import draws_random_numbers, stops_gradient
 from ._program_graphs import HELD_STATE, TRANSIENT, device_of, first_draws

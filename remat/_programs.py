@@ -21,12 +21,13 @@ from . import _quirks, _rng
 from ._applications import application_of
 from ._differentiable_programs import decomposed
 from ._eager_copies import eager_copy
+from ._eager_kernels import runnable
 from ._facts import fill_of
-from ._fidelity import runnable, with_a_fills_derivative
 from ._joint import JointGraph
 from ._nodes import draws_random_numbers
 from ._program_emitter import emitter, kept_placeholders
 from ._program_graphs import TRANSIENT, device_of, first_draws, program_module
+from ._random_fills import with_a_fills_derivative
 from ._storage import Storage
 from ._torch import BoxedCodeGen
 

@@ -83,7 +83,7 @@ IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD = Quirk(
         "a tensor inside a kernel raises torch's internal assert about `_fw_primal`. So `quantile` (which "
         "calls `lerp_`) could not be traced under `torch.func.jvp` or `forward_ad`, where eager runs"
     ),
-    note="NOTE [in-place ops whose meta kernels fail under forward AD] (remat/_fidelity.py)",
+    note="NOTE [in-place ops whose meta kernels fail under forward AD] (remat/_fake_kernels.py)",
     table={aten.lerp_.Tensor: aten.lerp.Tensor},
 )
 
@@ -105,7 +105,7 @@ LINALG_CHECKS_ARE_EFFECTFUL = Quirk(
         "functionalization marks the check effectful and wants an effect token threaded through the graph, "
         "which only AOTAutograd sets up"
     ),
-    note="NOTE [error checks of linalg ops] (remat/_fidelity.py)",
+    note="NOTE [error checks of linalg ops] (remat/_error_checks.py)",
     table=frozenset({aten._linalg_check_errors.default}),
 )
 
@@ -195,7 +195,7 @@ CPU_KERNELS_CHOOSE_LAYOUTS = Quirk(
         "the CPU kernel gives its output another layout than the fake kernel predicts (PyTorch's OpInfo "
         "database swept on torch 2.13 and 2.15 for real CPU strides that differ from the fake ones)"
     ),
-    note="NOTE [kernels that choose their output layout] (remat/_fidelity.py)",
+    note="NOTE [kernels that choose their output layout] (remat/_fake_kernels.py)",
     table=_CPU_LAYOUTS,
 )
 
@@ -266,7 +266,7 @@ RRELU_FUNCTIONAL_DERIVATIVE = Quirk(
         "input (uninitialized in a trace) instead of the noise it returns, and on the CPU its output takes "
         "the input's layout where eager's in-place `rrelu_with_noise` gives a contiguous one"
     ),
-    note="NOTE [rrelu runs as eager's] (remat/_fidelity.py): the programs compute it as the input times its noise",
+    note="NOTE [rrelu runs as eager's] (remat/_eager_kernels.py): the programs compute it as the input times its noise",
     table=frozenset({aten.rrelu_with_noise_functional.default}),
 )
 

@@ -13,8 +13,8 @@ import torch
 
 from ._cache import requires_grad_at_any_level
 from ._contexts import autocast_disabled
-from ._fidelity import is_dense
 from ._partition import KeptInput, Programs
+from ._strides import is_dense
 from ._torch import (
     TransformType,
     functorch_active,

@@ -632,7 +632,7 @@ def has_data_mutation(functional: Any) -> bool:
 def runs_per_example_under_vmap(name: str) -> bool:
     """Whether vmap runs the aten op `name` example by example (its boxed fallback): a composite op with
     neither a batching rule nor a decomposition or randomness rule registered for vmap. See NOTE [ops vmap
-    runs example by example] in `remat/_fidelity.py`."""
+    runs example by example] in `remat/_noting_modes.py`."""
     qualified = f"aten::{name}"
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     try:
