@@ -18,7 +18,7 @@ from pathlib import Path
 
 import nox
 
-# The newest patch of each minor release remat supports (remat/_torch.py: SUPPORTED).
+# The newest patch of each minor release remat supports (remat/_torch/_releases.py: SUPPORTED).
 TORCH_RELEASES = ["2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 DEFAULT_TORCH = "2.13.0"  # the CPU build lies on this machine's disk; the others are CUDA builds from the registry
 

@@ -203,7 +203,7 @@ FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK = Quirk(
     ops=(aten.native_batch_norm_backward.default,),
     releases=None,
     differs="the fake kernel gives the input's gradient even where `output_mask` does not ask for it",
-    note="NOTE [backward kernels that skip outputs] (remat/_torch.py)",
+    note="NOTE [backward kernels that skip outputs] (remat/_torch/_fake.py)",
     table={aten.native_batch_norm_backward.default: (9, (0,))},  # op -> (`output_mask`'s position, outputs given)
 )
 

@@ -8,18 +8,52 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "remat"
 
 
+def _modules() -> dict[str, list[pathlib.Path]]:
+    """Each module of remat -> its files: a `.py` file, or a subpackage (a directory with an `__init__.py`,
+    such as `_torch/`), which is one module named by its directory."""
+    modules = {path.stem: [path] for path in PACKAGE.glob("*.py")}
+    for init in PACKAGE.glob("*/__init__.py"):
+        modules[init.parent.name] = sorted(init.parent.glob("*.py"))
+    return modules
+
+
 def _imports() -> dict[str, set[str]]:
-    """Each module of remat -> the modules of remat it imports, anywhere in its code."""
-    modules = {path.stem for path in PACKAGE.glob("*.py")}
+    """Each module of remat -> the modules of remat it imports, anywhere in its code.
+
+    A subpackage's imports are the union of its files' imports of other modules of remat: from inside it,
+    `from .._x import` (level 2) reaches a module of remat, and `from ._y import` (level 1) one of its own."""
+    modules = _modules()
     graph: dict[str, set[str]] = {}
-    for path in PACKAGE.glob("*.py"):
+    for module, paths in modules.items():
+        level = 1 if paths[0].parent == PACKAGE else 2
         imported: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names = [node.module.split(".")[0]] if node.module else [alias.name for alias in node.names]
-                imported.update(name for name in names if name in modules)
-        graph[path.stem] = imported - {path.stem}
+        for path in paths:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == level:
+                    names = [node.module.split(".")[0]] if node.module else [alias.name for alias in node.names]
+                    imported.update(name for name in names if name in modules)
+        graph[module] = imported - {module}
     return graph
+
+
+def test_a_subpackage_is_reached_through_its_init() -> None:
+    """A subpackage is one door: the rest of remat imports from it (`from ._torch import X`), never from
+    one of its files (`from ._torch._fake import X`, `from ._torch import _fake`)."""
+    modules = _modules()
+    files = {module: {path.stem for path in paths} for module, paths in modules.items() if paths[0].parent != PACKAGE}
+    assert "_torch" in files
+    reaching_in = []
+    for module, paths in modules.items():
+        level = 1 if paths[0].parent == PACKAGE else 2
+        for path in paths:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.ImportFrom) and node.level == level and node.module):
+                    continue
+                package, *inside = node.module.split(".")
+                from_inside = inside or any(alias.name in files.get(package, ()) for alias in node.names)
+                if package in files and package != module and from_inside:
+                    reaching_in.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.module}")
+    assert not reaching_in, f"imports from inside a subpackage: {reaching_in}"
 
 
 def test_no_module_imports_itself_through_others() -> None:

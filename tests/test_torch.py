@@ -1,8 +1,9 @@
-"""The one door to torch's internals (`remat/_torch.py`): every name it provides exists on the running
-torch, no other module of remat reaches past it, and an unsupported torch is refused with the range."""
+"""The one door to torch's internals (the package `remat/_torch/`): every name it provides exists on the
+running torch, no other module of remat reaches past it, and an unsupported torch is refused with the range."""
 
 from __future__ import annotations
 
+import importlib
 import pathlib
 import re
 
@@ -26,16 +27,28 @@ def test_every_name_of_the_door_exists_on_this_torch(name: str) -> None:
     assert getattr(_torch, name) is not None
 
 
+def test_the_door_passes_on_what_its_modules_provide() -> None:
+    """`remat._torch.__all__` is the names its modules list in theirs, each provided by one module."""
+    modules = [
+        importlib.import_module(f"remat._torch.{path.stem}")
+        for path in sorted((PACKAGE / "_torch").glob("_*.py"))
+        if path.name != "__init__.py"
+    ]
+    provided = [name for module in modules for name in module.__all__]
+    assert sorted(provided) == sorted(set(provided)) == sorted(_torch.__all__)
+    assert all(getattr(_torch, name) is getattr(module, name) for module in modules for name in module.__all__)
+
+
 def test_no_other_module_reaches_into_torch() -> None:
     found = []
-    for path in sorted(PACKAGE.glob("*.py")):
-        if path.name == "_torch.py":
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent == PACKAGE / "_torch":
             continue
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             code = line.split("#")[0]
             if PRIVATE.search(code) and not code.strip().startswith(('"', "'")) and "`" not in code:
-                found.append(f"{path.name}:{number}: {line.strip()}")
-    assert not found, "private torch names outside remat/_torch.py:\n" + "\n".join(found)
+                found.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
+    assert not found, "private torch names outside remat/_torch/:\n" + "\n".join(found)
 
 
 def test_the_running_torch_is_supported() -> None:
