@@ -6,7 +6,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = sorted([*ROOT.joinpath("remat").glob("*.py"), *ROOT.joinpath("tests").glob("*.py")])
+SOURCES = sorted([*ROOT.joinpath("remat").rglob("*.py"), *ROOT.joinpath("tests").glob("*.py")])  # remat/testing/ too
 DEFINITION = re.compile(r"^\s*# NOTE \[([^\]]+)\]\s*$", re.MULTILINE)
 CITATION = re.compile(r"NOTE\s+\[([^\]]+)\]")
 
