@@ -1,4 +1,4 @@
-"""The shape of the package: remat's modules import one another without a loop."""
+"""The shape of remat: its modules import one another without a loop, a subpackage's through interfaces."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ def _modules() -> dict[str, list[pathlib.Path]]:
     for init in PACKAGE.glob("*/__init__.py"):
         modules[init.parent.name] = sorted(init.parent.glob("*.py"))
     return modules
+
+
+def _subpackages() -> list[pathlib.Path]:
+    """The subpackages of remat: its directories with an `__init__.py`."""
+    return sorted(path.parent for path in PACKAGE.glob("*/__init__.py"))
 
 
 def _imports() -> dict[str, set[str]]:
@@ -56,6 +61,59 @@ def test_a_subpackage_is_reached_through_its_init() -> None:
     assert not reaching_in, f"imports from inside a subpackage: {reaching_in}"
 
 
+def test_a_subpackage_is_read_as_one_module() -> None:
+    graph = _imports()
+    assert "testing" in graph and not {"_catalog", "_strategies", "_equivalence"} & set(graph)
+    assert {"_checkpointed", "_checkpoint", "_offload", "policies"} <= graph["testing"]
+
+
+def test_nothing_in_remat_imports_remat_testing() -> None:
+    """`remat.testing` sits on top: it checks remat, and remat works without it (and without hypothesis)."""
+    importers = sorted(module for module, imported in _imports().items() if "testing" in imported)
+    assert not importers, f"modules of remat that import remat.testing: {importers}"
+
+
+def test_a_subpackages_modules_use_one_another_through_their_interface() -> None:
+    """Inside a subpackage, a module imports no underscore name from a sibling, only what the sibling's
+    `__all__` lists; and the siblings import one another without a loop."""
+    for package in _subpackages():
+        siblings = {path.stem for path in package.glob("*.py")}
+        graph: dict[str, set[str]] = {}
+        private, unlisted = [], []
+        for path in sorted(package.glob("*.py")):
+            tree = ast.parse(path.read_text())
+            graph[path.stem] = set()
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.ImportFrom) and node.level == 1 and node.module in siblings):
+                    continue
+                graph[path.stem].add(node.module)
+                listed = _all_of(package / f"{node.module}.py")
+                for alias in node.names:
+                    where = f"{package.name}/{path.name}:{node.lineno}: {node.module}.{alias.name}"
+                    if alias.name.startswith("_"):
+                        private.append(where)
+                    elif node.module != "__init__" and alias.name not in listed:
+                        unlisted.append(where)
+        assert not private, f"underscore names imported from a sibling: {private}"
+        assert not unlisted, f"names imported from a sibling that its __all__ does not list: {unlisted}"
+        for start in graph:
+            stack = [start]
+            seen: set[str] = set()
+            while stack:
+                for imported in graph[stack.pop()] - seen:
+                    assert imported != start, f"{package.name}: {start} imports itself through its siblings"
+                    seen.add(imported)
+                    stack.append(imported)
+
+
+def _all_of(path: pathlib.Path) -> set[str]:
+    """The names a module lists in its `__all__`."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return {ast.literal_eval(element) for element in node.value.elts}  # type: ignore[attr-defined]
+    return set()
+
+
 def test_no_module_imports_itself_through_others() -> None:
     graph = _imports()
     assert len(graph) > 30 and sum(map(len, graph.values())) > 50
@@ -74,7 +132,7 @@ def test_no_module_imports_itself_through_others() -> None:
 
 def test_the_policies_and_the_public_entry_points_sit_on_top() -> None:
     graph = _imports()
-    public = ("__init__", "testing", "_equivalence")  # remat.testing checkpoints the functions it checks
+    public = ("__init__", "testing")  # remat.testing (its equivalence check) checkpoints the functions it checks
     assert "_checkpoint" not in set().union(*(graph[m] for m in graph if m not in public))
     assert (
         not {"_checkpointed", "_build", "_inspect"} & graph["_dynamo"]

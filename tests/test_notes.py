@@ -6,7 +6,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# remat's modules, those of its subpackages (`remat/_torch/`) included, and the tests.
+# remat's modules, those of its subpackages (`remat/_torch/`, `remat/testing/`) included, and the tests.
 SOURCES = sorted([*ROOT.joinpath("remat").rglob("*.py"), *ROOT.joinpath("tests").glob("*.py")])
 DEFINITION = re.compile(r"^\s*# NOTE \[([^\]]+)\]\s*$", re.MULTILINE)
 CITATION = re.compile(r"NOTE\s+\[([^\]]+)\]")

@@ -399,7 +399,7 @@ def test_only_the_registry_names_the_ops_of_its_entries_for_their_reason() -> No
     package = pathlib.Path(_quirks.__file__).parent
     watched = {"_native_batch_norm_legit_functional", "rrelu_with_noise_functional", "_linalg_check_errors"}
     named = {}
-    for path in package.rglob("*.py"):  # the door's modules (`_torch/`) too
+    for path in package.rglob("*.py"):  # the subpackages' modules (`_torch/`, `testing/`) too
         if path.name == "_quirks.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):

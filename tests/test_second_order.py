@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import remat
 from remat import _quirks, _torch, policies
-from remat._catalog import _NoisyScale  # a forward that draws random numbers
 from remat.testing import RandomFunction, Step, assert_checkpoint_equivalent
+from remat.testing._catalog import _NoisyScale  # a forward that draws random numbers
 
 aten = torch.ops.aten
 

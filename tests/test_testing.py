@@ -31,6 +31,8 @@ from remat.testing import (
     STATEFUL_OPS,
     RandomFunction,
     Step,
+    _equivalence,
+    _strategies,
     assert_checkpoint_equivalent,
     functions,
     inputs,
@@ -269,20 +271,20 @@ class _ScaledGradient(torch.autograd.Function):
 
 
 def test_checker_catches_wrong_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(remat._equivalence, "_checkpoint", lambda fn, policy: lambda x: fn(x) + 1e-3)
+    monkeypatch.setattr(_equivalence, "_checkpoint", lambda fn, policy: lambda x: fn(x) + 1e-3)
     with pytest.raises(AssertionError, match=r"output 0 differs \(shape \(2, 3\), torch.float64.*max abs error 0.001"):
         assert_checkpoint_equivalent(_fn, torch.randn(2, 3, dtype=torch.float64, requires_grad=True))
 
 
 def test_checker_catches_wrong_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(remat._equivalence, "_checkpoint", lambda fn, policy: lambda x: fn(_ScaledGradient.apply(x)))
+    monkeypatch.setattr(_equivalence, "_checkpoint", lambda fn, policy: lambda x: fn(_ScaledGradient.apply(x)))
     with pytest.raises(AssertionError, match=r"gradient of input tensor 0 differs .*max rel error 0.5") as info:
         assert_checkpoint_equivalent(_fn, torch.randn(2, 3, dtype=torch.float64, requires_grad=True))
     assert "output 0" not in str(info.value)  # the outputs agree; only the gradient is reported
 
 
 def test_checker_catches_wrong_gradients_under_a_transform(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(remat._equivalence, "_checkpoint", lambda fn, policy: lambda x: fn(_ScaledGradient.apply(x)))
+    monkeypatch.setattr(_equivalence, "_checkpoint", lambda fn, policy: lambda x: fn(_ScaledGradient.apply(x)))
     with pytest.raises(AssertionError, match=r"\[grad\] output 0 differs .*max rel error 0.5"):
         assert_checkpoint_equivalent(_fn, torch.randn(5, dtype=torch.float64), transforms=["grad"])
 
@@ -315,7 +317,7 @@ class _TangentWithoutHistory(torch.autograd.Function):
 
 @pytest.mark.parametrize("transform", ["grad_of_jvp_of_vmap", "grad_of_forward_ad"])
 def test_checker_catches_wrong_derivatives_of_tangents(monkeypatch: pytest.MonkeyPatch, transform: str) -> None:
-    monkeypatch.setattr(remat._equivalence, "_checkpoint", lambda fn, policy: lambda x: _TangentWithoutHistory.apply(x))
+    monkeypatch.setattr(_equivalence, "_checkpoint", lambda fn, policy: lambda x: _TangentWithoutHistory.apply(x))
     x = torch.randn(5, dtype=torch.float64, requires_grad=True)
     assert_checkpoint_equivalent(torch.exp, x, transforms=["jvp", "jvp_of_vmap", "vmap_of_jvp", "forward_ad"])
     with pytest.raises(AssertionError, match=rf"\[{transform}\] output 0 differs"):
@@ -323,7 +325,7 @@ def test_checker_catches_wrong_derivatives_of_tangents(monkeypatch: pytest.Monke
 
 
 def test_checker_catches_a_missing_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(remat._equivalence, "_checkpoint", lambda fn, policy: lambda x, y: fn(x, y.detach()))
+    monkeypatch.setattr(_equivalence, "_checkpoint", lambda fn, policy: lambda x, y: fn(x, y.detach()))
     with pytest.raises(AssertionError, match=r"gradient of input tensor 1: expected a gradient, got None"):
         assert_checkpoint_equivalent(
             lambda x, y: _fn(x) + y, torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
@@ -331,7 +333,7 @@ def test_checker_catches_a_missing_gradient(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_checker_catches_different_output_structure(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(remat._equivalence, "_checkpoint", lambda fn, policy: lambda x: (fn(x),))
+    monkeypatch.setattr(_equivalence, "_checkpoint", lambda fn, policy: lambda x: (fn(x),))
     with pytest.raises(AssertionError, match="output structure differs"):
         assert_checkpoint_equivalent(_fn, torch.randn(3, requires_grad=True))
 
@@ -348,7 +350,7 @@ def test_checker_catches_unseeded_randomness() -> None:
 
 
 def test_checker_tolerances_follow_the_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(remat._equivalence, "_checkpoint", lambda fn, policy: lambda x: fn(x) * (1 + 1e-5))
+    monkeypatch.setattr(_equivalence, "_checkpoint", lambda fn, policy: lambda x: fn(x) * (1 + 1e-5))
     assert_checkpoint_equivalent(_fn, torch.randn(3, dtype=torch.bfloat16, requires_grad=True))
     with pytest.raises(AssertionError, match=r"torch\.float64"):
         assert_checkpoint_equivalent(_fn, torch.randn(3, dtype=torch.float64, requires_grad=True))
@@ -541,7 +543,7 @@ def test_a_random_functions_state_is_compared(monkeypatch: pytest.MonkeyPatch) -
 
         return run
 
-    monkeypatch.setattr(remat._equivalence, "_checkpoint", one_more_batch)
+    monkeypatch.setattr(_equivalence, "_checkpoint", one_more_batch)
     with pytest.raises(
         AssertionError, match=r"buffer batch_norm.num_batches_tracked after the call: 1 of 1 elements differ"
     ):
@@ -818,7 +820,7 @@ def test_regression_random_per_call_policy_on_a_longer_trace_recomputes_the_extr
     fn = RandomFunction((1, 2), 2, (Step("mul_", 1, 0),), (2,))
     a = torch.randn(1, 2, dtype=torch.float64)
     b = torch.randn(1, 2, dtype=torch.float64, requires_grad=True)
-    policy = remat._strategies._PerCallPolicy((True,), as_decision=False)
+    policy = _strategies._PerCallPolicy((True,), as_decision=False)
     call = remat.trace(fn, a, b)[0]
     assert policy(call) is True
     assert policy(dataclasses.replace(call, index=5)) is False

@@ -37,12 +37,13 @@ from ._releases import (
     DATA_NOT_ALLOCATED,
     LEAF_UPDATED_IN_PLACE,
     RELEASE,
+    RELEASE_NUMBERS,
     SUPPORTED,
     UNTRACEABLE_COLLECTIVE,
     check_supported,
     is_saved_value_modified,
+    minor_release,
 )
-from ._releases import minor_release as minor_release  # not in `__all__`: the tests read it
 
 # isort: split
 from ._autograd import (
@@ -75,6 +76,7 @@ from ._fake import (
     carry_real_values,
     dense_without_overlap,
     elementwise_output_strides,
+    fake_kernel_errors_unlogged,
     forget_pending_sizes,
     guard_scalar,
     insert_value_checks,
@@ -83,7 +85,6 @@ from ._fake import (
     size_bound,
     unset_fake_temporarily,
 )
-from ._fake import fake_kernel_errors_unlogged as fake_kernel_errors_unlogged  # not in `__all__`: `_joint` reads it
 from ._frames import (
     FunctionApplications,
     function_applications_noted,
@@ -160,6 +161,9 @@ from ._tracing import (
 
 __all__ = [
     "COLLECTIVE_NAMESPACES",
+    "RELEASE_NUMBERS",
+    "fake_kernel_errors_unlogged",
+    "minor_release",
     "LEAF_UPDATED_IN_PLACE",
     "RELEASE",
     "SAC_BYPASSES_HOOKS",

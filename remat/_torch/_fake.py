@@ -37,10 +37,11 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 from .. import _quirks
 from ._frames import is_user_code
 from ._ops import inherit_higher_order_rules
-from ._releases import _RELEASE
+from ._releases import RELEASE_NUMBERS
 
 __all__ = [
     "FAKE_DTYPE_ERRATA",
+    "fake_kernel_errors_unlogged",
     "STRICT_FAKE_KERNELS",
     "DataDependentOutputException",
     "DynamicOutputShapeException",
@@ -73,7 +74,7 @@ aten = torch.ops.aten
 # dtype eager gives it, from the op's arguments). A fake mode corrects them, so that the bytes a trace
 # accounts for are the bytes eager keeps.
 FAKE_DTYPE_ERRATA: dict[Any, tuple[int, Any]] = {}
-if _RELEASE < (2, 13):
+if RELEASE_NUMBERS < (2, 13):
     # The CPU attention kernel keeps its logsumexp in the computation dtype (float64 for float64
     # inputs); its meta kernel said float32 until 2.13.
     FAKE_DTYPE_ERRATA[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default] = (
@@ -112,7 +113,7 @@ def forget_pending_sizes(fake_mode: FakeTensorMode) -> None:
 
 def _real_values(shape_env: ShapeEnv) -> dict[Any, Any]:
     """The real value of each data-dependent size (and bool read) a trace with real values made."""
-    if _RELEASE < (2, 11):
+    if RELEASE_NUMBERS < (2, 11):
         return shape_env.unbacked_var_to_val  # type: ignore[attr-defined,no-any-return]
     return shape_env.real_tensor_prop_unbacked_vals
 

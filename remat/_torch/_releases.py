@@ -13,10 +13,12 @@ __all__ = [
     "DATA_NOT_ALLOCATED",
     "LEAF_UPDATED_IN_PLACE",
     "RELEASE",
+    "RELEASE_NUMBERS",
     "SUPPORTED",
     "UNTRACEABLE_COLLECTIVE",
     "check_supported",
     "is_saved_value_modified",
+    "minor_release",
 ]
 
 
@@ -44,7 +46,7 @@ def check_supported(version: str = torch.__version__) -> None:
 check_supported()  # before the package's other modules, whose private imports an unsupported release may lack
 
 
-_RELEASE = tuple(map(int, RELEASE.split(".")))
+RELEASE_NUMBERS = tuple(map(int, RELEASE.split(".")))  # the running release, to compare
 
 
 # --- torch's error messages ------------------------------------------------------------------------------------

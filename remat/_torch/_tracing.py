@@ -14,7 +14,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 
-from ._releases import _RELEASE
+from ._releases import RELEASE_NUMBERS
 
 __all__ = [
     "BoxedCodeGen",
@@ -61,7 +61,7 @@ def outside_compilers_tracing() -> contextlib.AbstractContextManager[Any]:
 # every later step sees one graph on every release. Traced with values, the real kernel then draws
 # from the device's default generator, which is first set to the user's generator's state, so that it
 # draws the user's numbers and advances the user's generator as eager does.
-_TRACES_GENERATORS = _RELEASE >= (2, 13)
+_TRACES_GENERATORS = RELEASE_NUMBERS >= (2, 13)
 
 
 def trace_call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:

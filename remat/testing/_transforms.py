@@ -1,5 +1,12 @@
 """The torch.func transforms `remat.testing.assert_checkpoint_equivalent` compares a function under
-(`TRANSFORMS`), and the copies of arguments each comparison runs on."""
+(`TRANSFORMS`), and the copies of arguments each comparison runs on.
+
+Its interface (`__all__`), for the strategies, one run's record and the equivalence check: the
+transforms by name and the sets of them that take stacked arguments (`BATCHED`) or run under
+`torch.func.jvp` (`UNDER_FUNC_JVP`); `transformed`, a function under one of them; and the helpers over
+argument and output trees every comparison shares (`fresh`, `detached`, `to_device`, `tensor_leaves`,
+`random_like`, `is_float`).
+"""
 
 from __future__ import annotations
 
@@ -11,9 +18,23 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _objects
-from ._pytree import NAMESPACE
-from ._torch import import_jvp_decompositions
+from .. import _objects
+from .._pytree import NAMESPACE
+from .._torch import import_jvp_decompositions
+
+__all__ = [
+    "BATCHED",
+    "DIFFERENTIATED_TANGENTS",
+    "TRANSFORMS",
+    "UNDER_FUNC_JVP",
+    "detached",
+    "fresh",
+    "is_float",
+    "random_like",
+    "tensor_leaves",
+    "to_device",
+    "transformed",
+]
 
 TRANSFORMS = (
     "grad",
@@ -29,9 +50,11 @@ TRANSFORMS = (
     "grad_of_grad",
     "double_backward",
 )
-_BATCHED = frozenset({"vmap", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp_of_vmap"})  # of stacked arguments
-_UNDER_FUNC_JVP = frozenset({"jvp", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp", "grad_of_jvp_of_vmap"})
-_FORWARD_MODE = _UNDER_FUNC_JVP | {"forward_ad", "grad_of_forward_ad"}
+BATCHED = frozenset({"vmap", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp_of_vmap"})  # of stacked arguments
+UNDER_FUNC_JVP = frozenset(
+    {"jvp", "jvp_of_vmap", "vmap_of_jvp", "grad_of_jvp", "grad_of_jvp_of_vmap"}
+)  # torch.func.jvp
+_FORWARD_MODE = UNDER_FUNC_JVP | {"forward_ad", "grad_of_forward_ad"}
 
 
 def _through_objects(function: Callable[[Any], Any], tree: Any) -> Any:
@@ -41,7 +64,10 @@ def _through_objects(function: Callable[[Any], Any], tree: Any) -> Any:
     return _objects.closed(mapped, NAMESPACE)
 
 
-def _to_device(tree: Any, device: str | torch.device | None) -> Any:
+def to_device(tree: Any, device: str | torch.device | None) -> Any:
+    """`tree` with each tensor leaf detached and moved to `device` (its `requires_grad` kept); the leaves
+    as they are where `device` is None."""
+
     def move(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and device is not None:
             return leaf.detach().to(device).requires_grad_(leaf.requires_grad)
@@ -50,7 +76,9 @@ def _to_device(tree: Any, device: str | torch.device | None) -> Any:
     return _through_objects(move, tree)
 
 
-def _fresh(tree: Any) -> Any:
+def fresh(tree: Any) -> Any:
+    """`tree` with each tensor leaf a detached clone (its `requires_grad` kept): a copy a run may change."""
+
     def copy(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return leaf.detach().clone().requires_grad_(leaf.requires_grad)
@@ -63,20 +91,25 @@ def _detach(leaf: Any) -> Any:
     return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
 
 
-def _detached(tree: Any) -> Any:
+def detached(tree: Any) -> Any:
+    """`tree` with each tensor leaf detached (sharing its memory); the leaves inside objects untouched."""
     return optree.tree_map(_detach, tree, none_is_leaf=False)
 
 
-def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensor leaves of `tree`, in `optree` order, those inside the objects a checkpointed function is
+    handed included."""
     leaves = optree.tree_leaves(_objects.opened(tree, NAMESPACE), none_is_leaf=False, namespace=NAMESPACE)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
-def _random_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def random_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Standard normal values of `tensor`'s shape, dtype and device, drawn in float64 from `generator`."""
     return torch.randn(tensor.shape, generator=generator, dtype=torch.float64).to(tensor.dtype).to(tensor.device)
 
 
-def _is_float(tensor: torch.Tensor) -> bool:
+def is_float(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is floating point or complex: whether it has gradients and tangents to compare."""
     return tensor.is_floating_point() or tensor.is_complex()
 
 
@@ -85,8 +118,8 @@ def _scalar(fn: Callable[..., Any], seed: int) -> Callable[..., torch.Tensor]:
 
     def scalar(*args: Any, **kwargs: Any) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed + 1)
-        outputs = [o for o in _tensor_leaves(fn(*args, **kwargs)) if _is_float(o)]
-        return sum(((o * _random_like(o, generator)).sum() for o in outputs), torch.zeros(()))
+        outputs = [o for o in tensor_leaves(fn(*args, **kwargs)) if is_float(o)]
+        return sum(((o * random_like(o, generator)).sum() for o in outputs), torch.zeros(()))
 
     return scalar
 
@@ -96,7 +129,7 @@ def _scalar(fn: Callable[..., Any], seed: int) -> Callable[..., torch.Tensor]:
 DIFFERENTIATED_TANGENTS = frozenset({"grad_of_jvp", "grad_of_jvp_of_vmap", "grad_of_forward_ad"})
 
 
-def _transformed(
+def transformed(
     name: str, fn: Callable[..., Any], seed: int, *, finite_differences: bool = False
 ) -> Callable[..., Any]:
     """`fn` under the torch.func transform `name`, as a function of the same arguments (or stacked
@@ -154,7 +187,7 @@ def _transformed(
     def vjp(*primals: Any, **kwargs: Any) -> Any:
         outputs, pullback = torch.func.vjp(_bound(fn, kwargs), *primals)[:2]
         generator = torch.Generator().manual_seed(seed + 3)
-        cotangents = optree.tree_map(lambda t: _random_like(t, generator) if _is_float(t) else None, outputs)
+        cotangents = optree.tree_map(lambda t: random_like(t, generator) if is_float(t) else None, outputs)
         return outputs, pullback(cotangents)
 
     return vjp
@@ -208,7 +241,7 @@ def _bound(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]
 
 def _tangents(primals: Sequence[Any], seed: int) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(seed + 2)
-    return tuple(_random_like(t, generator) for t in primals)
+    return tuple(random_like(t, generator) for t in primals)
 
 
 def _by_value(tangents: Any) -> Any:
@@ -252,20 +285,20 @@ def _central_difference(fn: Callable[..., Any], primals: Sequence[Any], tangents
     """(outputs, d outputs along `tangents`) by central differences, every evaluation drawing the same
     random numbers (the default generators forked and seeded alike)."""
 
-    detached: list[torch.Tensor] = []
+    recorded_detaches: list[torch.Tensor] = []
 
     def evaluate(step: float) -> Any:
-        with torch.random.fork_rng(devices=[]), _DetachesAsAtTheStart(detached):
+        with torch.random.fork_rng(devices=[]), _DetachesAsAtTheStart(recorded_detaches):
             torch.manual_seed(0)
             moved = [
-                p + step * t if isinstance(p, torch.Tensor) and _is_float(p) else p
+                p + step * t if isinstance(p, torch.Tensor) and is_float(p) else p
                 for p, t in zip(primals, tangents, strict=True)
             ]
             return fn(*moved)
 
     outputs, ahead, behind = evaluate(0.0), evaluate(_STEP), evaluate(-_STEP)
     difference = optree.tree_map(
-        lambda a, b: (a - b) / (2 * _STEP) if isinstance(a, torch.Tensor) and _is_float(a) else a,
+        lambda a, b: (a - b) / (2 * _STEP) if isinstance(a, torch.Tensor) and is_float(a) else a,
         ahead,
         behind,
         none_is_leaf=False,
@@ -299,7 +332,7 @@ def _forward_ad(fn: Callable[..., Any], seed: int) -> Callable[..., Any]:
     def forward_ad(*primals: Any, **kwargs: Any) -> Any:
         with torch.autograd.forward_ad.dual_level():
             duals = [
-                torch.autograd.forward_ad.make_dual(p, t) if isinstance(p, torch.Tensor) and _is_float(p) else p
+                torch.autograd.forward_ad.make_dual(p, t) if isinstance(p, torch.Tensor) and is_float(p) else p
                 for p, t in zip(primals, _tangents(primals, seed), strict=True)
             ]
             outputs = fn(*duals, **kwargs)

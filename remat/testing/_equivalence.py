@@ -1,5 +1,9 @@
 """`remat.testing.assert_checkpoint_equivalent`: a function against its checkpoint, every difference
-explained."""
+explained.
+
+It runs both through one run's record (`._runs`) and under the transforms (`._transforms`), through
+their `__all__` alone; its own interface is what `remat.testing` re-exports.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +14,30 @@ from typing import Any
 import optree
 import torch
 
-from ._check_runs import _buffers, _Call, _kind, _Output, _Run, _run, _State, _state_module, _UserGenerators
-from ._check_transforms import (
-    _BATCHED,
+from .._checkpoint import checkpoint as _remat_checkpoint
+from ._runs import (
+    CallPlan,
+    ComparedState,
+    OutputMetadata,
+    Run,
+    UserGenerators,
+    buffers_of,
+    kind_of,
+    record_run,
+    state_module_of,
+)
+from ._transforms import (
+    BATCHED,
     DIFFERENTIATED_TANGENTS,
     TRANSFORMS,
-    _detached,
-    _is_float,
-    _tensor_leaves,
-    _to_device,
-    _transformed,
+    detached,
+    is_float,
+    tensor_leaves,
+    to_device,
+    transformed,
 )
-from ._checkpoint import checkpoint as _remat_checkpoint
+
+__all__ = ["CheckpointedRun", "assert_checkpoint_equivalent"]
 
 # --- the equivalence check ----------------------------------------------------------------------------
 
@@ -105,7 +121,7 @@ def _diff(what: str, actual: Any, expected: Any, rtol: float | None, atol: float
             return None
         return f"{what}: expected {'no gradient' if expected is None else 'a gradient'}, got {'None' if actual is None else 'one'}"
     if isinstance(actual, torch.Tensor) != isinstance(expected, torch.Tensor):
-        return f"{what}: expected {_kind(expected)}, got {_kind(actual)}"
+        return f"{what}: expected {kind_of(expected)}, got {kind_of(actual)}"
     if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
         return None if actual == expected else f"{what}: expected {expected!r}, got {actual!r}"
     if actual.shape != expected.shape or actual.dtype != expected.dtype or actual.device != expected.device:
@@ -117,7 +133,7 @@ def _diff(what: str, actual: Any, expected: Any, rtol: float | None, atol: float
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
     a, e = actual.detach().cpu(), expected.detach().cpu()
-    if not _is_float(e):
+    if not is_float(e):
         if torch.equal(a, e):
             return None
         mismatched = int((a != e).sum())
@@ -142,8 +158,8 @@ def _diff(what: str, actual: Any, expected: Any, rtol: float | None, atol: float
 
 def _compare(
     label: str,
-    expected: _Run,
-    actual: _Run,
+    expected: Run,
+    actual: Run,
     rtol: float | None,
     atol: float | None,
     generators: Sequence[torch.Generator] = (),
@@ -168,7 +184,7 @@ def _compare(
 
 
 def _compare_output(
-    what: str, actual: _Output, expected: _Output, a: torch.Tensor, e: torch.Tensor, same_values: bool
+    what: str, actual: OutputMetadata, expected: OutputMetadata, a: torch.Tensor, e: torch.Tensor, same_values: bool
 ) -> list[str]:
     """How an output relates to autograd and to the inputs, in eager and under the checkpoint."""
     problems = []
@@ -210,8 +226,8 @@ def _view_words(index: int | None) -> str:
 
 def _compare_state(
     label: str,
-    expected: _Run,
-    actual: _Run,
+    expected: Run,
+    actual: Run,
     rtol: float | None,
     atol: float | None,
     generators: Sequence[torch.Generator],
@@ -245,10 +261,10 @@ def _ordinal(number: int) -> str:
     return {0: "first", 1: "second", 2: "third"}.get(number, f"{number + 1}th")
 
 
-def _check_backprop_outputs(backprop: frozenset[int], expected: _Run) -> None:
+def _check_backprop_outputs(backprop: frozenset[int], expected: Run) -> None:
     """Raise if `backprop` names an output of `fn` that cannot be backpropagated through."""
     differentiable = [
-        i for i, o in enumerate(expected.outputs) if isinstance(o, torch.Tensor) and _is_float(o) and o.requires_grad
+        i for i, o in enumerate(expected.outputs) if isinstance(o, torch.Tensor) and is_float(o) and o.requires_grad
     ]
     for i in sorted(backprop):
         if i >= len(expected.outputs):
@@ -269,7 +285,7 @@ def _check_backprop_outputs(backprop: frozenset[int], expected: _Run) -> None:
             )
 
 
-def _check_gradients_reach_something(expected: _Run) -> None:
+def _check_gradients_reach_something(expected: Run) -> None:
     """Raise if backward ran through `fn` but no input or parameter got a gradient: nothing to compare."""
     if expected.backpropagated and all(g is None for g in (*expected.input_grads, *expected.param_grads)):
         raise ValueError(
@@ -284,11 +300,11 @@ def _run_and_compare(
     label: str,
     fn: Callable[..., Any],
     checkpointed: Callable[..., Any],
-    call: _Call,
-    state: _State,
+    call: CallPlan,
+    state: ComparedState,
     rtol: float | None,
     atol: float | None,
-) -> tuple[list[str], _Run | None]:
+) -> tuple[list[str], Run | None]:
     """Run both, `call.calls` times each; compare what they computed, or, where `fn` raises, that the
     checkpoint raises too.
 
@@ -297,12 +313,12 @@ def _run_and_compare(
     run (None where `fn` raised). Under a transform (`label`), a program eager refuses is not compared:
     remat may run it where eager cannot (its views are traced as reshapes, which never fail)."""
     start = state.snapshot()
-    recorder = _UserGenerators()
-    expected_runs: list[_Run] = []
+    recorder = UserGenerators()
+    expected_runs: list[Run] = []
     refused: Exception | None = None
     for index in range(call.calls):
         try:
-            run = _run(fn, call, state, index, recording=recorder)
+            run = record_run(fn, call, state, index, recording=recorder)
         except Exception as error:  # eager refuses this program: so must the checkpoint
             refused = error
             break
@@ -322,14 +338,14 @@ def _run_and_compare(
     problems: list[str] = []
     actual = None
     for index, expected in enumerate(expected_runs):
-        actual = _run(checkpointed, call, state, index)
+        actual = record_run(checkpointed, call, state, index)
         actual.generators_after = {key: generator.get_state() for key, generator in generators.items()}
         problems += _compare(_label(label, index, call.calls), expected, actual, rtol, atol, list(generators.values()))
     if refused is None:
         return problems, actual
     at = _label(label, len(expected_runs), call.calls)
     try:
-        _run(checkpointed, call, state, len(expected_runs))
+        record_run(checkpointed, call, state, len(expected_runs))
     except type(refused):
         return problems, None
     except Exception as other:
@@ -371,7 +387,7 @@ def _checked_kwargs(kwargs: Any) -> dict[str, Any]:
 
 def _checked_params(params: Any, fn: Callable[..., Any]) -> list[torch.Tensor]:
     if params is None:
-        module = _state_module(fn)
+        module = state_module_of(fn)
         return [] if module is None else list(module.parameters())
     if isinstance(params, (torch.Tensor, torch.nn.Module, Mapping)) or not isinstance(params, Iterable):
         raise TypeError(
@@ -381,7 +397,7 @@ def _checked_params(params: Any, fn: Callable[..., Any]) -> list[torch.Tensor]:
     params = list(params)
     for i, param in enumerate(params):
         if not isinstance(param, torch.Tensor):
-            raise TypeError(f"{_API}: expected params to hold tensors, but params[{i}] is {_kind(param)}.")
+            raise TypeError(f"{_API}: expected params to hold tensors, but params[{i}] is {kind_of(param)}.")
         if not param.is_leaf:
             raise ValueError(
                 f"{_API}: params[{i}] is not a leaf tensor (it was computed, by {type(param.grad_fn).__name__}): "
@@ -408,14 +424,14 @@ def _checked_backprop(backprop: Any) -> frozenset[int] | None:
 
 
 def _eager_is_off_where_remat_is_not(
-    name: str, fn: Callable[..., Any], checkpointed: Callable[..., Any], call: _Call, state: _State, seed: int
+    name: str, fn: Callable[..., Any], checkpointed: Callable[..., Any], call: CallPlan, state: ComparedState, seed: int
 ) -> bool:
     """Whether, under a transform that differentiates tangents, the checkpoint's result matches the same
     derivative taken with finite-difference tangents (float64) and eager's does not: eager's tangent
     formulas that read statistics without a derivative (layer and batch norm's) are not differentiated
     exactly, where remat's are (NOTE [tangents that will be differentiated])."""
-    leaves = _tensor_leaves((call.args, call.kwargs))
-    if not leaves or any(_is_float(t) and t.dtype != torch.float64 for t in leaves):
+    leaves = tensor_leaves((call.args, call.kwargs))
+    if not leaves or any(is_float(t) and t.dtype != torch.float64 for t in leaves):
         return False
     start = state.snapshot()
 
@@ -423,12 +439,12 @@ def _eager_is_off_where_remat_is_not(
         state.restore(start)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            tree = function(*_detached(call.args), **_detached(call.kwargs))
-        return [t.detach() for t in _tensor_leaves(tree) if _is_float(t)]
+            tree = function(*detached(call.args), **detached(call.kwargs))
+        return [t.detach() for t in tensor_leaves(tree) if is_float(t)]
 
     try:
-        reference = result(_transformed(name, fn, seed, finite_differences=True))
-        expected, got = result(_transformed(name, fn, seed)), result(_transformed(name, checkpointed, seed))
+        reference = result(transformed(name, fn, seed, finite_differences=True))
+        expected, got = result(transformed(name, fn, seed)), result(transformed(name, checkpointed, seed))
     except Exception:
         return False
     finally:
@@ -609,37 +625,37 @@ def assert_checkpoint_equivalent(
     call_kwargs = _checked_kwargs(kwargs)
     positions = _checked_backprop(backprop)
     if device is not None:
-        args = _to_device(args, device)
-        call_kwargs = _to_device(call_kwargs, device)
+        args = to_device(args, device)
+        call_kwargs = to_device(call_kwargs, device)
         for module in (fn, checkpointed):
             if isinstance(module, torch.nn.Module):
                 module.to(device)
     tensors = _checked_params(params, fn)
-    expected_buffers = _buffers(fn)
+    expected_buffers = buffers_of(fn)
     if checkpointed is None:
         checkpointed = _checkpoint(fn, policy)
         header = f"remat.checkpoint(fn, policy={policy!r}) differs from fn = {fn!r}:"
     else:
         header = f"checkpointed = {checkpointed!r} differs from fn = {fn!r}:"
     # A checkpoint that is not a module itself runs fn's (remat.checkpoint of a function, a lambda).
-    actual_buffers = _buffers(checkpointed)
-    state = _State(expected_buffers, expected_buffers if actual_buffers is None else actual_buffers)
-    call = _Call(args, call_kwargs, tensors, seed, backward=True, backprop=positions, calls=calls)
+    actual_buffers = buffers_of(checkpointed)
+    state = ComparedState(expected_buffers, expected_buffers if actual_buffers is None else actual_buffers)
+    call = CallPlan(args, call_kwargs, tensors, seed, backward=True, backprop=positions, calls=calls)
     problems, run = _run_and_compare("", fn, checkpointed, call, state, rtol, atol)
     for name in transforms:
         # The transforms are compared as pure functions of detached inputs; vmap also backpropagates.
-        batched = name in _BATCHED
+        batched = name in BATCHED
         transformed_call = dataclasses.replace(
             call,
-            args=(_stack(args) if name == "vmap" else _stack(_detached(args))) if batched else _detached(args),
-            kwargs=call_kwargs if batched else _detached(call_kwargs),
+            args=(_stack(args) if name == "vmap" else _stack(detached(args))) if batched else detached(args),
+            kwargs=call_kwargs if batched else detached(call_kwargs),
             backward=name == "vmap",
             calls=1,
         )
         found = _run_and_compare(
             f"[{name}] ",
-            _transformed(name, fn, seed),
-            _transformed(name, checkpointed, seed),
+            transformed(name, fn, seed),
+            transformed(name, checkpointed, seed),
             transformed_call,
             state,
             rtol,

@@ -1,7 +1,7 @@
 """Property-test your own code with remat: random functions, inputs, policies and an equivalence check.
 
 `remat.checkpoint` promises the outputs and gradients of the function it
-wraps, whatever the policy. This module lets users (and remat's own test
+wraps, whatever the policy. This package lets users (and remat's own test
 suite) check that promise on their models and on random programs: hypothesis
 strategies that draw random functions from a catalog of aten-level behaviours
 (`functions`), inputs for them (`inputs`) and per-call policies for a trace
@@ -15,9 +15,13 @@ import it; use `import remat.testing`.
 >>> remat.testing.assert_checkpoint_equivalent(lambda x: x.sin().exp(), torch.randn(3, requires_grad=True))
 CheckpointedRun(outputs=Tensor(shape=(3,), dtype=torch.float32), input_grads=(Tensor(shape=(3,), dtype=torch.float32),), param_grads=())
 
-The module is split by concept: the catalog of behaviours (`remat._catalog`), the strategies
-(`remat._strategies`), and the equivalence check (`remat._equivalence`, with the transforms it runs
-under in `remat._check_transforms` and one run's record in `remat._check_runs`).
+The package owns remat's testing oracle, one job per module: the catalog of behaviours
+(`_catalog`), the strategies (`_strategies`), the torch.func transforms a comparison runs under
+(`_transforms`), one run's record (`_runs`) and the equivalence check (`_equivalence`). Each reads
+its siblings through their `__all__` only, never their underscore names. It may import remat's public
+API and remat's internals (`from .. import ...`), which it sits above; nothing in remat imports it
+(`tests/test_architecture.py` checks that, and that no module here imports another's underscore
+names).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from . import _offload
+from .. import _offload
 from ._catalog import (
     AS_STRIDED_WRITES,
     CATALOG,
@@ -35,9 +39,9 @@ from ._catalog import (
     STATEFUL_OPS,
     CatalogState,
 )
-from ._check_transforms import TRANSFORMS
 from ._equivalence import CheckpointedRun, assert_checkpoint_equivalent
 from ._strategies import RandomFunction, Step, functions, inputs, policies, transforms_for
+from ._transforms import TRANSFORMS
 
 __all__ = [
     "AS_STRIDED_WRITES",

@@ -1,5 +1,11 @@
 """One run of a function for `remat.testing.assert_checkpoint_equivalent`: its outputs, gradients and
-what it changed (module state, generators), recorded for the comparison."""
+what it changed (module state, generators), recorded for the comparison.
+
+Its interface (`__all__`), for the equivalence check: how both functions are called (`CallPlan`) and
+the state they change that is compared (`ComparedState`, from `state_module_of` and `buffers_of`);
+`record_run`, which makes one `Run` (with an `OutputMetadata` per tensor output) under a
+`UserGenerators` recorder for eager's run; and `kind_of`, how an error message names a value.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +19,25 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._check_transforms import _fresh, _is_float, _random_like, _tensor_leaves
+from .._torch import version_counter
 from ._strategies import RandomFunction
-from ._torch import version_counter
+from ._transforms import fresh, is_float, random_like, tensor_leaves
+
+__all__ = [
+    "CallPlan",
+    "ComparedState",
+    "OutputMetadata",
+    "Run",
+    "UserGenerators",
+    "buffers_of",
+    "kind_of",
+    "record_run",
+    "state_module_of",
+]
 
 
 @dataclasses.dataclass
-class _Output:
+class OutputMetadata:
     """What is compared of one tensor output beyond its value: how it relates to autograd and to the inputs."""
 
     requires_grad: bool
@@ -32,11 +50,14 @@ class _Output:
 
 
 @dataclasses.dataclass
-class _Run:
+class Run:
+    """What one call of a function computed and changed, and what its backward gave, recorded for the
+    comparison."""
+
     tree: Any  # the output pytree
     outputs: list[Any]  # its leaves
     spec: Any
-    metadata: list[_Output | None]  # per output (None for a non-tensor)
+    metadata: list[OutputMetadata | None]  # per output (None for a non-tensor)
     inputs_after: list[torch.Tensor]  # the input tensors' values after the call (in-place updates)
     input_grads: list[torch.Tensor | None]
     param_grads: list[torch.Tensor | None]
@@ -48,7 +69,7 @@ class _Run:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Call:
+class CallPlan:
     """How both functions are called and backpropagated through."""
 
     args: Any
@@ -61,7 +82,7 @@ class _Call:
 
 
 @dataclasses.dataclass(frozen=True)
-class _State:
+class ComparedState:
     """The state both functions change that is put back before the checkpoint's run and compared after
     each call: the buffers of the module each side runs (None: no module to compare)."""
 
@@ -77,7 +98,7 @@ class _State:
                 buffer.copy_(value)
 
 
-def _state_module(fn: Any) -> torch.nn.Module | None:
+def state_module_of(fn: Any) -> torch.nn.Module | None:
     """The module whose parameters and buffers `fn` runs: itself, or a random function's `CatalogState`."""
     if isinstance(fn, torch.nn.Module):
         return fn
@@ -86,12 +107,13 @@ def _state_module(fn: Any) -> torch.nn.Module | None:
     return None
 
 
-def _buffers(fn: Any) -> list[tuple[str, torch.Tensor]] | None:
-    module = _state_module(fn)
+def buffers_of(fn: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """The named buffers of `fn`'s state module (`state_module_of`); None where it has none."""
+    module = state_module_of(fn)
     return None if module is None else list(module.named_buffers())
 
 
-class _UserGenerators(TorchFunctionMode):
+class UserGenerators(TorchFunctionMode):
     """Records the user generators (other than torch's default ones) that torch functions are given
     while active, each with the state it had when first seen: its state before the function drew
     from it. Only those that outlive the call count: a generator made inside the call (the checker's
@@ -147,21 +169,21 @@ def _cuda_rng_states() -> list[torch.Tensor]:
     return list(torch.cuda.get_rng_state_all())
 
 
-def _run(
+def record_run(
     fn: Callable[..., Any],
-    call: _Call,
-    state: _State,
+    call: CallPlan,
+    state: ComparedState,
     index: int,
     recording: contextlib.AbstractContextManager[Any] | None = None,
-) -> _Run:
+) -> Run:
     """Call `fn` (for the `index`-th time in a row) on fresh copies of the arguments and backpropagate,
     under `recording` (eager's run, whose user generators are found so) or as the checkpoint."""
     params, backward, backprop = call.params, call.backward, call.backprop
     seed = call.seed + index
     for param in params:
         param.grad = None
-    args, kwargs = _fresh((call.args, call.kwargs))
-    leaves = _tensor_leaves((args, kwargs))
+    args, kwargs = fresh((call.args, call.kwargs))
+    leaves = tensor_leaves((args, kwargs))
     torch.manual_seed(seed)
     with recording or contextlib.nullcontext():
         tree = fn(*args, **kwargs)
@@ -169,14 +191,14 @@ def _run(
     generator = torch.Generator().manual_seed(seed)
     # One cotangent per float output, drawn in order, so that an output gets the same one in both runs.
     cotangents = {
-        i: _random_like(o, generator) for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and _is_float(o)
+        i: random_like(o, generator) for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and is_float(o)
     }
     backpropagated = tuple(i for i in cotangents if outputs[i].requires_grad and (backprop is None or i in backprop))
     if backward and backpropagated:
         with recording or contextlib.nullcontext():
             torch.autograd.backward([outputs[i] for i in backpropagated], [cotangents[i] for i in backpropagated])
     buffers = state.actual_buffers if recording is None else state.expected_buffers
-    run = _Run(
+    run = Run(
         tree=tree,
         outputs=outputs,
         spec=spec,
@@ -193,11 +215,11 @@ def _run(
     return run
 
 
-def _output(value: Any, leaves: Sequence[torch.Tensor]) -> _Output | None:
+def _output(value: Any, leaves: Sequence[torch.Tensor]) -> OutputMetadata | None:
     if not isinstance(value, torch.Tensor):
         return None
     base = value._base if value._is_view() else None
-    return _Output(
+    return OutputMetadata(
         requires_grad=value.requires_grad,
         grad_fn=None if value.grad_fn is None else type(value.grad_fn).__name__,
         layout=_layout(value),
@@ -208,7 +230,7 @@ def _output(value: Any, leaves: Sequence[torch.Tensor]) -> _Output | None:
 
 
 def _find_shared_versions(
-    metadata: list[_Output | None], outputs: Sequence[Any], leaves: Sequence[torch.Tensor]
+    metadata: list[OutputMetadata | None], outputs: Sequence[Any], leaves: Sequence[torch.Tensor]
 ) -> None:
     """Which inputs each output shares a version counter with (a view or a `detach()` of one does):
     bump each input's counter and see which outputs' counters move."""
@@ -244,5 +266,6 @@ def _aliased_inputs(value: Any, leaves: Sequence[torch.Tensor]) -> tuple[int, ..
     )
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """How an error message names `value`: "a tensor", or its repr and type."""
     return "a tensor" if isinstance(value, torch.Tensor) else f"{value!r} ({type(value).__name__})"

@@ -1,5 +1,9 @@
 """The hypothesis strategies of `remat.testing`: random functions from the catalog (`functions`), inputs
-for them (`inputs`) and per-call policies for a trace (`policies`)."""
+for them (`inputs`) and per-call policies for a trace (`policies`).
+
+Its interface (`__all__`) is what `remat.testing` re-exports; one run's record reads `RandomFunction`
+(whose `CatalogState` is the module whose state a run compares).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from . import policies as _policies
-from ._calls import Call, Decision, Trace
+from .. import policies as _policies
+from .._calls import Call, Decision, Trace
+from .._storage import exact
 from ._catalog import (
     AS_STRIDED_WRITES,
     CATALOG,
@@ -24,8 +29,9 @@ from ._catalog import (
     CatalogState,
     Constants,
 )
-from ._check_transforms import _BATCHED, _UNDER_FUNC_JVP, TRANSFORMS, _tensor_leaves
-from ._storage import exact
+from ._transforms import BATCHED, TRANSFORMS, UNDER_FUNC_JVP, tensor_leaves
+
+__all__ = ["RandomFunction", "Step", "functions", "inputs", "policies", "transforms_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +104,7 @@ class RandomFunction:
         return tuple(step.op for step in self.steps)
 
     def __call__(self, *args: Any) -> Any:
-        values = _tensor_leaves(args)
+        values = tensor_leaves(args)
         if len(values) != self.n_inputs:
             raise TypeError(f"{self!r}: expected {self.n_inputs} input tensors, but got {len(values)}.")
         for step in self.steps:
@@ -401,9 +407,9 @@ def transforms_for(fn: RandomFunction) -> tuple[str, ...]:
     ops = set(fn.ops)
     left_out: set[str] = set()
     if REFUSABLE_OPS & ops:
-        left_out |= _UNDER_FUNC_JVP | {"grad_of_forward_ad"}
+        left_out |= UNDER_FUNC_JVP | {"grad_of_forward_ad"}
     if AS_STRIDED_WRITES & ops:
-        left_out |= _BATCHED | {"forward_ad", "grad_of_forward_ad"}
+        left_out |= BATCHED | {"forward_ad", "grad_of_forward_ad"}
     if LOW_PRECISION_OPS & ops:
         left_out |= {"grad_of_grad", "double_backward", "grad_of_jvp", "grad_of_jvp_of_vmap", "grad_of_forward_ad"}
     return tuple(t for t in TRANSFORMS if t not in left_out)

@@ -1,5 +1,9 @@
 """The catalog of aten-level behaviours random functions are drawn from (`remat.testing.CATALOG`):
-each entry an op of one or two same-shaped float tensors, grouped by what it exercises in remat."""
+each entry an op of one or two same-shaped float tensors, grouped by what it exercises in remat.
+
+Its interface (`__all__`): the catalog and its sets of ops, re-exported by `remat.testing`, and the
+tensors and state a random function closes over (`Constants`, for the strategies).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,18 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._checkpointed import DEFAULT_CACHE_SIZE, Checkpointed
+from .._checkpointed import DEFAULT_CACHE_SIZE, Checkpointed
+
+__all__ = [
+    "AS_STRIDED_WRITES",
+    "CATALOG",
+    "LOW_PRECISION_OPS",
+    "RANDOM_OPS",
+    "REFUSABLE_OPS",
+    "STATEFUL_OPS",
+    "CatalogState",
+    "Constants",
+]
 
 # --- the catalog -----------------------------------------------------------------------------------
 
