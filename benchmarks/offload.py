@@ -94,7 +94,7 @@ def _allocated(device: torch.device | None) -> int:
 @contextlib.contextmanager
 def _compile_offloading() -> Iterator[None]:
     """torch.compile's own activation offloading, with the matmul outputs marked for it (nothing in
-    torch marks nodes by itself: see NOTE [offload inside torch.compile] in remat/_dynamo.py)."""
+    torch marks nodes by itself: see NOTE [offload inside torch.compile] in remat/_running/_dynamo.py)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 

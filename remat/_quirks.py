@@ -70,7 +70,7 @@ DETACH_TRACES_AS_ALIAS = Quirk(
     ops=(aten.detach.default, aten.alias.default),
     releases=("2.14", "2.15"),
     differs="make_fx records `x.detach()` as `aten.alias`, a view autograd differentiates, not as `aten.detach`",
-    note="NOTE [a detach runs as a detach] (remat/_gradient_stops.py)",
+    note="NOTE [a detach runs as a detach] (remat/_tracing/_gradient_stops.py)",
     table=frozenset({aten.detach.default, aten.alias.default}),  # what a detach traces as, on any release
 )
 
@@ -83,7 +83,7 @@ IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD = Quirk(
         "a tensor inside a kernel raises torch's internal assert about `_fw_primal`. So `quantile` (which "
         "calls `lerp_`) could not be traced under `torch.func.jvp` or `forward_ad`, where eager runs"
     ),
-    note="NOTE [in-place ops whose meta kernels fail under forward AD] (remat/_fake_kernels.py)",
+    note="NOTE [in-place ops whose meta kernels fail under forward AD] (remat/_eager/_fake_kernels.py)",
     table={aten.lerp_.Tensor: aten.lerp.Tensor},
 )
 
@@ -94,7 +94,7 @@ UNBACKED_SYMBOL_NAMES = Quirk(
         "torch names the symbols of data-dependent sizes `u0`, `u1`, ... and writes the runtime assertions "
         "about them as text, which is the only place that says which symbols a check is about"
     ),
-    note="NOTE [values Python reads] (remat/_specialize.py)",
+    note="NOTE [values Python reads] (remat/_eager/_specialize.py)",
     table=re.compile(r"\bu\d+\b"),
 )
 
@@ -105,7 +105,7 @@ LINALG_CHECKS_ARE_EFFECTFUL = Quirk(
         "functionalization marks the check effectful and wants an effect token threaded through the graph, "
         "which only AOTAutograd sets up"
     ),
-    note="NOTE [error checks of linalg ops] (remat/_error_checks.py)",
+    note="NOTE [error checks of linalg ops] (remat/_eager/_error_checks.py)",
     table=frozenset({aten._linalg_check_errors.default}),
 )
 
@@ -195,7 +195,7 @@ CPU_KERNELS_CHOOSE_LAYOUTS = Quirk(
         "the CPU kernel gives its output another layout than the fake kernel predicts (PyTorch's OpInfo "
         "database swept on torch 2.13 and 2.15 for real CPU strides that differ from the fake ones)"
     ),
-    note="NOTE [kernels that choose their output layout] (remat/_fake_kernels.py)",
+    note="NOTE [kernels that choose their output layout] (remat/_eager/_fake_kernels.py)",
     table=_CPU_LAYOUTS,
 )
 
@@ -251,7 +251,7 @@ BATCH_NORM_UPDATES_UNDECLARED = Quirk(
         "a GPU, as running statistics off eager's by the momentum). The native kernel does the same, but a "
         "trace decomposes it into the functional op"
     ),
-    note="NOTE [replays update no running statistics] (remat/_program_emitter.py)",
+    note="NOTE [replays update no running statistics] (remat/_partitioning/_program_emitter.py)",
     table={  # op -> (the position of its `training` flag, the positions of the running statistics)
         aten.cudnn_batch_norm.default: (5, (3, 4)),
         aten.miopen_batch_norm.default: (5, (3, 4)),
@@ -266,7 +266,7 @@ RRELU_FUNCTIONAL_DERIVATIVE = Quirk(
         "input (uninitialized in a trace) instead of the noise it returns, and on the CPU its output takes "
         "the input's layout where eager's in-place `rrelu_with_noise` gives a contiguous one"
     ),
-    note="NOTE [rrelu runs as eager's] (remat/_eager_kernels.py): the programs compute it as the input times its noise",
+    note="NOTE [rrelu runs as eager's] (remat/_eager/_eager_kernels.py): the programs compute it as the input times its noise",
     table=frozenset({aten.rrelu_with_noise_functional.default}),
 )
 
@@ -286,7 +286,7 @@ GRADIENTS_READ_LU_FACTORS = Quirk(
         "matrix again where it is on; remat traces them with grad mode off, so a second derivative through "
         "its backward misses how the factors depend on the matrix"
     ),
-    note="NOTE [second derivatives of gradients that read LU factors] (remat/_execute.py)",
+    note="NOTE [second derivatives of gradients that read LU factors] (remat/_running/_execute.py)",
     table={
         aten._linalg_solve_ex.default: f"linalg.solve: {_FACTORS_READ}",
         aten._linalg_det.default: f"linalg.det: {_FACTORS_READ}",
@@ -305,7 +305,7 @@ GRADIENTS_SWITCH_IN_GRAD_MODE = Quirk(
         "(GRADIENTS_READ_LU_FACTORS). Found by sweeping OpInfo's samples, with and without zeros put in, "
         "for second derivatives through remat's backward against eager's"
     ),
-    note="NOTE [a backward that will be differentiated] (remat/_differentiable_programs.py)",
+    note="NOTE [a backward that will be differentiated] (remat/_partitioning/_differentiable_programs.py)",
     table=frozenset({aten.cumprod.default, *GRADIENTS_READ_LU_FACTORS.ops}),
 )
 
@@ -326,7 +326,7 @@ TANGENT_FORMULAS_READ_STATISTICS = Quirk(
         "inputs; layer norm, batch and instance norm in training, cuDNN's batch norm on a GPU). Found by "
         "comparing `grad` of `jvp` with the gradient of a finite-difference tangent, op by op"
     ),
-    note="NOTE [tangents that will be differentiated] (remat/_differentiable_programs.py)",
+    note="NOTE [tangents that will be differentiated] (remat/_partitioning/_differentiable_programs.py)",
     table=frozenset(
         {
             aten.native_layer_norm.default,
@@ -346,7 +346,7 @@ SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP = Quirk(
         "under vmap, the batching rule of `slice_scatter` raises on a negative bound (`upper bound and "
         "lower bound inconsistent with step sign`), where a write through `t[:, 1:-1]` in eager runs"
     ),
-    note="NOTE [slice scatters count from the start] (remat/_eager_copies.py)",
+    note="NOTE [slice scatters count from the start] (remat/_partitioning/_eager_copies.py)",
     table=frozenset({aten.slice_scatter.default}),
 )
 
@@ -358,7 +358,7 @@ BATCH_NORM_FUNCTIONAL_UNBATCHED = Quirk(
         "batching rule, and the fallback stacks a contiguous output, where eager's in-place op has a rule "
         "that folds the batch into the channels and keeps that layout"
     ),
-    note="NOTE [batch norm under vmap] (remat/_eager_copies.py)",
+    note="NOTE [batch norm under vmap] (remat/_partitioning/_eager_copies.py)",
     table={aten._native_batch_norm_legit_functional.default: aten._native_batch_norm_legit.default},
 )
 
@@ -392,7 +392,7 @@ SAC_ERRORS_LEAVE_MODES_PUSHED = Quirk(
         "region's dispatch modes pushed until the error is garbage collected: every op run meanwhile, in any "
         "later code, reaches the policy"
     ),
-    note="NOTE [a region's error raised where torch can unwind] (remat/_dynamo.py)",
+    note="NOTE [a region's error raised where torch can unwind] (remat/_running/_dynamo.py)",
 )
 
 REGIONS_ALLOCATE_FOR_IN_PLACE_OPS = Quirk(
@@ -403,7 +403,7 @@ REGIONS_ALLOCATE_FOR_IN_PLACE_OPS = Quirk(
         "batch norm), and reads the Python numbers Dynamo passes in as tensors; remat's functionalized trace "
         "has neither"
     ),
-    note="NOTE [regions that differ from the trace] (remat/_dynamo.py): such calls are recomputed",
+    note="NOTE [regions that differ from the trace] (remat/_running/_dynamo.py): such calls are recomputed",
     table=frozenset({aten.empty.memory_format, aten.empty_like.default, aten._local_scalar_dense.default}),
 )
 
@@ -421,7 +421,7 @@ SDPA_CHOOSES_BELOW_THE_DISPATCHER = Quirk(
         "below the dispatcher; on fake CUDA tensors where this machine has no GPU it runs the math kernel, "
         "which keeps the T x T probabilities for backward where the GPU's kernel keeps a row of log-sum-exps"
     ),
-    note="NOTE [kernels of a GPU this machine lacks] (remat/_gpu.py): remat chooses as the assumed GPU would",
+    note="NOTE [kernels of a GPU this machine lacks] (remat/_memory/_gpu.py): remat chooses as the assumed GPU would",
     table={  # backend -> the op SDPA calls for it on CUDA
         "flash": aten._scaled_dot_product_flash_attention.default,
         "efficient": aten._scaled_dot_product_efficient_attention.default,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ._calls import Call, Decision, Trace, _module_label, format_bytes, format_seconds, format_table
-from ._storage import HOST
+from ._core._calls import Call, Decision, Trace, _module_label, format_bytes, format_seconds, format_table
+from ._storing._storage import HOST
 from .costs import Device, resolve_device
 
 __all__ = ["Peak", "Report", "ReportRow"]

@@ -28,8 +28,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ._calls import Call, TensorMeta
-from ._measure import estimate_flops
+from ._core._calls import Call, TensorMeta
+from ._memory._measure import estimate_flops
 from ._torch import OpOverloadPacket
 
 __all__ = ["DEVICES", "MATMUL_OPS", "Device", "estimate_flops", "estimate_seconds"]

@@ -21,10 +21,10 @@ import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ._budget_policy import Budget, budget
-from ._calls import Call, Decision, Trace, op_name
-from ._deprecated import renamed, warn_renamed
-from ._policy import (
+from ._core._calls import Call, Decision, Trace, op_name
+from ._core._deprecated import renamed, warn_renamed
+from ._deciding._budget_policy import Budget, budget
+from ._deciding._policy import (
     Planner,
     Policy,
     PolicyLike,
@@ -35,8 +35,8 @@ from ._policy import (
     save_any_of,
     save_unless,
 )
-from ._policy import offload as _offload_policy  # `offload` is also an argument name below
-from ._sac import from_sac
+from ._deciding._policy import offload as _offload_policy  # `offload` is also an argument name below
+from ._deciding._sac import from_sac
 from ._torch import HigherOrderOperator, OpOverload, OpOverloadPacket
 from .costs import DEVICES, MATMUL_OPS, Device, estimate_seconds, resolve_device
 

@@ -20,10 +20,10 @@ from typing import Any
 from torch import nn
 
 from . import policies as _policies
-from ._apply import checkpoint_modules
-from ._fit import fit_when_called
-from ._fit_results import Fit
-from ._policy import Policy
+from ._api._apply import checkpoint_modules
+from ._deciding._policy import Policy
+from ._planning._fit import fit_when_called
+from ._planning._fit_results import Fit
 
 __all__ = ["RematAC"]  # noqa: F822  # made on first read (`__getattr__`), when torchtitan is imported
 

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 import remat
 from remat import policies
-from remat._accounting import account
-from remat._inspect import _joint_of
-from remat._measure import storage_key, storage_nbytes, tensor_nbytes, tensors_in
-from remat._partition import KeptActivation, partition
-from remat._program_graphs import device_of
-from remat._rng import state_nbytes
+from remat._api._inspect import _joint_of
+from remat._core._rng import state_nbytes
+from remat._memory._measure import storage_key, storage_nbytes, tensor_nbytes, tensors_in
+from remat._partitioning._accounting import account
+from remat._partitioning._partition import KeptActivation, partition
+from remat._partitioning._program_graphs import device_of
 from remat.testing import RandomFunction, Step, assert_checkpoint_equivalent, functions, inputs
 
 DTYPE = torch.float64
@@ -184,7 +184,7 @@ def test_the_fast_plan_is_near_the_exact_one_on_a_gpt2_block() -> None:
 def test_without_time_for_branch_and_bound_the_fast_plan_rounds_the_relaxation(monkeypatch: pytest.MonkeyPatch) -> None:
     # Branch and bound finds nothing in no time; the fast mode then rounds and repairs the LP relaxation,
     # whose optimum still bounds the exact one from below.
-    from remat import _budget
+    from remat._deciding import _budget
 
     trace = _block_trace("softmax")
     exact = {f: policies.budget(fraction=f, exact=True).solve(trace) for f in (0.25, 0.5)}
@@ -201,7 +201,7 @@ def test_without_time_for_branch_and_bound_the_fast_plan_rounds_the_relaxation(m
 def test_the_fast_modes_repair_stops_at_its_deadline() -> None:
     # Each greedy step weighs every replayed call: on a trace of a thousand calls it could run for
     # minutes. Past its deadline the repair keeps the rounding it has.
-    from remat import _budget
+    from remat._deciding import _budget
 
     trace = _block_trace("softmax")
     costs = _budget.call_costs(trace, "flops")
@@ -214,7 +214,7 @@ def test_the_fast_modes_repair_stops_at_its_deadline() -> None:
 
 
 def replay_cost_of(trace: remat.Trace, saved: set[int], costs: list[float]) -> float:
-    from remat import _budget
+    from remat._deciding import _budget
 
     return _budget.replay_cost(account(trace, saved), costs)
 
@@ -269,11 +269,11 @@ def test_budget_repr_and_equality() -> None:
 
 
 def test_plans_are_cached_with_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:
-    import remat._budget
+    import remat._deciding._budget
 
     solves = []
-    solve = remat._budget.solve
-    monkeypatch.setattr(remat._budget, "solve", lambda *a, **k: solves.append(a) or solve(*a, **k))
+    solve = remat._deciding._budget.solve
+    monkeypatch.setattr(remat._deciding._budget, "solve", lambda *a, **k: solves.append(a) or solve(*a, **k))
     block, x = _block()
     checkpointed = remat.checkpoint(block, policy=policies.budget(fraction=0.5))
     for _ in range(3):

@@ -259,7 +259,10 @@ class Pair:
 
 
 optree.register_pytree_node(
-    Pair, lambda p: ((p.a, p.b), None, None), lambda _, children: Pair(*children), namespace=remat._pytree.NAMESPACE
+    Pair,
+    lambda p: ((p.a, p.b), None, None),
+    lambda _, children: Pair(*children),
+    namespace=remat._core._pytree.NAMESPACE,
 )
 
 

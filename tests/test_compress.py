@@ -1,5 +1,5 @@
 """`remat.policies.compress`: kept values in a narrower format, approximately, only where a policy asks
-(remat/_lossy.py, NOTE [values kept lossy])."""
+(remat/_storing/_lossy.py, NOTE [values kept lossy])."""
 
 from __future__ import annotations
 

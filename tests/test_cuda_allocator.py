@@ -1,4 +1,4 @@
-"""What CUDA's caching allocator counts for a tensor (remat/_cuda_allocator.py), against a table worked out
+"""What CUDA's caching allocator counts for a tensor (remat/_memory/_cuda_allocator.py), against a table worked out
 from the allocator's rules: requests round up to 512 bytes (or to a power-of-two division where set),
 small and middling requests are carved from shared segments, and a request of 10 MiB or more takes its
 whole 2 MiB-rounded segment where the rest is 1 MiB or less."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from remat import _torch
-from remat._cuda_allocator import AllocatorSettings, allocated_nbytes, block_nbytes, settings_from_environment
-from remat._measure import storage_nbytes
+from remat._memory._cuda_allocator import AllocatorSettings, allocated_nbytes, block_nbytes, settings_from_environment
+from remat._memory._measure import storage_nbytes
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 DEFAULT = AllocatorSettings()

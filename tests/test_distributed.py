@@ -415,7 +415,9 @@ def _fit_new_signatures_case(rank: int) -> None:
     after = _shard_blocks(_stack_with_a_root())
     remat.fit(after, _TanhBlock, x, peak_bytes=target, loss=_square_mean)
     before = _stack_with_a_root()
-    remat._fit.fit_when_called(before, _TanhBlock, peak_bytes=target, loss_for=lambda args, kwargs: _square_mean)
+    remat._planning._fit.fit_when_called(
+        before, _TanhBlock, peak_bytes=target, loss_for=lambda args, kwargs: _square_mean
+    )
     before = _shard_blocks(before)
     runs = []
     for model in (_shard_blocks(_stack_with_a_root()), after, before):
@@ -456,9 +458,9 @@ def _prefetch_case(rank: int) -> None:
     x = torch.randn(128, 32, dtype=DTYPE, generator=torch.Generator().manual_seed(rank))
     _square_mean(model(x)).backward()  # a first step: FSDP2's first gathers allocate
     remat.fit(model, _TanhBlock, x, peak_bytes=10**9, loss=_square_mean)
-    timeline, _ = remat._fit_probe.probe_step(model, _square_mean, None, None, (x,), {})
+    timeline, _ = remat._planning._fit_probe.probe_step(model, _square_mean, None, None, (x,), {})
     one_block = sum(p.numel() * p.element_size() for p in _TanhBlock().to(DTYPE).parameters())
-    forwards = [s for s in timeline.segments if s.phase is remat._step.Phase.FORWARD]
+    forwards = [s for s in timeline.segments if s.phase is remat._memory._step.Phase.FORWARD]
     # Each block's own parameters, in their storages and in its all-gather's buffer until it is freed; and,
     # but in the last block's forward, the next block's, prefetched into its buffer.
     assert [s.prefetched for s in forwards] == [one_block] * 3 + [0]

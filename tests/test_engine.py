@@ -1,4 +1,4 @@
-"""Backward walked without torch's engine (remat/_engine.py): what remat traces for tensors of a device this
+"""Backward walked without torch's engine (remat/_tracing/_engine.py): what remat traces for tensors of a device this
 machine lacks. On the CPU the walk is forced, and its trace must be the engine's."""
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import remat
-from remat import _engine, _fit, _fit_probe, _forward_then_backward, _inspect, _step, _torch, policies
+from remat import _torch, policies
+from remat._api import _inspect
+from remat._memory import _step
+from remat._planning import _fit, _fit_probe
+from remat._tracing import _engine, _forward_then_backward
 from remat.testing import assert_checkpoint_equivalent, functions, inputs
 
 DTYPE = torch.float64

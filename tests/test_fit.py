@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import remat
-from remat import _step, policies
+from remat import policies
+from remat._memory import _step
 
 CPU = torch.device("cpu")
 
@@ -272,7 +273,7 @@ def test_an_object_made_anew_for_each_batch_is_the_same_signature() -> None:
 def test_uncheckpoint_modules_undoes_fit() -> None:
     model, x = mlp_stack(n=2), torch.randn(64, 32)
     remat.fit(model, MLPBlock, x, peak_bytes=10**9, loss=square_loss)
-    assert isinstance(vars(model)["forward"], remat._apply.InstalledForward)
+    assert isinstance(vars(model)["forward"], remat._api._apply.InstalledForward)
     assert remat.uncheckpoint_modules(model) is model
     assert not any("forward" in vars(m) for m in model.modules())
     remat.checkpoint_modules(model, MLPBlock)
@@ -286,7 +287,7 @@ def test_a_new_signature_is_planned_before_the_models_hooks_run() -> None:
     model, x = mlp_stack(n=2), torch.randn(64, 32)
     kind = type(model)
     in_probe: list[bool] = []
-    model.register_forward_pre_hook(lambda module, args: in_probe.append(remat._step.recorder is not None))
+    model.register_forward_pre_hook(lambda module, args: in_probe.append(remat._memory._step.recorder is not None))
     remat.fit(model, MLPBlock, x, peak_bytes=10**9, loss=square_loss)
     assert in_probe == [True]
     report = vars(model)["forward"].planner.fits.items()[0][1].report
@@ -312,7 +313,7 @@ def test_fit_when_called_plans_at_the_first_call_with_gradients() -> None:
     model, x = mlp_stack(n=2), torch.randn(64, 32)
     eager, lowest = eager_and_lowest(model, MLPBlock, x)
     target = int(lowest + 0.3 * (eager - lowest))
-    remat._fit.fit_when_called(model, MLPBlock, peak_bytes=target, loss_for=lambda args, kwargs: square_loss)
+    remat._planning._fit.fit_when_called(model, MLPBlock, peak_bytes=target, loss_for=lambda args, kwargs: square_loss)
     planner = vars(model)["forward"].planner
     with torch.no_grad():
         model(x)
@@ -472,7 +473,7 @@ def test_the_chain_planner_finds_the_0_1_programs_optimum(monkeypatch: pytest.Mo
     target = int(lowest + share * (eager - lowest))
     by_chain = remat.fit(model, MLPBlock, x, peak_bytes=target, loss=square_loss)
     remat.uncheckpoint_modules(model)
-    monkeypatch.setattr(remat._fit, "solve_chain", lambda *args: (None, False))
+    monkeypatch.setattr(remat._planning._fit, "solve_chain", lambda *args: (None, False))
     by_milp = remat.fit(model, MLPBlock, x, peak_bytes=target, loss=square_loss, exact=True)
     assert by_chain.replay_cost == pytest.approx(by_milp.replay_cost, rel=1e-9)
     assert by_chain.predicted_peak <= target and by_milp.predicted_peak <= target
@@ -534,8 +535,8 @@ def sdpa_stack(n: int = 4, d: int = 32, vocab: int = 64) -> Stack:
 def counting_probes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one at each probe step (each planning) from now on."""
     probes: list[int] = []
-    probe = remat._fit.probe_step
-    monkeypatch.setattr(remat._fit, "probe_step", lambda *a: probes.append(1) or probe(*a))
+    probe = remat._planning._fit.probe_step
+    monkeypatch.setattr(remat._planning._fit, "probe_step", lambda *a: probes.append(1) or probe(*a))
     return probes
 
 
@@ -621,7 +622,7 @@ def test_a_plan_made_on_meta_for_cuda_holds_on_the_gpu(
     # fake CUDA tensors, which pick the GPU's kernel: the plan is the one made on the real model. Walked
     # (as on a machine without a GPU), the probe's backward plans the same.
     if walked:
-        monkeypatch.setattr(remat._fit_probe, "engine_runs_on", lambda device: False)
+        monkeypatch.setattr(remat._planning._fit_probe, "engine_runs_on", lambda device: False)
     real = sdpa_stack(d=256, vocab=512).to("cuda", dtype)
     with torch.device("meta"):
         model = sdpa_stack(d=256, vocab=512).to(dtype)
@@ -647,7 +648,9 @@ def test_fit_asks_for_the_device_to_plan_a_model_on_meta_for() -> None:
         remat.fit(model, MLPBlock, x, peak_bytes=2**20, loss=square_loss, device=3.5)
     with pytest.raises(ValueError, match="leave out `device`"):
         remat.fit(mlp_stack(n=2), MLPBlock, torch.randn(8, 32), peak_bytes=2**20, loss=square_loss, device="cuda")
-    assert not any(isinstance(m.__dict__.get("forward"), remat._apply.CheckpointedForward) for m in model.modules())
+    assert not any(
+        isinstance(m.__dict__.get("forward"), remat._api._apply.CheckpointedForward) for m in model.modules()
+    )
 
 
 @st.composite
@@ -655,7 +658,9 @@ def random_chains(draw: st.DrawFn) -> tuple[list[Any], list[Any], list[int], int
     """A stack's step as the planner sees it: per block call, options (cost, kept bytes, forward and backward
     peaks; option 0 the probe's plan), and the probe's segments: each forward, the stretch after it, each
     backward in reverse; with a target between the lowest and highest peaks."""
-    from remat import Peak, _fit_choice, _step
+    from remat import Peak
+    from remat._memory import _step
+    from remat._planning import _fit_choice
 
     n = draw(st.integers(1, 6))
     groups = []
@@ -693,7 +698,7 @@ def test_the_chain_planners_pruning_keeps_the_optimum_of_the_0_1_program(
     # The dynamic program carries only states that can still fit and options no other beats; HiGHS solves
     # the whole program exactly. They agree on whether a choice fits, and on its least cost.
     pytest.importorskip("highspy")
-    from remat import _fit_choice
+    from remat._planning import _fit_choice
 
     groups, rows, group_of, target = chain
     by_chain, is_chain = _fit_choice.solve_chain(groups, rows, group_of, target)

@@ -1,4 +1,4 @@
-"""The GPU assumed where none is present (remat/_gpu.py): SDPA's kernel chosen as that GPU would choose it,
+"""The GPU assumed where none is present (remat/_memory/_gpu.py): SDPA's kernel chosen as that GPU would choose it,
 and CUDA programs on fake CUDA tensors traced and planned with it."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat import _cache, _torch, policies
-from remat._engine import walked_backward
-from remat._gpu import DEFAULT_GPU, Gpu, assumed_gpu, sdpa_backend
+from remat import _torch, policies
+from remat._core import _cache
+from remat._memory._gpu import DEFAULT_GPU, Gpu, assumed_gpu, sdpa_backend
+from remat._tracing._engine import walked_backward
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 H100, A100, L4, V100 = Gpu("H100", (9, 0)), Gpu("A100", (8, 0)), Gpu("L4", (8, 9)), Gpu("V100", (7, 0))
@@ -115,7 +116,9 @@ def test_fit_plans_for_cuda_without_a_gpu() -> None:
     if not torch.backends.cuda.is_built():
         with pytest.raises(ValueError, match=r"device=.cuda.*need a CUDA build of torch"):
             remat.fit(model, NoisyAttentionBlock, x, peak_bytes=2**30, loss=square_loss, device="cuda")
-        assert not any(isinstance(m.__dict__.get("forward"), remat._apply.CheckpointedForward) for m in model.modules())
+        assert not any(
+            isinstance(m.__dict__.get("forward"), remat._api._apply.CheckpointedForward) for m in model.modules()
+        )
         return
     everything = remat.fit(model, NoisyAttentionBlock, x, peak_bytes=2**40, loss=square_loss, device="cuda").report
     remat.uncheckpoint_modules(model)

@@ -119,7 +119,7 @@ def test_a_retrace_for_a_changed_closed_over_tensor_says_so(remat_records: pytes
 def test_nothing_is_formatted_when_the_logger_is_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
     logging.getLogger("remat").setLevel(logging.WARNING)
     formatted = []
-    monkeypatch.setattr(remat._log, "describe_signature", lambda *a: formatted.append(a) or "")
+    monkeypatch.setattr(remat._partitioning._log, "describe_signature", lambda *a: formatted.append(a) or "")
     f = remat.checkpoint(lambda x: x.sin())
     f(torch.randn(2, requires_grad=True))
     f(torch.randn(3, requires_grad=True))

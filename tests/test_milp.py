@@ -1,4 +1,4 @@
-"""`remat._milp`: the planners' solver finds optima and bounds, says when nothing is feasible, and prints
+"""`remat._deciding._milp`: the planners' solver finds optima and bounds, says when nothing is feasible, and prints
 nothing, from the process's first solve on."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("highspy")
 
-from remat import _milp
+from remat._deciding import _milp
 
 
 def knapsack(values: list[float], weights: list[float], capacity: float, *, integral: bool) -> _milp.Solution:
@@ -90,7 +90,7 @@ def test_solving_prints_nothing_from_the_first_solve_on() -> None:
         import numpy as np
         import torch
         import remat
-        from remat import _milp
+        from remat._deciding import _milp
 
         for integral in (True, False):
             _milp.solve(

@@ -355,7 +355,7 @@ def test_limit_pinned_memory_refuses_what_is_not_a_byte_count(cap: Any) -> None:
 
 
 def test_the_pinned_cap_counts_bytes_until_the_host_copy_is_freed() -> None:
-    from remat import _offload
+    from remat._storing import _offload
 
     previous = remat.limit_pinned_memory(100)
     in_use = _offload.pinned_bytes_in_use()
@@ -406,7 +406,7 @@ def test_cuda_saved_values_are_pinned_host_tensors() -> None:
         loss = f(*args)
     host = [t for t in packed if t.device.type == "cpu"]
     assert len(host) == 2 and all(t.is_pinned() for t in host)
-    assert remat._offload.pinned_bytes_in_use() >= sum(t.untyped_storage().nbytes() for t in host)
+    assert remat._storing._offload.pinned_bytes_in_use() >= sum(t.untyped_storage().nbytes() for t in host)
     loss.backward()
 
 
@@ -513,7 +513,7 @@ def test_budget_offload_needs_seconds() -> None:
 
 
 def test_exposed_copy_time_is_what_compute_after_the_producer_does_not_hide() -> None:
-    from remat._budget import HostLink
+    from remat._deciding._budget import HostLink
 
     link = HostLink(seconds_per_byte=1.0, compute=(5.0, 1.0, 1.0))
     assert link.exposed_seconds([0, 0, 0]) == 0
@@ -537,7 +537,7 @@ def test_copying_on_the_cpu_holds_only_in_the_thread_that_asked_for_it() -> None
     # The testing switch is a context variable: no process-wide state another thread could see.
     import threading
 
-    from remat import _offload
+    from remat._storing import _offload
 
     tensor = torch.ones(3)
     seen: dict[str, bool] = {}

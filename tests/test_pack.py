@@ -1,4 +1,4 @@
-"""`remat.PACK`: kept booleans and dropout's masks as bits, exactly (remat/_bits.py, NOTE [values kept as
+"""`remat.PACK`: kept booleans and dropout's masks as bits, exactly (remat/_storing/_bits.py, NOTE [values kept as
 bits])."""
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_a_value_read_through_a_test_composes_with_torch_func(name: str) -> None
 def test_the_stand_in_passes_each_test_as_the_value_does() -> None:
     # What the gradient formulas compute from a stand-in equals what they compute from the value, for every
     # kind of number and bound, NaN and infinities included.
-    from remat import _bits
+    from remat._storing import _bits
 
     special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 0.5, -0.5, 6.0, 1e-30, -1e30]
     value = torch.tensor(special + torch.randn(20).tolist(), dtype=torch.float64)

@@ -408,7 +408,7 @@ def test_trace_and_report_change_no_buffer():
 
 def test_the_pure_forward_is_built_only_when_a_second_derivative_needs_it() -> None:
     # First derivatives never run the pure forward: it is built on its first call, once.
-    from remat._inspect import _joint_of
+    from remat._api._inspect import _joint_of
 
     f = remat.checkpoint(lambda x: x.exp().sin().sum(), policy=remat.policies.save_everything)
     x = torch.randn(4, dtype=torch.float64, requires_grad=True)

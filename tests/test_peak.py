@@ -18,7 +18,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import remat
 from remat import policies
 from remat import testing as rt
-from remat._peak import peak_of
+from remat._partitioning._peak import peak_of
 from remat.testing import assert_checkpoint_equivalent
 
 # A probe in the function: its backward runs after the backward of everything computed from its
@@ -168,7 +168,7 @@ def test_the_peak_counts_generator_states() -> None:
 @pytest.mark.parametrize("policy", [policies.save_nothing, policies.save_everything, policies.pack_everything])
 def test_without_generator_states_the_peak_is_what_memtracker_measures(policy: remat.Policy) -> None:
     # As `remat.fit` predicts its plans (NOTE [generator states in the peak]).
-    from remat._peak import peak_of
+    from remat._partitioning._peak import peak_of
 
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.dropout(torch.tanh(x @ w), 0.2).sum()

@@ -376,9 +376,9 @@ def test_report_of_a_checkpointed_function_reuses_its_cached_decisions_and_progr
     f(*_args())
     expected = remat.report(two_matmuls, *_args(), policy=save_calls(1))
     partitions = []
-    partition = remat._inspect.partition
-    monkeypatch.setattr(remat._inspect, "partition", lambda *a: partitions.append(1) or partition(*a))
-    monkeypatch.setattr(remat._inspect, "decide_nested", lambda *a: pytest.fail("decided again"))
+    partition = remat._api._inspect.partition
+    monkeypatch.setattr(remat._api._inspect, "partition", lambda *a: partitions.append(1) or partition(*a))
+    monkeypatch.setattr(remat._api._inspect, "decide_nested", lambda *a: pytest.fail("decided again"))
     report = remat.report(f, *_args())
     assert partitions == []
     assert [row.decision for row in report.rows] == [R, S, R, R]

@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from remat import _quirks, _torch
-from remat._contexts import dispatch_keys_put_back
+from remat._core._contexts import dispatch_keys_put_back
 from remat._quirks import Quirk
 
 aten = torch.ops.aten
@@ -406,4 +406,4 @@ def test_only_the_registry_names_the_ops_of_its_entries_for_their_reason() -> No
             if isinstance(node, ast.Attribute) and node.attr in watched:
                 named.setdefault(node.attr, []).append(f"{path.relative_to(package)}:{node.lineno}")
     assert not named, named
-    assert re.search(r"_quirks\.", (package / "_partition.py").read_text())
+    assert re.search(r"_quirks\.", (package / "_partitioning" / "_partition.py").read_text())

@@ -1,4 +1,4 @@
-"""`remat._rules`: the rules, written once, resolve decisions to what the programs keep, and their 0-1
+"""`remat._partitioning._rules`: the rules, written once, resolve decisions to what the programs keep, and their 0-1
 rows allow exactly that and nothing less (the least solution of the rows is the resolution)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import remat
-from remat._rules import (
+from remat._partitioning._rules import (
     AS_IS,
     KEPT,
     RECOMPUTED,
@@ -31,7 +31,7 @@ from remat.testing import functions, inputs
 
 pytest.importorskip("highspy")
 
-from remat import _milp
+from remat._deciding import _milp
 
 
 def _holds(rules: Rules, saved: set[int]) -> set[Atom]:

@@ -24,7 +24,7 @@ from torch import nn
 
 import remat
 from remat import checkpoint_modules
-from remat._sharing import same_value
+from remat._api._sharing import same_value
 
 DTYPE = torch.float64
 POLICIES = {

@@ -1,11 +1,11 @@
-"""The probe step's timeline (`remat._step`): what it counts at each segment's peak."""
+"""The probe step's timeline (`remat._memory._step`): what it counts at each segment's peak."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from remat import _step
+from remat._memory import _step
 
 
 def _buffer(recorder: _step._Recorder, nbytes: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Where a kept value lives (remat/_storage.py): one type that every stage reads, so that a new kind of
+"""Where a kept value lives (remat/_storing/_storage.py): one type that every stage reads, so that a new kind of
 storage is one module and one registration (NOTE [kinds of storage])."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import remat
-from remat import _storage, policies
-from remat._storage import BITS, DEVICE, HOST, Storage, storage_of
+from remat import policies
+from remat._storing import _storage
+from remat._storing._storage import BITS, DEVICE, HOST, Storage, storage_of
 
 
 def test_each_decision_names_its_storage() -> None:

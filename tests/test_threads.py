@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import remat
-import remat._rng
+import remat._core._rng
 from remat import policies
 
 DTYPE = torch.float64
@@ -106,8 +106,8 @@ class _SlowGenerator:
 @pytest.fixture
 def racy_generator_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Widen the window between reading a generator's state and drawing from it."""
-    resolve = remat._rng._resolve
-    monkeypatch.setattr(remat._rng, "_resolve", lambda *args: _SlowGenerator(resolve(*args)))
+    resolve = remat._core._rng._resolve
+    monkeypatch.setattr(remat._core._rng, "_resolve", lambda *args: _SlowGenerator(resolve(*args)))
 
 
 @pytest.mark.usefixtures("racy_generator_reads")

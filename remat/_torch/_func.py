@@ -138,7 +138,7 @@ def inplace_requires_grad_allowed() -> Iterator[None]:
 def runs_per_example_under_vmap(name: str) -> bool:
     """Whether vmap runs the aten op `name` example by example (its boxed fallback): a composite op with
     neither a batching rule nor a decomposition or randomness rule registered for vmap. See NOTE [ops vmap
-    runs example by example] in `remat/_noting_modes.py`."""
+    runs example by example] in `remat/_eager/_noting_modes.py`."""
     qualified = f"aten::{name}"
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     try:

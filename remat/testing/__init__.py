@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from .. import _offload
+from .._storing import _offload
 from ._catalog import (
     AS_STRIDED_WRITES,
     CATALOG,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .._checkpointed import DEFAULT_CACHE_SIZE, Checkpointed
+from .._api._checkpointed import DEFAULT_CACHE_SIZE, Checkpointed
 
 __all__ = [
     "AS_STRIDED_WRITES",

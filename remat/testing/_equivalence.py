@@ -14,7 +14,7 @@ from typing import Any
 import optree
 import torch
 
-from .._checkpoint import checkpoint as _remat_checkpoint
+from .._api._checkpoint import checkpoint as _remat_checkpoint
 from ._runs import (
     CallPlan,
     ComparedState,

@@ -17,8 +17,8 @@ import torch
 from hypothesis import strategies as st
 
 from .. import policies as _policies
-from .._calls import Call, Decision, Trace
-from .._storage import exact
+from .._core._calls import Call, Decision, Trace
+from .._storing._storage import exact
 from ._catalog import (
     AS_STRIDED_WRITES,
     CATALOG,

@@ -18,8 +18,8 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import _objects
-from .._pytree import NAMESPACE
+from .._core import _objects
+from .._core._pytree import NAMESPACE
 from .._torch import import_jvp_decompositions
 
 __all__ = [
