@@ -10,7 +10,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -130,8 +130,7 @@ class _Recorder:
         self.owners: dict[Any, int] = {}  # gathered storage: id of the block module whose parameter it is
         self.gradients: list[_Life] = []  # of full-size gradients of gathered parameters
         self.buffers: list[_Life] = []  # of all-gathers' outputs
-        self.copied: dict[_Life, list[Any]] = {}  # a buffer's life: the storages it was copied out into
-        self.copied_at: dict[_Life, int] = {}  # a buffer's life: when it was copied out
+        self.copied: dict[_Life, _CopyOut] = {}  # a buffer's life: when and into which storages it was copied out
         self.hooked: dict[int, Any] = {}  # gathered parameters: their post-accumulate-grad hook's handle
 
     # --- bytes -----------------------------------------------------------------------------------------
@@ -150,12 +149,17 @@ class _Recorder:
 
     def _reached(self, nbytes: int, op: str) -> None:
         """`nbytes` are live at once now, the last of them made by `op`."""
-        self.highs.extend([0] * (self.sequence + 1 - len(self.highs)))
-        self.highs[self.sequence] = max(self.highs[self.sequence], nbytes)
+        self._note_high(nbytes)
         if nbytes > self.segment_peak:
             self.segment_peak, self.segment_op, self.segment_resized = nbytes, op, self.resized_live
             self.segment_peak_at = self.sequence
         self.peak = max(self.peak, nbytes)
+
+    def _note_high(self, nbytes: int) -> None:
+        """`nbytes` are live at this moment (each moment starts with `sequence` counted up by one)."""
+        if len(self.highs) <= self.sequence:
+            self.highs.append(0)
+        self.highs[self.sequence] = max(self.highs[self.sequence], nbytes)
 
     def resized(self, storage: torch.UntypedStorage, op: str) -> None:
         """`storage` was resized in place (FSDP2 frees and remakes unsharded parameters so: NOTE [storages
@@ -208,8 +212,7 @@ class _Recorder:
         """`buffer`, an all-gather's output, was copied out `into` parameters' storages: it held theirs."""
         life = self.lives.get(storage_key(buffer))
         if life is not None and life in self.buffers:
-            self.copied[life] = [StorageWeakRef(t.untyped_storage()) for t in into]
-            self.copied_at[life] = self.sequence
+            self.copied[life] = _CopyOut(self.sequence, [StorageWeakRef(t.untyped_storage()) for t in into])
 
     def _reads_gathered(self, module: torch.nn.Module) -> None:
         """`module` runs (its forward or backward): its gathered parameters are its own, and their
@@ -247,7 +250,7 @@ class _Recorder:
             )
         )
         self.sequence += 1  # the next segment's first moment: what is live when it starts
-        self._reached(self.total, "")
+        self._note_high(self.total)
         self.phase, self.in_call = phase, call
         self.segment_peak, self.segment_op, self.segment_resized = self.total, "", self.resized_live
         self.segment_peak_at = self.segment_start = self.sequence
@@ -287,6 +290,13 @@ class _Recorder:
 
 
 recorder: _Recorder | None = None  # set while a probe step runs (one at a time)
+
+
+class _CopyOut(NamedTuple):
+    """An all-gather's buffer copied out: when, and into which storages (of the parameters it held)."""
+
+    at: int
+    into: list[Any]
 
 
 @dataclasses.dataclass(eq=False)  # one per life: compared by identity
@@ -488,7 +498,8 @@ def timeline_of(done: _Recorder, gradients: int) -> Timeline:
         )
         buffers = [life for life in done.buffers if life.at(moment)] + late
         for life in buffers:
-            if {done.owners.get(key) for key in done.copied.get(life, ())} & others:
+            copy = done.copied.get(life)
+            if copy is not None and {done.owners.get(key) for key in copy.into} & others:
                 prefetched += life.nbytes
         unreduced = sum(life.nbytes for life in done.gradients if life.at(moment))
         resized = in_place + sum(life.nbytes for life in buffers)
@@ -507,7 +518,7 @@ def _freed_late(done: _Recorder) -> list[tuple[_Life, int, int]]:
     block_ends = [s.end for s in done.segments if s.phase is not Phase.OUTSIDE]
     late = []
     for life in done.buffers:
-        copied_at = done.copied_at.get(life, life.start)
+        copied_at = done.copied[life].at if life in done.copied else life.start
         until = next((end for end in block_ends if end >= copied_at), None)
         if life.end is not None and until is not None and until > life.end:
             late.append((life, life.end, until))
