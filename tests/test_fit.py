@@ -196,6 +196,30 @@ def test_gradients_match_eager_in_float64() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf input", "non-leaf input"])
+def test_a_signature_planned_at_call_time_leaves_the_callers_batch_alone(leaf: bool) -> None:
+    # NOTE [the probe step runs on copies of the batch]: run on the caller's tensors, the probe step's
+    # backward doubled a leaf input's gradient (issue 69) and ran into the graph behind a non-leaf one.
+    model, reference = mlp_stack(n=3, dtype=torch.float64), mlp_stack(n=3, dtype=torch.float64)
+    example = torch.randn(64, 32, dtype=torch.float64)  # does not require grad: the call below replans
+    eager, lowest = eager_and_lowest(model, MLPBlock, example)
+    remat.fit(model, MLPBlock, example, peak_bytes=(eager + lowest) // 2, loss=square_loss)
+    grads = []
+    for m in (model, reference):
+        start = torch.randn(48, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        start.requires_grad_()
+        x = start if leaf else start * 2
+        if not leaf:
+            x.retain_grad()
+        for p in m.parameters():
+            p.grad = None
+        square_loss(m(x)).backward()
+        grads.append([start.grad, x.grad, *(p.grad for p in m.parameters())])
+    assert len(model.forward.planner.fits.items()) == 2
+    for got, expected in zip(*grads, strict=True):
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.slow
 def test_blocks_of_one_structure_may_get_different_plans() -> None:
     model, x = mlp_stack(n=6), torch.randn(256, 32)

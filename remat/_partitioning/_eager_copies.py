@@ -11,6 +11,7 @@ did not see, `run_under_no_grad` for a view `fn` took under no_grad.
 from __future__ import annotations
 
 import contextvars
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -53,7 +54,10 @@ def eager_copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -
         copy.target = run_rrelu_as_eager
     elif node.target in _UPDATING_BATCH_NORM:
         copy.target, copy.args = _batch_norm_updating_copies, (node.target, *copy.args)  # type: ignore[arg-type]
-    if stacked_under_vmap(node):
+    if stacked_under_vmap(node) and copy.target is operator.getitem:
+        # (A program's code names a builtin target by name but prints an argument by its repr.)
+        copy.target = _item_stacked_under_vmap
+    elif stacked_under_vmap(node):
         copy.target, copy.args = _as_stacked_under_vmap, (copy.target, *copy.args)  # type: ignore[arg-type]
     return copy
 
@@ -66,7 +70,16 @@ STACKS_UNDER_VMAP: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_
 def _as_stacked_under_vmap(op: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """`op(*args, **kwargs)`, the value of an op vmap runs example by example: contiguous where vmap's stack
     of the examples' values is (NOTE [ops vmap runs example by example] in `remat/_eager/_noting_modes.py`)."""
-    value = op(*args, **kwargs)
+    return _stacked(op(*args, **kwargs))
+
+
+def _item_stacked_under_vmap(values: Sequence[Any], index: int) -> Any:
+    """`values[index]`, one value of an op vmap runs example by example (`embedding_bag`'s): as
+    `_as_stacked_under_vmap`."""
+    return _stacked(values[index])
+
+
+def _stacked(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and STACKS_UNDER_VMAP.get() and vmap_levels(value):
         return value.contiguous()
     return value

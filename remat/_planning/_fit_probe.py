@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from .._api._apply import CheckpointedForward
+from .._core._objects import closed, opened
+from .._core._pytree import NAMESPACE
 from .._memory import _step
 from .._memory._gpu import attention_as_on_the_gpu
 from .._memory._measure import storage_key, storage_nbytes
@@ -116,6 +118,7 @@ def _stepping(
     `device` to plan a model on meta for, on fake tensors of that device (NOTE [planning on the meta
     device]). The blocks' traces made on fakes are dropped after."""
     if device is None:
+        args, kwargs = _copies_of_the_batch(args, kwargs)
         yield (lambda: model(*args, **kwargs)), [p for p in model.parameters() if p.requires_grad], None
         return
     from .._torch import FakeTensorMode
@@ -142,6 +145,34 @@ def _stepping(
     finally:
         for forward in fitted_blocks(model).values():
             forward.cache_clear()
+
+
+# NOTE [the probe step runs on copies of the batch]
+# A fitted model plans a new signature when it is called, on the caller's own
+# batch, before that call runs. The probe step is a whole training step: run on
+# the caller's tensors, its backward would leave a gradient in a leaf input
+# (which the real step then doubles) and backpropagate through a non-leaf one
+# into the caller's graph; a forward that writes into its input would write
+# twice. It runs on copies instead: each tensor of the batch cut from its graph
+# and copied in its own layout (so the signature planned is the caller's), with
+# its `requires_grad`. A tensor with gaps or overlapping elements, whose
+# layout a copy does not keep, is only cut from its graph (such a tensor cannot
+# be written in place). The copies were live before the step, as the batch is,
+# so the step's peak above that is the same.
+def _copies_of_the_batch(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Sequence[Any], dict[str, Any]]:
+    """`args` and `kwargs` with every tensor a copy the probe step may use freely: NOTE [the probe step runs
+    on copies of the batch]."""
+
+    def copy(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        copied = leaf.detach().clone()
+        if copied.stride() != leaf.stride():
+            copied = leaf.detach()
+        return copied.requires_grad_(leaf.requires_grad)
+
+    tree = optree.tree_map(copy, opened((tuple(args), kwargs), NAMESPACE), namespace=NAMESPACE)
+    return closed(tree, NAMESPACE)  # type: ignore[no-any-return]
 
 
 def probe_step(

@@ -1,0 +1,58 @@
+"""torch's nn layers under `remat.checkpoint` and `remat.checkpoint_modules`, checked against eager.
+
+Layers a user meets first: each runs under the policies that keep least, keep the matmuls and keep
+everything, at first and second order, and must give eager's outputs, gradients and buffers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from remat import policies
+from remat.testing import assert_checkpoint_equivalent
+
+POLICIES = pytest.mark.parametrize(
+    "policy",
+    [policies.save_nothing, policies.dots_saveable, policies.save_everything],
+    ids=["save_nothing", "dots_saveable", "save_everything"],
+)
+
+_BAGS = [
+    (mode, weighted, padding, offsets)
+    for mode, weighted, padding, offsets in itertools.product(
+        ["sum", "mean", "max"], [False, True], [None, 2], [False, True]
+    )
+    if not weighted or mode == "sum"  # torch takes per-sample weights in "sum" mode only
+]
+
+
+@POLICIES
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+@pytest.mark.parametrize(("mode", "weighted", "padding", "offsets"), _BAGS, ids=str)
+def test_regression_embedding_bag(mode: str, weighted: bool, padding: int | None, offsets: bool, policy: Any) -> None:
+    # The bag's value is a getitem of `_embedding_bag`'s, which vmap runs example by example; the program
+    # printed that getitem as an argument, and its code did not compile under any policy (issue 69).
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(10, 8, mode=mode, padding_idx=padding).double()
+    linear = nn.Linear(8, 4).double()
+    if offsets:
+        indices, starts = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+    else:
+        indices, starts = torch.randint(0, 10, (3, 4)), None
+    weights = torch.randn(indices.shape, dtype=torch.float64, requires_grad=True)
+
+    def fn(weights: torch.Tensor) -> torch.Tensor:
+        return linear(bag(indices, starts, per_sample_weights=weights if weighted else None)).tanh()
+
+    assert_checkpoint_equivalent(
+        fn,
+        weights,
+        policy=policy,
+        params=[*bag.parameters(), *linear.parameters()],
+        transforms=["grad", "vmap", "grad_of_grad", "double_backward"],
+    )
