@@ -788,3 +788,100 @@ def test_create_graph_gradients_meet_in_eager_order_past_a_kept_value(saved: int
     )
     (expected,) = torch.autograd.grad(fn(x).sum(), x, create_graph=True)
     assert grad.stride() == expected.stride() == (1, 2)
+
+
+# --- a kept copy of an input, differentiated again -------------------------------------------------------
+
+_W = torch.linspace(-1.5, 2.0, 3, dtype=torch.float64).requires_grad_()
+
+
+class _DoubledInPlace(torch.autograd.Function):
+    """Doubles its input in place and marks it dirty."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+_inner = remat.checkpoint(lambda x: (x * _W).sin())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "policy", [policies.save_nothing, policies.save_everything], ids=["save_nothing", "save_everything"]
+)
+@pytest.mark.parametrize(
+    ("fn", "n_args"),
+    [
+        (lambda x: (x * _W, x), 1),
+        (lambda a, b: (b * _W, a.sin(), a), 2),
+        (lambda a, b: (b * _W, a.sin(), a.unsqueeze(0).t()), 2),
+        (lambda x: (x * _W, x[0]), 1),
+        (lambda x: (_inner(x), x.unsqueeze(-1).permute(1, 0)), 1),
+    ],
+    ids=[
+        "an input returned",
+        "an input returned beside a sin",
+        "a transposed view returned",
+        "an element returned",
+        "nested",
+    ],
+)
+def test_regression_a_second_derivative_beside_a_returned_input_ends(
+    fn: Callable[..., Any], n_args: int, policy: Any
+) -> None:
+    # An input the function returns is kept as a copy, an output of the Function; the backward that will be
+    # differentiated differentiated with respect to it, which led autograd back into the same backward,
+    # without end (issue 69). NOTE [kept activations are outputs]
+    args = [_float64(3) for _ in range(n_args)]
+    assert_checkpoint_equivalent(
+        fn, *args, policy=policy, params=[_W], transforms=["grad", "grad_of_grad", "double_backward"]
+    )
+
+
+@pytest.mark.timeout(60)
+def test_regression_a_second_derivative_of_an_input_returned_runs_the_backward_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from remat._running import _execute
+
+    runs = []
+    backward = _execute._CheckpointFunction._backward
+    monkeypatch.setattr(
+        _execute._CheckpointFunction, "_backward", staticmethod(lambda ctx, *g: runs.append(1) or backward(ctx, *g))
+    )
+    start = _float64(3).detach()
+
+    def second_derivative(f: Callable[..., Any]) -> list[torch.Tensor]:
+        x = start.clone().requires_grad_()
+        _W.grad = None
+        a, b = f(x)
+        (grad,) = torch.autograd.grad(a.sum() + b.square().sum(), x, create_graph=True)
+        grad.sum().backward()
+        return [grad.detach(), x.grad, _W.grad]
+
+    expected = second_derivative(lambda x: (x * _W, x))
+    got = second_derivative(remat.checkpoint(lambda x: (x * _W, x)))
+    assert 1 <= len(runs) <= 3
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "policy", [policies.save_nothing, policies.save_everything], ids=["save_nothing", "save_everything"]
+)
+def test_regression_a_function_that_doubles_its_input_in_place_is_applied_again_on_its_input(policy: Any) -> None:
+    # Its argument was placed in the graph after its forward had updated it: it was its own output, and
+    # building the program that applies it again never ended (issue 69).
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        s = F.softsign(x)
+        t = s * s.exp()
+        return _DoubledInPlace.apply(s) * _W + t
+
+    assert_checkpoint_equivalent(fn, _float64(3), policy=policy, params=[_W], transforms=SECOND_ORDER)

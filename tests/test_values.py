@@ -198,6 +198,38 @@ def test_a_masked_assignment_before_a_batch_norm_with_a_cumulative_average() -> 
 # --- values Python reads --------------------------------------------------------------------------
 
 
+class _NormThenTwoLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(8, momentum=None)  # the average reads `num_batches_tracked`
+        self.up, self.down = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(self.norm(x)).relu())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_regression_blocks_with_a_cumulative_batch_norm_average_under_checkpoint_modules(seed: int) -> None:
+    # Discovery's run of the block incremented `num_batches_tracked` in the real copy the trace with values
+    # then read too, whenever the fake mode's memo of storages handed that copy on (it depended on what
+    # memory was reused): the trace read 2 where the call read 1, and was refused (issue 69).
+    import copy
+
+    torch.manual_seed(seed)
+    eager = torch.nn.Sequential(_NormThenTwoLinear(), _NormThenTwoLinear()).double()
+    model = copy.deepcopy(eager)
+    remat.checkpoint_modules(model, _NormThenTwoLinear)
+    for call in range(3):
+        x = randn(16, 8, seed=call)
+        for m in (eager, model):
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+        for (name, got), expected in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
+            assert torch.equal(got, expected), (call, name)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=f"call {call}: {name}")
+
+
 def branches(x: torch.Tensor) -> torch.Tensor:
     y = torch.nn.functional.dropout(x, 0.5, training=True)  # draws before the value is read
     if (y > 0).sum() > 2:

@@ -52,25 +52,29 @@ class ApplicationRecorder:
     def __init__(self, graph: fx.Graph, substitute: Callable[[Any], Any]):
         self.graph = graph
         self.substitute = substitute  # a closed-over tensor -> the graph input standing for it
-        self.started_after: list[fx.Node] = []
+        # per application running: the graph's last node before it, and its arguments as graph nodes
+        self.started_after: list[tuple[fx.Node, Any]] = []
 
-    def started(self) -> None:
-        self.started_after.append(next(iter(reversed(self.graph.nodes))))
+    def started(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # The arguments are placed before the forward runs: one it updates in place (and marks dirty) is the
+        # node of its new value after, which is the application's output.
+        try:
+            arguments = _with_nodes((args, kwargs), self._node_of)
+        except _Unplaced:
+            arguments = None
+        self.started_after.append((next(iter(reversed(self.graph.nodes))), arguments))
 
     def finished(self, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Any) -> None:
-        before = self.started_after.pop()
+        before, arguments = self.started_after.pop()
         region, node = [], before.next
         while node.op != "root":
             region.append(node)
             node = node.next
         found = [self._node_of(t) for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
         placed = [n for n in found if n is not None]
-        if len(placed) < len(found):
+        if len(placed) < len(found) or arguments is None:
             return
-        try:
-            args, kwargs = _with_nodes((args, kwargs), self._node_of)
-        except _Unplaced:
-            return
+        args, kwargs = arguments
         application = CustomApplication(cls, args, kwargs, tuple(placed), tuple(region))
         for index, output in enumerate(placed):
             note_application(output, application, index)

@@ -14,6 +14,7 @@ forward serves higher-order derivatives and forward mode.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Sequence
 
@@ -138,6 +139,15 @@ class Programs:
     kept: tuple[Kept, ...]
     decisions: tuple[Decision, ...]
 
+    @functools.cached_property
+    def input_copies(self) -> dict[int, int]:
+        """The activations that are copies of inputs (NOTE [kept inputs]): activation index -> primal index."""
+        return {
+            self.kept[i].where.index: primal  # type: ignore[union-attr]
+            for i, primal in self.pure_inputs
+            if isinstance(self.kept[i].where, KeptActivation)
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class _Split:
@@ -233,7 +243,8 @@ def partition(joint: JointGraph, decisions: Sequence[Decision], *, forward_mode:
         ),
         output_sources=(
             *_output_sources(joint, returned),
-            *([frozenset(range(len(joint.primals)))] * len(activations)),  # kept values: never marked here
+            # kept values: never marked here; a copy of an input has a derivative from that input alone
+            *(frozenset({primal_index[a]} if a in copied else range(len(joint.primals))) for a in activations),
             *([frozenset()] * len(random_states)),
         ),
         kept=tuple(kept),

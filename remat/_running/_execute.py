@@ -120,6 +120,17 @@ def run(executable: Executable, primals: list[torch.Tensor]) -> tuple[torch.Tens
 # reaches this Function's backward as their cotangents, and is carried on to
 # the inputs by differentiating the pure forward. See NOTE [differentiating the
 # forward again].
+#
+# A kept copy of an input (NOTE [kept inputs]) is such an output too, and the
+# backward that will be differentiated differentiates the pure forward with
+# respect to it: the gradient it gives reads the copy, so the graph behind it
+# leads back into this Function. Autograd, asked there for the gradient of an
+# input this Function also reads (a parameter), runs this Function's backward to
+# see whether that path reaches it, with a cotangent for the copy alone; and
+# differentiating the pure forward again would ask again, without end. The
+# copy's derivative is the identity of its input: a backward that gets
+# cotangents for copies of inputs only hands them on as those inputs'
+# gradients, and asks autograd nothing.
 class _CheckpointFunction(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -187,6 +198,8 @@ class _CheckpointFunction(torch.autograd.Function):
         taken = getattr(ctx, "remat_taken_grads", None)
         if taken:
             grads = taken.pop()
+        if _for_input_copies_only(programs, grads):  # See NOTE [kept activations are outputs].
+            return (None, *_gradients_of_input_copies(executable, grads))
         kept, anchor = _saved(ctx, programs)
         if differentiated_again(programs, kept, grads):  # See NOTE [a backward that will be differentiated].
             return (None, *pure_vjp(programs, kept, grads, ctx.needs_input_grad[1:]))
@@ -359,9 +372,13 @@ def _marked_non_differentiable(ctx: Any, programs: Programs) -> Iterator[bool]:
     tangents without requiring grad.
     """
     per_level = not programs.traced_for_forward_mode and functorch_active()
+    # A kept copy of an input that does not require grad has no derivative (NOTE [kept activations are
+    # outputs]), though autograd takes every output of a Function to have one from every input.
+    n_returned = len(programs.returned)
+    copies = () if programs.traced_for_forward_mode else {n_returned + k for k in programs.input_copies}
     needs_grad = ctx.needs_input_grad[1:]
-    for skip, sources in zip(programs.non_differentiable, programs.output_sources, strict=True):
-        yield skip or (per_level and not any(needs_grad[i] for i in sources))
+    for position, (skip, sources) in enumerate(zip(programs.non_differentiable, programs.output_sources, strict=True)):
+        yield skip or ((per_level or position in copies) and not any(needs_grad[i] for i in sources))
 
 
 def _as_seen_by_autograd(ctx: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -373,11 +390,38 @@ def _as_seen_by_autograd(ctx: Any, outputs: list[torch.Tensor]) -> list[torch.Te
     return outputs
 
 
+def _for_input_copies_only(programs: Programs, grads: Sequence[torch.Tensor | None]) -> bool:
+    """Whether the only cotangents are those of kept copies of inputs (NOTE [kept activations are outputs])."""
+    n_returned = len(programs.returned)
+    given = [k for k, g in enumerate(grads) if g is not None]
+    return bool(given) and all(k - n_returned in programs.input_copies for k in given)
+
+
+def _gradients_of_input_copies(
+    executable: Executable, grads: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """The inputs' gradients for the cotangents of kept copies of them: the same cotangents, on the inputs'
+    devices (that of an offloaded copy is in host memory, as the copy was)."""
+    programs = executable.programs
+    n_returned = len(programs.returned)
+    device = {primal: programs.kept[i].node.meta["val"].device for i, primal in programs.pure_inputs}
+    result: list[torch.Tensor | None] = [None] * executable.n_primals
+    for index, primal in programs.input_copies.items():
+        grad = grads[n_returned + index]
+        if grad is not None:
+            _accumulate_one(result, primal, grad.to(device[primal]))
+    return result
+
+
+def _accumulate_one(into: list[torch.Tensor | None], i: int, grad: torch.Tensor) -> None:
+    current = into[i]
+    into[i] = grad if current is None else current + grad
+
+
 def _accumulate(into: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
     for i, grad in enumerate(grads):
         if grad is not None:
-            current = into[i]
-            into[i] = grad if current is None else current + grad
+            _accumulate_one(into, i, grad)
 
 
 _apply_without_binding = apply_without_binding(_CheckpointFunction)

@@ -36,6 +36,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from .. import _quirks
 from ._frames import is_user_code
+from ._func import is_functorch_wrapped
 from ._ops import inherit_higher_order_rules
 from ._releases import RELEASE_NUMBERS
 
@@ -53,6 +54,7 @@ __all__ = [
     "UncheckedRealValuesFakeMode",
     "UnsupportedOperatorException",
     "carry_real_values",
+    "put_back_real_values",
     "dense_without_overlap",
     "elementwise_output_strides",
     "forget_pending_sizes",
@@ -262,6 +264,18 @@ def carry_real_values(fakes: Sequence[Any], originals: Sequence[Any]) -> None:
         real = getattr(original, "real_tensor", None)
         if real is not None:
             fake.real_tensor = real
+
+
+def put_back_real_values(fakes: Sequence[Any], originals: Sequence[torch.Tensor]) -> None:
+    """Give each fake's real data its original's values again. A fake made from a tensor whose storage the
+    fake mode has already seen shares the real copy made then (its memo of storages), which an earlier run
+    of `fn` on the same fake mode (remat's discovery pass) may have updated in place: a buffer `fn`
+    increments would be read incremented twice."""
+    with unset_fake_temporarily(), torch.no_grad():
+        for fake, original in zip(fakes, originals, strict=True):
+            real = getattr(fake, "real_tensor", None)
+            if real is not None and real.shape == original.shape and not is_functorch_wrapped(original):
+                real.copy_(original.detach())
 
 
 def insert_value_checks(graph_module: Any, shape_env: ShapeEnv) -> tuple[set[str], dict[str, str | None]]:

@@ -32,7 +32,7 @@ __all__ = [
 class FunctionApplications(Protocol):
     """What `function_applications_noted` tells about the custom autograd Functions applied."""
 
-    def started(self) -> None: ...
+    def started(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None: ...
 
     def finished(self, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Any) -> None: ...
 
@@ -62,7 +62,7 @@ def _noted(
     listener = _noting.listener
     if listener is None or _noting.depth:
         return run()
-    listener.started()
+    listener.started(args, kwargs)
     _noting.depth += 1
     try:
         outputs = run()

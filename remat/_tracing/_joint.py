@@ -49,6 +49,7 @@ from .._torch import (
     lazy_graph_modules,
     make_fx,
     outside_compilers_tracing,
+    put_back_real_values,
     real_values_traced,
     unset_fake_temporarily,
 )
@@ -237,6 +238,8 @@ def _make_joint_graph(
 ) -> JointGraph:
     real_primals = [*flat_args.tensors, *discovery.closed_over]
     fake_primals = [fake_like(fake_mode, t) for t in real_primals]
+    if with_values:  # discovery ran `fn` on real data these fakes may share: NOTE [values Python reads]
+        put_back_real_values(fake_primals, real_primals)
     joint = ForwardThenBackward(
         fn, flat_args, roots, discovery, fake_primals, fake_mode, under_functorch, backward_in_grad_mode, with_values
     )
