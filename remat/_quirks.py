@@ -23,6 +23,7 @@ __all__ = [
     "CPU_KERNELS_CHOOSE_LAYOUTS",
     "DETACH_TRACES_AS_ALIAS",
     "IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD",
+    "IN_PLACE_OPS_FUNCTIONALIZATION_CANNOT_MAP",
     "ELEMENTWISE",
     "FAKE_BATCH_NORM_BACKWARD_IGNORES_MASK",
     "LINALG_CHECKS_ARE_EFFECTFUL",
@@ -429,6 +430,18 @@ SDPA_CHOOSES_BELOW_THE_DISPATCHER = Quirk(
     },
 )
 
+IN_PLACE_OPS_FUNCTIONALIZATION_CANNOT_MAP = Quirk(
+    ops=(aten.polygamma_.default,),
+    releases=None,
+    differs=(
+        "functionalization finds no functional form of `polygamma_(self, n)` (the functional op takes its "
+        "arguments the other way round, `polygamma(n, self)`), and raises torch's raw 'Found a custom "
+        "(non-ATen) operator whose output has alias annotations'"
+    ),
+    note="NOTE [in-place ops functionalization cannot map] (remat/_eager/_in_place.py)",
+    table={aten.polygamma_.default: lambda self, n: self.copy_(aten.polygamma.default(n, self))},
+)
+
 QUIRKS: tuple[Quirk, ...] = (
     DETACH_TRACES_AS_ALIAS,
     IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD,
@@ -449,4 +462,5 @@ QUIRKS: tuple[Quirk, ...] = (
     SAC_ERRORS_LEAVE_MODES_PUSHED,
     REGIONS_ALLOCATE_FOR_IN_PLACE_OPS,
     SDPA_CHOOSES_BELOW_THE_DISPATCHER,
+    IN_PLACE_OPS_FUNCTIONALIZATION_CANNOT_MAP,
 )

@@ -353,3 +353,105 @@ def test_attention_under_grad_of_jvp_of_vmap_is_eager_path_by_path() -> None:
     torch.testing.assert_close(ours["both"], ours["outputs"] + ours["tangents"], rtol=1e-15, atol=1e-20)
     off = (eager["both"] - (eager["outputs"] + eager["tangents"])).abs().max().item()
     assert off > 1e-14, "eager's gradient is the sum of its paths now: drop the pair from EAGER_WRONG"
+
+
+# --- in-place ops keep the layout of the tensor they write -------------------------------------------------
+# NOTE [in-place ops keep their tensor's layout]: every in-place variant OpInfo knows, and the in-place ops
+# it has no variant for, applied to a transposed tensor; a `randn_like` after each draws in its layout.
+
+_IN_PLACE_OPS = {f"{op.name}.{op.variant_test_name}".rstrip("."): op for op in op_db if op.inplace_variant is not None}
+# In-place ops that OpInfo has no in-place variant for (activations' `inplace=True`), each on a tensor.
+_IN_PLACE_WITHOUT_OPINFO = {
+    name: getattr(torch.ops.aten, name)
+    for name in [
+        "relu_",
+        "hardtanh_",
+        "leaky_relu_",
+        "elu_",
+        "celu_",
+        "selu_",
+        "silu_",
+        "mish_",
+        "hardsigmoid_",
+        "hardswish_",
+        "rrelu_",
+        "random_",
+        "bernoulli_",
+    ]
+}
+
+
+def _transposed(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s values in a transposed layout: dense, not contiguous."""
+    return tensor.detach().mT.contiguous().mT.detach()
+
+
+def _in_place_then_drawn(apply: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = x.mul(1.0)  # x's layout, and not a leaf: in place is allowed
+        apply(t)
+        return t, torch.randn_like(t)
+
+    return fn
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("without_opinfo_seeding")
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", sorted(_IN_PLACE_OPS))
+def test_an_in_place_variant_keeps_a_transposed_layout(name: str) -> None:
+    op = _IN_PLACE_OPS[name]
+    torch.manual_seed(0)
+    samples = op.sample_inputs("cpu", torch.float64, requires_grad=False)
+    sample = next(
+        (
+            s
+            for s in samples
+            if isinstance(s.input, torch.Tensor) and s.input.dim() >= 2 and min(s.input.shape[-2:]) > 1
+        ),
+        None,
+    )
+    if sample is None:
+        return  # (no sample of two dimensions: a layout is no matter of one)
+    fn = _in_place_then_drawn(lambda t: op.inplace_variant(t, *sample.args, **sample.kwargs))
+    x = _transposed(sample.input)
+    try:
+        fn(x.clone())
+    except RuntimeError:
+        return  # eager refuses the sample in place (an in-place op that would change the dtype, say)
+    remat.testing.assert_checkpoint_equivalent(fn, x.requires_grad_(), policy=policies.save_nothing)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", sorted(_IN_PLACE_WITHOUT_OPINFO))
+def test_an_in_place_op_without_an_opinfo_variant_keeps_a_transposed_layout(name: str) -> None:
+    op = _IN_PLACE_WITHOUT_OPINFO[name]
+    fn = _in_place_then_drawn(lambda t: op(t))
+    x = _transposed(torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    remat.testing.assert_checkpoint_equivalent(fn, x.requires_grad_(), policy=policies.save_nothing)
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda t: t.masked_fill_(t > 0, 1.5),
+        lambda t: t.scatter_(0, torch.zeros_like(t, dtype=torch.long), t.clone()),
+        lambda t: t.scatter_add_(0, torch.zeros_like(t, dtype=torch.long), t.clone()),
+        lambda t: t.scatter_reduce_(0, torch.zeros_like(t, dtype=torch.long), t.clone(), "amax"),
+        lambda t: t.index_add_(0, torch.tensor([0, 1]), t[:2].clone()),
+        lambda t: t.index_copy_(0, torch.tensor([1, 0]), t[:2].clone()),
+        lambda t: t.masked_scatter_(t > 0, torch.ones(t.numel(), dtype=t.dtype)),
+    ],
+    ids=["masked_fill_", "scatter_", "scatter_add_", "scatter_reduce_", "index_add_", "index_copy_", "masked_scatter_"],
+)
+def test_regression_in_place_index_ops_keep_a_permuted_layout(write: Callable[[torch.Tensor], Any]) -> None:
+    # Their functional forms return contiguous tensors: the written tensor came out contiguous, and a
+    # `randn_like` of it drew in another order, values off by up to 2.75 (issue 69).
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = x.permute(2, 1, 0).sin()
+        write(t)
+        return t, torch.randn_like(t)
+
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    for policy in (policies.save_nothing, policies.save_everything):
+        remat.testing.assert_checkpoint_equivalent(fn, x, policy=policy, transforms=["grad", "vmap"])

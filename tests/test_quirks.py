@@ -185,6 +185,21 @@ def _slice_scatter_refuses_negative_bounds_under_vmap() -> bool:
     return False
 
 
+def _in_place_ops_functionalization_cannot_map() -> bool:
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x.clone().polygamma_(1)
+
+    try:
+        with FunctionalTensorMode():
+            fn(torch.rand(3) + 0.5)
+    except RuntimeError as error:
+        assert "alias annotations" in str(error)
+        return True
+    return False
+
+
 def _batch_norm_functional_unbatched() -> bool:
     x, w = torch.randn(2, 5, 5, 5, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
     stats = torch.zeros(2, 5, dtype=torch.float64), torch.ones(2, 5, dtype=torch.float64)
@@ -362,6 +377,7 @@ PROBES: dict[str, Callable[[], bool]] = {
     "GRADIENTS_SWITCH_IN_GRAD_MODE": _gradients_switch_in_grad_mode,
     "SLICE_SCATTER_NEGATIVE_BOUNDS_UNDER_VMAP": _slice_scatter_refuses_negative_bounds_under_vmap,
     "BATCH_NORM_FUNCTIONAL_UNBATCHED": _batch_norm_functional_unbatched,
+    "IN_PLACE_OPS_FUNCTIONALIZATION_CANNOT_MAP": _in_place_ops_functionalization_cannot_map,
     "IN_PLACE_META_KERNELS_FAIL_UNDER_FORWARD_AD": _in_place_meta_kernels_fail_under_forward_ad,
     "TANGENT_FORMULAS_READ_STATISTICS": _tangent_formulas_read_statistics,
     "SAC_ASKS_AGAIN_WHILE_RECOMPUTING": _sac_asks_again_while_recomputing,

@@ -21,6 +21,8 @@ __all__ = [
     "note_application",
     "note_computed_without_grad",
     "note_stacked_under_vmap",
+    "note_written_in_place",
+    "written_in_place",
     "stacked_under_vmap",
     "StopGradient",
     "add_tag",
@@ -45,6 +47,7 @@ _STOPS, _SITE, _FILL, _TAGS, _DIFFERENTIABLE, _APPLICATION, _WITHOUT_GRAD = (
     "remat_computed_without_grad",
 )
 _STACKED = "remat_stacked_under_vmap"
+_IN_PLACE = "remat_in_place_in_base_layout"
 
 # Why `fn` computed a value where autograd does not see: through a `detach()`, under `no_grad`, or as
 # an in-place update under `no_grad` (see NOTE [differentiating the forward again]).
@@ -157,3 +160,13 @@ def stacked_under_vmap(node: fx.Node) -> bool:
 
 def note_stacked_under_vmap(node: fx.Node) -> None:
     node.meta[_STACKED] = True
+
+
+def written_in_place(node: fx.Node) -> bool:
+    """Whether `node` is the functional form of an in-place op (`masked_fill` for `masked_fill_`), whose
+    value eager lays out as the tensor it wrote into: NOTE [in-place ops keep their tensor's layout]."""
+    return bool(node.meta.get(_IN_PLACE))
+
+
+def note_written_in_place(node: fx.Node) -> None:
+    node.meta[_IN_PLACE] = True

@@ -76,6 +76,9 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
         super().__init__(*args, **kwargs)
         self.drawn_generators = DrawnGenerators()
         self.fill_strides: tuple[int, ...] | None = None  # eager's layout for the random fill traced next
+        # eager's layout for the functional form of the in-place op traced next: NOTE [in-place ops keep
+        # their tensor's layout]
+        self.in_place_layout: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (shape, strides)
 
     def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -100,6 +103,10 @@ class EagerLayoutFakeMode(UncheckedRealValuesFakeMode):
         if self.fill_strides is not None and torch.Tag.nondeterministic_seeded in func.tags:
             strides, self.fill_strides = self.fill_strides, None  # NOTE [random fills draw in eager's layout]
             if isinstance(result, torch.Tensor) and tuple(result.stride()) != strides:
+                return self._restrided(types, result, strides)
+        if self.in_place_layout is not None and isinstance(result, torch.Tensor):
+            (shape, strides), self.in_place_layout = self.in_place_layout, None
+            if tuple(result.shape) == shape and tuple(result.stride()) != strides:
                 return self._restrided(types, result, strides)
         erratum = FAKE_DTYPE_ERRATA.get(func)
         if erratum is not None:

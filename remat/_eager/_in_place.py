@@ -17,15 +17,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import _quirks
 from .._memory._measure import storage_key
-from .._torch import HigherOrderOperator, TorchDispatchMode, op_schema, random_calls_traced, trace_call, tree_leaves
-from ._facts import note_fill
+from .._torch import (
+    HigherOrderOperator,
+    OpOverload,
+    TorchDispatchMode,
+    calls_traced,
+    op_schema,
+    random_calls_traced,
+    trace_call,
+    tree_leaves,
+)
+from ._facts import note_fill, note_written_in_place
 from ._fake_kernels import EagerLayoutFakeMode
 from ._noting_modes import StackedUnderVmap
 from ._random_fills import RANDOM_FILLS, FillInEagerLayout, InsideDropout
@@ -133,12 +144,17 @@ class EagerFidelity(TorchDispatchMode):
             return aten.alias.default(args[0])
         if func is aten.expand.default and _only_adds_dims_of_one(args[0], args[1]):
             return aten.view.default(args[0], [1] * (len(args[1]) - args[0].dim()) + list(args[0].shape))
+        unmapped = _UNMAPPED_IN_PLACE.get(func)
+        if unmapped is not None:  # NOTE [in-place ops functionalization cannot map]
+            return unmapped(*args, **kwargs)
         written = _written_tensors(func, args, kwargs)
         for tensor in written:
             if may_overlap(tensor.shape, tensor.stride()):
                 raise OverlappingWrite(func, tensor.shape, tensor.stride())
             if _reads_what_it_writes(tensor, args, kwargs):  # NOTE [in-place ops that read what they write]
                 raise ReadsWhatItWrites(func)
+        if written and func.overloadpacket not in RANDOM_FILLS and _keeps_its_layout(func, args, written[0]):
+            return self._in_place_in_eager_layout(func, args, kwargs, written[0])
         if not written or func.overloadpacket not in RANDOM_FILLS:
             return trace_call(func, args, kwargs)
         target = written[0]
@@ -157,6 +173,73 @@ class EagerFidelity(TorchDispatchMode):
         if random_nodes:
             note_fill(random_nodes[0], fill)
         return result
+
+    def _in_place_in_eager_layout(self, func: Any, args: Any, kwargs: dict[str, Any], target: torch.Tensor) -> Any:
+        """Trace the in-place op `func` writing into `target`, its functional form laid out as `target`:
+        NOTE [in-place ops keep their tensor's layout]."""
+        shape, strides = tuple(target.shape), tuple(target.stride())
+        self.fake_mode.in_place_layout = (shape, strides)
+        try:
+            result, added = calls_traced(lambda: trace_call(func, args, kwargs))
+        finally:
+            self.fake_mode.in_place_layout = None
+        form = next((node for node in added if _is_functional_form(node, shape)), None)
+        if form is not None:
+            note_written_in_place(form)
+        return result
+
+
+# NOTE [in-place ops functionalization cannot map]
+# Functionalization runs an in-place op as its functional form, found by name
+# and arguments; for a few it finds none (`polygamma_(self, n)`, whose functional
+# op is `polygamma(n, self)`) and raises a raw error about alias annotations.
+# Such an op is traced as its definition: the functional op, copied into the
+# tensor it writes (`_quirks.IN_PLACE_OPS_FUNCTIONALIZATION_CANNOT_MAP`). Autograd,
+# above this mode, has recorded the in-place op's own derivative already.
+_UNMAPPED_IN_PLACE = _quirks.IN_PLACE_OPS_FUNCTIONALIZATION_CANNOT_MAP.table
+
+
+# NOTE [in-place ops keep their tensor's layout]
+# An in-place op leaves the tensor it writes in its layout; tracing rewrites it
+# as its functional form, whose kernel may lay out a new tensor otherwise
+# (`masked_fill`, `scatter`, `index_add`, `index_copy`, `masked_scatter`,
+# `scatter_reduce` return contiguous tensors whatever their input's layout).
+# The value then differs from eager's in its strides, and so does everything
+# laid out after it: a `randn_like` of it draws in another order. So the
+# functional form of each in-place op (found by its schema, not by a list) is
+# traced with the layout of the tensor it writes (the fake mode gives its
+# result those strides), its node is noted, and the programs run it in the
+# layout of its input, which is that tensor's (`_eager_copies`).
+def _keeps_its_layout(func: Any, args: Sequence[Any], target: torch.Tensor) -> bool:
+    """Whether `func` is an in-place op writing into its first argument, `target`, a dense tensor of
+    known strides, without changing its metadata (not `resize_`, `t_`, `set_`)."""
+    if not args or args[0] is not target or torch.Tag.inplace_view in func.tags:
+        return False
+    if func.overloadpacket in _CHANGE_METADATA or not func.name().split("::")[-1].split(".")[0].endswith("_"):
+        return False
+    shape, strides = target.shape, target.stride()
+    return all(isinstance(n, int) for n in (*shape, *strides)) and is_dense(shape, strides)
+
+
+def _is_functional_form(node: Any, shape: tuple[int, ...]) -> bool:
+    """Whether `node`, traced for an in-place op into a tensor of `shape`, is the value functionalization
+    gives that tensor: not a view it replays first, and computed from a tensor of that shape (the one
+    written); an output of a multi-output functional form (`rrelu_with_noise_functional`'s) counts."""
+    value = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+        return False
+    producer = node.args[0] if node.target is operator.getitem else node
+    target = getattr(producer, "target", None)
+    if not isinstance(target, OpOverload) or any(r.alias_info for r in op_schema(target).returns):
+        return False
+    first = producer.args[0] if producer.args else None
+    written = getattr(first, "meta", {}).get("val")
+    return isinstance(written, torch.Tensor) and tuple(written.shape) == shape
+
+
+_CHANGE_METADATA = frozenset(
+    {aten.resize_, aten.resize_as_, aten.set_, aten.copy_}
+)  # (copy_ runs as `copied`, in its layout)
 
 
 @contextlib.contextmanager

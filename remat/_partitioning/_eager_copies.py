@@ -21,7 +21,7 @@ from torch import fx
 from .. import _quirks
 from .._eager._capture import SCATTERS
 from .._eager._eager_kernels import RRELU, run_rrelu_as_eager
-from .._eager._facts import fill_of, stacked_under_vmap
+from .._eager._facts import fill_of, stacked_under_vmap, written_in_place
 from .._eager._random_fills import fill_in_eager_layout
 from .._eager._strides import is_dense
 from .._torch import memory_layout, vmap_levels
@@ -59,6 +59,12 @@ def eager_copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -
         copy.target = _item_stacked_under_vmap
     elif stacked_under_vmap(node):
         copy.target, copy.args = _as_stacked_under_vmap, (copy.target, *copy.args)  # type: ignore[arg-type]
+    producer = node.args[0] if node.target is operator.getitem else node  # (an output of a multi-output op)
+    written = producer.args[0] if isinstance(producer, fx.Node) and producer.args else None
+    if written_in_place(node) and isinstance(written, fx.Node):
+        # NOTE [in-place ops keep their tensor's layout] (`remat/_eager/_in_place.py`)
+        copy = graph.call_function(_in_layout_of, (env[written], copy))
+        copy.meta = dict(node.meta)
     return copy
 
 
@@ -165,11 +171,15 @@ def _scattered_in_base_layout(op: Any, base: torch.Tensor, /, *args: Any, **kwar
     scatter = _select_scattered if op is aten.select_scatter.default else op
     if op in _NEGATIVE_BOUNDS_UNDER_VMAP:
         args, kwargs = _bounds_from_the_start(base, *args, **kwargs), {}
-    out: torch.Tensor = scatter(base, *args, **kwargs)
+    return _in_layout_of(base, scatter(base, *args, **kwargs))
+
+
+def _in_layout_of(base: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` in the layout of `base` (dense), as eager's write into `base` leaves it."""
     # Under vmap, the layout is that of the batched tensors, the batch dimension's place in memory too.
     layout = memory_layout(base)
     _, shape, stride = layout
-    if memory_layout(out) == layout or not is_dense(shape, stride):
+    if memory_layout(out) == layout or not is_dense(shape, stride) or out.shape != base.shape:
         return out
     return torch.empty_like(base).copy_(out)
 

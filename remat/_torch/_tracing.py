@@ -29,6 +29,7 @@ __all__ = [
     "make_fx",
     "node_behind",
     "outside_compilers_tracing",
+    "calls_traced",
     "random_calls_traced",
     "sync",
     "trace_call",
@@ -127,8 +128,8 @@ def _default_standing_in_for(generator: torch.Generator) -> Iterator[None]:
         default.set_state(own)
 
 
-def random_calls_traced(run: Callable[[], Any]) -> tuple[Any, list[Any]]:
-    """`run()`'s result, and the nodes of random calls it added to the graph make_fx is tracing."""
+def calls_traced(run: Callable[[], Any]) -> tuple[Any, list[Any]]:
+    """`run()`'s result, and the nodes it added to the graph make_fx is tracing, in order."""
     graph = get_proxy_mode().tracer.graph  # type: ignore[union-attr]
     last = next(iter(reversed(graph.nodes)))
     result = run()
@@ -137,8 +138,13 @@ def random_calls_traced(run: Callable[[], Any]) -> tuple[Any, list[Any]]:
         if node is last:
             break
         added.append(node)
-    random = [n for n in reversed(added) if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
-    return result, random
+    return result, added[::-1]
+
+
+def random_calls_traced(run: Callable[[], Any]) -> tuple[Any, list[Any]]:
+    """`run()`'s result, and the nodes of random calls it added to the graph make_fx is tracing."""
+    result, added = calls_traced(run)
+    return result, [n for n in added if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
 
 
 # The boxed calling convention: a program takes one list of its inputs and empties it once it has
