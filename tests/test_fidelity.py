@@ -858,3 +858,21 @@ def test_rrelu_gradient_in_the_noise_layout_as_the_cpu_kernel_gives_it() -> None
     fn = RandomFunction((2, 2), 1, tuple(Step(op, i, i) for i, op in enumerate(steps)), (4,), seed=0)
     x = torch.tensor([[1.5410, -0.2934], [-2.1788, 0.5684]], dtype=torch.float64, requires_grad=True)
     assert_checkpoint_equivalent(fn, x, seed=0)
+
+
+# --- NaN and infinities -----------------------------------------------------------------------------------
+
+
+@POLICIES
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_regression_a_fill_through_an_expand_keeps_a_nan_out_of_the_gradient(special: float, policy: Any) -> None:
+    # The fill's zero derivative is written into the gradient through the `expand` it filled, which the
+    # backward's functionalization wrote back as `base + (new - base)`: a NaN or infinity the gradient held
+    # there came out NaN, where eager's is finite (issue 69). NOTE [writes through views]
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = x * 1.0
+        t.expand(*t.shape).uniform_(-1.0, 1.0)
+        return t * x
+
+    x = torch.tensor([[special, 1.0], [-0.0, 2.0]], dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(fn, x, policy=policy, transforms=["grad", "vmap", "double_backward"])

@@ -861,3 +861,53 @@ def test_under_differentiated_tangents_the_checker_takes_finite_differences_over
         assert_checkpoint_equivalent(
             _layer_norm_by_its_formula, x, checkpointed=_fused_layer_norm, transforms=["grad_of_jvp"]
         )
+
+
+# --- inputs at floating point's corners -------------------------------------------------------------------
+
+_SPECIAL_FN = RandomFunction((4, 6), 2, (Step("mul", 0, 1),), (2,))
+
+
+def _kinds(tensors: Any) -> set[str]:
+    """Which of NaN, infinities, negative zeros and denormals `tensors` hold."""
+    found = set()
+    for t in tensors:
+        values = t.detach().double()
+        if values.isnan().any():
+            found.add("nan")
+        if (values == float("inf")).any():
+            found.add("inf")
+        if (values == float("-inf")).any():
+            found.add("-inf")
+        if ((values == 0) & values.signbit()).any():
+            found.add("-0.0")
+        tiny = torch.finfo(t.dtype).smallest_normal
+        if ((values != 0) & (values.abs() < tiny)).any():
+            found.add("denormal")
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_inputs_draw_special_values_only_when_asked(dtype: torch.dtype) -> None:
+    seen: dict[bool, set[str]] = {False: set(), True: set()}
+
+    @examples(ci=60, soak=60)
+    @given(st.data())
+    def draw(data: st.DataObject) -> None:
+        for special in (False, True):
+            seen[special] |= _kinds(data.draw(inputs(_SPECIAL_FN, dtype=dtype, special_values=special)))
+
+    draw()
+    assert seen[False] == set()
+    assert seen[True] == {"nan", "inf", "-inf", "-0.0", "denormal"}
+
+
+@examples(ci=40, soak=2_000)
+@given(st.data())
+def test_random_functions_with_special_values_give_eagers_nan_and_infinities(data: st.DataObject) -> None:
+    # NaN and infinities are part of the contract (issue 69): an output or gradient is NaN, or infinite,
+    # exactly where eager's is.
+    fn = data.draw(functions(), label="fn")
+    args = data.draw(inputs(fn, special_values=True), label="args")
+    policy = _draw_policy(data, fn, args)
+    assert_checkpoint_equivalent(fn, *args, policy=policy)

@@ -195,6 +195,18 @@ def test_a_masked_assignment_before_a_batch_norm_with_a_cumulative_average() -> 
         remat.testing.assert_checkpoint_equivalent(fn, randn(5, 3, seed=5), policy=policy, params=norm.parameters())
 
 
+def test_regression_a_random_fill_of_a_tensor_sized_by_values() -> None:
+    # The fill's strides hold the size of the masked elements, a symbol (`Max(1, u1)`), which the program's
+    # code printed as it is: `NameError: name 'Max' is not defined` (issue 69). They are the filled tensor's
+    # own as it runs.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = x.flatten()[x.flatten() > 0]
+        return t.unsqueeze(0).expand(2, *t.shape).clone().uniform_() * t.sum()
+
+    for policy in POLICIES[:2]:
+        remat.testing.assert_checkpoint_equivalent(fn, randn(3, 4, seed=6), policy=policy, calls=2)
+
+
 # --- values Python reads --------------------------------------------------------------------------
 
 

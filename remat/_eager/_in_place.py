@@ -44,6 +44,7 @@ from ._strides import is_dense, may_overlap
 
 __all__ = [
     "EagerFidelity",
+    "ExpandsAsViews",
     "OverlappingWrite",
     "ReadsWhatItWrites",
     "eager_fidelity",
@@ -114,6 +115,10 @@ def _memory_span(tensor: torch.Tensor) -> tuple[Any, tuple[Any, Any]]:
 # of size one as the view it is), and an in-place op into a tensor
 # whose elements may share memory (a broadcast, an overlapping `unfold`) is
 # refused: which of the writes wins is not something a functional graph says.
+# Backward formulas write through the same views (an in-place fill's zero
+# derivative through the `expand` it filled): the backward is traced with such
+# an `expand` as its view too (`ExpandsAsViews`), or a NaN or infinity the
+# gradient holds leaks through `base + (new - base)` where eager writes zeros.
 # Functionalization itself refuses a write through any `unfold` whose window is
 # longer than its step, even where there is only one window and nothing
 # overlaps; such an `unfold` is traced as the slice and reordering it is. It
@@ -140,10 +145,8 @@ class EagerFidelity(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, HigherOrderOperator):
             return func(*args, **kwargs)
-        if func is aten.expand.default and _expands_nothing(args[0], args[1]):
-            return aten.alias.default(args[0])
-        if func is aten.expand.default and _only_adds_dims_of_one(args[0], args[1]):
-            return aten.view.default(args[0], [1] * (len(args[1]) - args[0].dim()) + list(args[0].shape))
+        if func is aten.expand.default and not expands(args[0], args[1]):
+            return _as_a_view(args[0], args[1])
         unmapped = _UNMAPPED_IN_PLACE.get(func)
         if unmapped is not None:  # NOTE [in-place ops functionalization cannot map]
             return unmapped(*args, **kwargs)
@@ -163,7 +166,10 @@ class EagerFidelity(TorchDispatchMode):
             if self.under_functorch:
                 return trace_call(func, args, kwargs)
         strides = tuple(target.stride())
-        fill = FillInEagerLayout(func.name(), strides, is_dense(target.shape, strides), not self.dropouts.depth)
+        if all(isinstance(n, int) for n in (*target.shape, *strides)):
+            fill = FillInEagerLayout(func.name(), strides, is_dense(target.shape, strides), not self.dropouts.depth)
+        else:  # a program's code cannot hold a symbol: the strides are taken from the tensor as it runs
+            fill = FillInEagerLayout(func.name(), None, False, not self.dropouts.depth)
         if fill.dense:  # the fill's value has eager's layout, for every op that reads it
             self.fake_mode.fill_strides = fill.strides
         try:
@@ -265,6 +271,32 @@ def _written_tensors(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) 
         if isinstance(value, torch.Tensor):
             written.append(value)
     return written
+
+
+class ExpandsAsViews(TorchDispatchMode):
+    """Traces an `expand` that repeats no element as the view it is (NOTE [writes through views]): while a
+    backward is traced, whose formulas write through such views (an in-place fill's, through the `expand`
+    it filled), as `EagerFidelity` does while `fn` is."""
+
+    supports_higher_order_operators = True  # See NOTE [higher-order ops under remat's modes].
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is aten.expand.default and not expands(args[0], args[1]):
+            return _as_a_view(args[0], args[1])
+        return func(*args, **(kwargs or {}))
+
+
+def expands(tensor: torch.Tensor, sizes: Sequence[Any]) -> bool:
+    """Whether `tensor.expand(sizes)` repeats elements (a broadcast), rather than only naming them again or
+    putting dimensions of one in front."""
+    return not (_expands_nothing(tensor, sizes) or _only_adds_dims_of_one(tensor, sizes))
+
+
+def _as_a_view(tensor: torch.Tensor, sizes: Sequence[Any]) -> torch.Tensor:
+    """`tensor.expand(sizes)`, which repeats nothing, as an alias or a view."""
+    if _expands_nothing(tensor, sizes):
+        return aten.alias.default(tensor)  # type: ignore[no-any-return]
+    return aten.view.default(tensor, [1] * (len(sizes) - tensor.dim()) + list(tensor.shape))  # type: ignore[no-any-return]
 
 
 def _expands_nothing(tensor: torch.Tensor, sizes: Sequence[Any]) -> bool:

@@ -61,7 +61,7 @@ class FillInEagerLayout(NamedTuple):
     """
 
     op: str  # the in-place op, e.g. "aten::bernoulli_.float"
-    strides: tuple[int, ...]
+    strides: tuple[int, ...] | None  # None: the filled tensor's own, whose sizes depend on values
     dense: bool  # whether those strides cover their storage exactly (a strided slice does not)
     of_fns_tensor: bool  # whether it filled a tensor of `fn`'s (not one a dropout function made for its mask)
 
@@ -71,7 +71,10 @@ class FillInEagerLayout(NamedTuple):
 
 def fill_in_eager_layout(fill: FillInEagerLayout, like: torch.Tensor, /, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Run the in-place random fill `fill.op` on a fresh tensor shaped like `like` with eager's strides."""
-    out = _empty_as_batched(fill, like) if under_torch_func(like) else None
+    if fill.strides is None:  # (sizes that depend on values: the strides are the tensor's own, as traced)
+        fill = fill._replace(strides=tuple(like.stride()), dense=is_dense(like.shape, like.stride()))
+    assert fill.strides is not None
+    out = _empty_as_batched(fill, like, fill.strides) if under_torch_func(like) else None
     if out is None:
         out = like.new_empty_strided(like.shape, fill.strides)
     if fill.op == _BERNOULLI_FILL and drawn_per_example_but_unbatched(out):
@@ -125,14 +128,14 @@ class _ZeroDerivative(torch.autograd.Function):
 _BERNOULLI_FILL = "aten::bernoulli_.float"
 
 
-def _empty_as_batched(fill: FillInEagerLayout, like: torch.Tensor) -> torch.Tensor | None:
+def _empty_as_batched(fill: FillInEagerLayout, like: torch.Tensor, strides: Sequence[int]) -> torch.Tensor | None:
     """The tensor to fill under vmap, laid out as eager's batched tensor, if `like` shows that layout.
 
     Eager fills `fn`'s tensor with its whole batch in its memory order, and the batch dimension may
     lie anywhere in memory (after an embedding, in the middle): `like`, the value the fill replaces,
     is laid out as that tensor. (A dropout function's mask under vmap is contiguous: NOTE [dropout
     under torch.func])"""
-    if not fill.of_fns_tensor or not _ordered_as(like, fill.strides):
+    if not fill.of_fns_tensor or not _ordered_as(like, strides):
         return None
     if not fill.dense:
         return empty_in_memory_layout(like)  # a strided view of it: its strides, gaps and all

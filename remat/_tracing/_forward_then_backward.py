@@ -17,7 +17,7 @@ from .._eager._applications import ApplicationRecorder
 from .._eager._capture import DetachedViews, ModuleRoots, capture_mode
 from .._eager._error_checks import FunctionalModeKeepingChecks
 from .._eager._fake_kernels import EagerLayoutFakeMode
-from .._eager._in_place import eager_fidelity
+from .._eager._in_place import ExpandsAsViews, eager_fidelity
 from .._eager._noting_modes import NodesWithoutGrad
 from .._torch import (
     FunctionalTensor,
@@ -181,7 +181,8 @@ class ForwardThenBackward:
             return [None] * len(wrt)
         nodes_without_grad = NodesWithoutGrad(_traced_graph()) if create_graph else nullcontext()
         functional_tangents = [FunctionalTensor.to_functional(t) for t in tangents]
-        with autocast_disabled(), nodes_without_grad:  # NOTE [autocast is traced, not re-applied]
+        # (ExpandsAsViews: NOTE [writes through views], for the backward's writes)
+        with autocast_disabled(), nodes_without_grad, ExpandsAsViews():  # NOTE [autocast is traced, not re-applied]
             if not engine_can_run([*outputs, *wrt]):  # See NOTE [a backward walked without the engine].
                 return walked_gradients(outputs, wrt, functional_tangents, create_graph)
             return torch.autograd.grad(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -216,6 +217,7 @@ def inputs(
     pytree: bool = False,
     objects: bool = False,
     all_require_grad: bool = False,
+    special_values: bool = False,
 ) -> tuple[Any, ...]:
     """Draw positional arguments for a random function: float tensors, optionally nested in a pytree.
 
@@ -233,6 +235,11 @@ def inputs(
         pytree: whether to nest them in tuples, lists and dicts.
         objects: whether to nest them in objects and closures too (implies `pytree`).
         all_require_grad: make every input require grad (by default each may not).
+        special_values: also put the values where floating point has its corners into some elements:
+            NaN, infinities of both signs, -0.0 and denormals (the smallest subnormal, and the largest).
+            Off by default, so that a property test keeps the inputs it was written for; with it,
+            `assert_checkpoint_equivalent` checks that the checkpoint gives NaN, infinity and zero
+            where eager does (see docs/testing.md, "What exactly eager means").
 
     Returns:
         A strategy of argument tuples: call `fn(*args)`.
@@ -255,9 +262,12 @@ def inputs(
     else:
         requires_grad = draw(st.lists(st.booleans(), min_size=fn.n_inputs, max_size=fn.n_inputs))
         requires_grad[draw(st.integers(0, fn.n_inputs - 1))] = True
+    drawn = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in fn.input_shapes]
+    if special_values:
+        drawn = [_with_special_values(draw, values, dtype) for values in drawn]
     tensors = [
-        torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device).requires_grad_(rg)
-        for shape, rg in zip(fn.input_shapes, requires_grad, strict=True)
+        values.to(dtype=dtype, device=device).requires_grad_(rg)
+        for values, rg in zip(drawn, requires_grad, strict=True)
     ]
     if not (pytree or objects):
         return tuple(tensors)
@@ -281,6 +291,24 @@ def inputs(
         else:
             groups.append(tuple(group))
     return tuple(groups)
+
+
+def _special_values(dtype: torch.dtype) -> list[float]:
+    """NaN, the infinities, a negative zero and the extreme denormals of `dtype`."""
+    info = torch.finfo(dtype)
+    return [math.nan, math.inf, -math.inf, -0.0, info.smallest_normal * info.eps, info.smallest_normal * (1 - info.eps)]
+
+
+def _with_special_values(draw: st.DrawFn, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`values` with a few elements (none to a quarter, drawn) set to special values of `dtype`."""
+    flat = values.flatten().clone()
+    if flat.numel() == 0:
+        return values
+    count = draw(st.integers(0, max(1, flat.numel() // 4)))
+    for _ in range(count):
+        where = draw(st.integers(0, flat.numel() - 1))
+        flat[where] = draw(st.sampled_from(_special_values(dtype)))
+    return flat.reshape(values.shape)
 
 
 class Holder:
