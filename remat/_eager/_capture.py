@@ -18,7 +18,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import optree
@@ -31,6 +31,7 @@ from .._torch import (
     FakeTensor,
     FakeTensorMode,
     any_autocast_enabled,
+    embedding_renorms_through,
     flex_attention_as_one_call,
     get_proxy_mode,
     innermost,
@@ -231,6 +232,16 @@ class _CaptureMode(TorchFunctionMode):
         if func is torch.Tensor.data_ptr:  # (a fake tensor has no address: it warns, or raises, and goes on)
             raise DataPointerRead
         args, kwargs = with_closures_lifted(func, args, kwargs or {})
+        return self._call(func, args, kwargs)
+
+    def renorm(self, weight: torch.Tensor, input: torch.Tensor, max_norm: float, norm_type: float) -> None:
+        """An embedding's renormalization of its weight, as the calls it makes: NOTE [functions that hide an
+        update]."""
+        detached = self._call(torch.Tensor.detach, (weight,), {})
+        self._call(torch.embedding_renorm_, (detached, input, max_norm, norm_type), {})
+
+    def _call(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Run the torch function `func` (its closures lifted), noting what it adds to the graph."""
         if self.substitutes is None:
             # Discovery: record real tensors and run on fake copies of them, so
             # that nothing real is read or written (buffers updated in place).
@@ -520,6 +531,18 @@ def _views_between(node: Any, below: Any, most: int = 64) -> int | None:
 # trace) the detaches in the chains behind their current values are marked.
 
 
+# NOTE [functions that hide an update]
+# A torch function this mode sees as one call may update a tensor inside, where
+# the mode does not see it: `F.embedding` and `F.embedding_bag` with `max_norm=`
+# renormalize rows of the weight in place through `weight.detach()`, which
+# autograd does not see (the weight keeps its history). Seen as part of one
+# call, the update is an op of the graph with the weight's derivative running
+# through it, which a second derivative then asks of `embedding_renorm` (torch
+# has none). While `fn` is traced, torch's helper for that update calls
+# `_CaptureMode.renorm` instead (`embedding_renorms_through`), which makes the
+# detach and the update as calls this mode sees: the detach is noted, and the
+# update through it keeps the weight's history (NOTE [updates under no_grad
+# keep their tensors' histories]).
 _DETACHES = (torch.Tensor.detach, torch.detach, torch.Tensor.detach_)
 _ALIASES = _quirks.DETACH_TRACES_AS_ALIAS.table  # what a detach traces as
 
@@ -569,7 +592,8 @@ def capture_mode(
     pre_hook = nn.modules.module.register_module_forward_pre_hook(enter)
     post_hook = nn.modules.module.register_module_forward_hook(leave, always_call=True)
     try:
-        with mode, flex_attention_as_one_call():
+        renorms = embedding_renorms_through(mode.renorm) if substitutes is not None else nullcontext()
+        with mode, flex_attention_as_one_call(), renorms:
             yield mode
     finally:
         pre_hook.remove()

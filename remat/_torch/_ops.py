@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "any_autocast_enabled",
     "decomposition_of",
     "disable_current_modes",
+    "embedding_renorms_through",
     "flex_attention_as_one_call",
     "inherit_higher_order_rules",
     "is_custom_op",
@@ -132,6 +134,31 @@ def flex_attention_as_one_call() -> Iterator[None]:
         yield
     finally:
         setattr(module, flag, before)
+
+
+@contextlib.contextmanager
+def embedding_renorms_through(renorm: Callable[[torch.Tensor, torch.Tensor, float, float], Any]) -> Iterator[None]:
+    """While tracing on this thread: `F.embedding` and `F.embedding_bag` with `max_norm=` renormalize their
+    weight by calling `renorm(weight, input, max_norm, norm_type)` (other threads, torch's own helper). See
+    NOTE [functions that hide an update] in `remat/_eager/_capture.py`."""
+    functional = torch.nn.functional
+    name = "_no_grad_embedding_renorm_"
+    original = getattr(functional, name, None)
+    if original is None:
+        yield
+        return
+    tracing_thread = threading.get_ident()
+
+    def renormalized(weight: torch.Tensor, input: torch.Tensor, max_norm: float, norm_type: float) -> Any:
+        if threading.get_ident() != tracing_thread:
+            return original(weight, input, max_norm, norm_type)
+        return renorm(weight, input, max_norm, norm_type)
+
+    setattr(functional, name, renormalized)
+    try:
+        yield
+    finally:
+        setattr(functional, name, original)
 
 
 # NOTE [flex attention inside a trace]
