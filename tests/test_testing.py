@@ -192,6 +192,11 @@ NEW_OPS = [
     "linalg_solve",
     "slogdet",
     "custom_noisy_scale",
+    "embedding_bag_sum",
+    "embedding_bag_mean_padded",
+    "embedding_bag_max",
+    "embedding_bag_weighted",
+    "embedding_max_norm",
 ]
 
 

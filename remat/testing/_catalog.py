@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,12 @@ def _bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     a, b = x.reshape(rows, 2, cols // 2), y.reshape(rows, 2, cols // 2)
     return torch.bmm(torch.bmm(a, b.transpose(1, 2)), a).reshape(rows, cols) / cols
+
+
+def _embedding_bag(x: torch.Tensor, c: Constants, **options: Any) -> torch.Tensor:
+    """A bag of rows of `x` for each row of indices (`c.column_index`, kept within `x`'s rows)."""
+    rows = x.shape[0]
+    return F.embedding_bag(_c(c.column_index, x) % rows, x, **options)
 
 
 def _permute(x: torch.Tensor) -> torch.Tensor:
@@ -507,6 +514,13 @@ CATALOG: dict[str, tuple[int, _Op]] = {
     "gather": (1, lambda x, y, c: x.gather(1, _c(c.column_index, x))),
     "scatter_add": (2, lambda x, y, c: x.scatter_add(1, _c(c.column_index, x), y)),
     "embedding": (1, lambda x, y, c: F.embedding(_c(c.row_index, x), x)),
+    # bags of rows (as DLRM and bag-of-words models take them): every mode, weights per index, a padding row,
+    # and an embedding whose rows are renormalized in place (through a detach) to a largest norm
+    "embedding_bag_sum": (1, lambda x, y, c: _embedding_bag(x, c, mode="sum")),
+    "embedding_bag_mean_padded": (1, lambda x, y, c: _embedding_bag(x, c, mode="mean", padding_idx=0)),
+    "embedding_bag_max": (1, lambda x, y, c: _embedding_bag(x, c, mode="max")),
+    "embedding_bag_weighted": (2, lambda x, y, c: _embedding_bag(x, c, mode="sum", per_sample_weights=y)),
+    "embedding_max_norm": (1, lambda x, y, c: F.embedding(_c(c.row_index, x), x * 1.0, max_norm=1.0)),
     # joining and splitting
     "cat_split": (2, lambda x, y, c: _cat_split(x, y)),
     "stack": (2, lambda x, y, c: torch.stack([x, y], dim=-1).sin().sum(-1)),
