@@ -87,3 +87,24 @@ def test_regression_an_embedding_with_max_norm_at_second_order(bag: bool, policy
     assert_checkpoint_equivalent(
         fn(layer), x.requires_grad_(), policy=policy, params=list(layer.parameters()), transforms=transforms
     )
+
+
+@POLICIES
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+@pytest.mark.parametrize(
+    ("layer", "shape"),
+    [
+        (nn.CircularPad1d((1, 2)), (2, 3, 5)),
+        (nn.CircularPad2d((1, 2, 2, 1)), (2, 3, 4, 5)),
+        (nn.CircularPad3d(1), (1, 2, 3, 4, 5)),
+    ],
+    ids=["1d", "2d", "3d"],
+)
+def test_regression_circular_padding(layer: nn.Module, shape: tuple[int, ...], policy: Any) -> None:
+    # Circular padding copies slices of the padded tensor into others; their stretches of storage overlap
+    # though they share no element, and remat refused it as an op that reads what it writes (found by the
+    # sweep of torch's module tests, issue 69). NOTE [in-place ops that read what they write]
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    assert_checkpoint_equivalent(
+        lambda x: layer(x).sin(), x, policy=policy, transforms=["grad", "vmap", "double_backward"]
+    )

@@ -67,7 +67,10 @@ class OverlappingWrite(RuntimeError):
 # overwritten, in the order its kernel happens to run; elementwise ops and
 # `copy_` refuse such overlap in eager, and scatters do not. A traced graph is
 # functional: it reads every source element before any write, so its result
-# would differ from eager's without a word. remat refuses it at the trace.
+# would differ from eager's without a word. remat refuses it at the trace. Only
+# a shared element counts: two slices of different columns of one tensor span
+# overlapping stretches of its storage but share nothing (circular padding
+# copies one into the other), and are traced.
 class ReadsWhatItWrites(RuntimeError):
     """An in-place op reads memory it writes, in part (raised while tracing)."""
 
@@ -92,9 +95,29 @@ def _reads_what_it_writes(written: torch.Tensor, args: Sequence[Any], kwargs: Ma
             written.shape,
             written.stride(),
         )
-        if other_storage == storage and not same_view and other_span[0] < span[1] and span[0] < other_span[1]:
+        spans_overlap = other_storage == storage and other_span[0] < span[1] and span[0] < other_span[1]
+        if spans_overlap and not same_view and _share_an_element(written, value):
             return True
     return False
+
+
+_LARGEST_ELEMENT_SET = 1 << 16  # elements of each side, beyond which overlapping spans count as shared
+
+
+def _share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views of one storage whose spans overlap share an element (slices of different columns of
+    one tensor do not: circular padding copies one into the other). Large views are taken to share one."""
+    if a.numel() > _LARGEST_ELEMENT_SET or b.numel() > _LARGEST_ELEMENT_SET:
+        return True
+    return not _element_offsets(a).isdisjoint(_element_offsets(b))
+
+
+def _element_offsets(tensor: torch.Tensor) -> set[int]:
+    """The offsets in its storage of the elements `tensor` views."""
+    offsets = {int(tensor.storage_offset())}
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        offsets = {o + i * int(stride) for o in offsets for i in range(int(size))}
+    return offsets
 
 
 def _memory_span(tensor: torch.Tensor) -> tuple[Any, tuple[Any, Any]]:
